@@ -1,0 +1,31 @@
+"""zerospeed: ZeRO-sharded, DeepSpeed-compatible training on PyTorch-native building blocks.
+
+Switch from DeepSpeed by changing the import: ``import zerospeed as deepspeed`` keeps
+``initialize``, ``init_distributed`` and the JSON config. Heavy submodules load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "initialize": ("zerospeed.runtime.initialize", "initialize"),
+    "init_distributed": ("zerospeed.comm.dist", "init_distributed"),
+    "ZeroSpeedEngine": ("zerospeed.runtime.engine", "ZeroSpeedEngine"),
+    "load_config": ("zerospeed.config", "load_config"),
+    "ConfigError": ("zerospeed.config.errors", "ConfigError"),
+}
+
+__all__ = ["ConfigError", "ZeroSpeedEngine", "__version__", "init_distributed", "initialize", "load_config"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    if name in ("zero", "pipe", "comm", "ops", "runtime", "config", "testing"):
+        return importlib.import_module(f"zerospeed.{name}")
+    raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")

@@ -1,0 +1,99 @@
+"""Process-group set-up: :func:`init_distributed` and rank / world-size queries.
+
+Decisions:
+
+* torchrun (or the ``zerospeed`` launcher, which is torchrun) provides ``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; we read them through torch's ``env://``
+  init. Started with plain ``python`` (no ``RANK`` in the environment) we create a world of one
+  on a free loopback port, so single-process scripts need no launcher.
+* The backend is NCCL when CUDA is available, gloo otherwise; ``dist_backend`` overrides.
+* The call is idempotent: an initialised default group is left as it is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = False,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """Initialise torch.distributed's default process group (DeepSpeed-compatible signature).
+
+    ``auto_mpi_discovery``, ``distributed_port``, ``dist_init_required`` and ``config`` are
+    accepted for DeepSpeed compatibility; rendezvous comes from torchrun's environment.
+    """
+    del auto_mpi_discovery, dist_init_required, config
+    if dist.is_initialized():
+        return
+    backend = dist_backend or default_backend()
+    if backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
+        raise ValueError(f"init_distributed: dist_backend={backend!r} is not one of gloo, nccl, mpi, ucc, xccl")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("init_distributed: dist_backend='nccl' needs CUDA, and torch.cuda.is_available() is False")
+    env_rank = os.environ.get("RANK")
+    if rank < 0 and env_rank is None and init_method is None:
+        # Plain `python script.py`: a world of one.
+        rank, world_size = 0, 1
+        init_method = f"tcp://127.0.0.1:{_free_port() if distributed_port == 29500 else distributed_port}"
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    if rank >= 0:
+        kwargs["rank"] = rank
+        kwargs["world_size"] = world_size
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(**kwargs)
+    if verbose and dist.get_rank() == 0:
+        print(f"zerospeed: initialised {backend} with world size {dist.get_world_size()}", flush=True)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def device_for_backend() -> torch.device:
+    """The device this rank computes on: its CUDA device under NCCL, else the CPU."""
+    if is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

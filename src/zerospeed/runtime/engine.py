@@ -1,0 +1,211 @@
+"""The training engine returned by :func:`zerospeed.initialize` (DeepSpeed's engine API).
+
+Responsibilities, and only these: mixed-precision casting of the module, loss scaling in
+``backward``, the accumulation boundary, the step (delegated to the ZeRO strategy, then the loss
+scaler and the lr scheduler) and step accounting / reporting. Sharding lives in
+:mod:`zerospeed.zero`; configuration arrives parsed (:class:`zerospeed.config.ZeroSpeedConfig`).
+
+DeepSpeed semantics kept: ``engine.step()`` is called after every micro-batch and only updates at
+the accumulation boundary; ``backward`` divides the loss by ``gradient_accumulation_steps``; an
+overflowing fp16 step is skipped on every rank, counts in ``global_steps`` and ``skipped_steps``,
+and does not advance the lr scheduler.
+
+Decisions beyond DeepSpeed: floating-point tensor inputs to ``forward`` are cast to the compute
+dtype under bf16/fp16, so a float batch works unchanged; a non-finite gradient norm skips the step
+in every precision (a weight never receives a nan), not only under fp16.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerospeed import comm
+from zerospeed.config import ConfigError, ZeroSpeedConfig
+from zerospeed.runtime.loss_scaler import build_loss_scaler
+from zerospeed.zero.strategy import DataParallelStrategy, StageOptions
+from zerospeed.zero.partitioned_optimizer import ELEMENTWISE_OPTIMIZERS
+
+logger = logging.getLogger("zerospeed")
+
+SUPPORTED_ZERO_STAGES = (0, 1, 2)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
+class ZeroSpeedEngine(nn.Module):
+    def __init__(self, model: nn.Module, config: ZeroSpeedConfig, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: Any = None, dp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        stage = config.zero_optimization.stage
+        if stage not in SUPPORTED_ZERO_STAGES:
+            raise ConfigError("zero_optimization.stage", f"stage {stage} is not built in this version of zerospeed "
+                              f"(built: {', '.join(map(str, SUPPORTED_ZERO_STAGES))})")
+        if stage >= 1:
+            name = type(optimizer).__name__
+            if name not in ELEMENTWISE_OPTIMIZERS and not config.zero_allow_untested_optimizer:
+                raise ConfigError("zero_allow_untested_optimizer",
+                                  f"ZeRO stage {stage} runs the optimizer on flat shards, which is exact only for "
+                                  f"element-wise optimizers ({', '.join(ELEMENTWISE_OPTIMIZERS)}); {name} is not one. "
+                                  "Use stage 0, or set zero_allow_untested_optimizer: true if it is element-wise")
+        self.module = model
+        self.config = config
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.dp_group = dp_group
+        self.dp_world_size = comm.get_world_size(dp_group)
+        self.dp_rank = comm.get_rank(dp_group)
+        self.compute_dtype = DTYPES[config.precision]
+        if self.compute_dtype != torch.float32:
+            model.to(self.compute_dtype)
+        comm_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else None
+        prescale = 1.0
+        if config.prescale_gradients:
+            prescale = 1.0 / (config.gradient_predivide_factor if config.gradient_predivide_factor != 1.0
+                              else self.dp_world_size)
+        zcfg = config.zero_optimization
+        options = StageOptions(stage=stage, reduce_bucket_size=int(zcfg.reduce_bucket_size),
+                               allgather_bucket_size=int(zcfg.allgather_bucket_size),
+                               overlap_comm=bool(zcfg.overlap_comm), comm_dtype=comm_dtype, prescale=prescale)
+        self.strategy = DataParallelStrategy(model, optimizer, options, dp_group, self.dp_rank, self.dp_world_size)
+        self.loss_scaler = build_loss_scaler(config.precision, config.fp16)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._grad_norm: float | None = None
+        self._in_backward_window = False
+        self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self.last_step_comms: dict[str, dict[str, int]] = {}
+        self._comms_mark = comm.COUNTER.snapshot()
+
+    # -- DeepSpeed-compatible accessors -----------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Unscaled global gradient norm of the last step, before clipping."""
+        return self._grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    # -- the step ---------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        if self.compute_dtype != torch.float32:
+            args, kwargs = _cast_floats(args, self.compute_dtype), _cast_floats(kwargs, self.compute_dtype)
+        out = self.module(*args, **kwargs)
+        self._timers["forward"] += time.perf_counter() - t0
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got "
+                             f"{type(loss).__name__}{'' if not torch.is_tensor(loss) else tuple(loss.shape)}")
+        if not loss.requires_grad:
+            raise ValueError("engine.backward: the loss does not require grad (was it computed under torch.no_grad()?)")
+        t0 = time.perf_counter()
+        scale = self.loss_scaler.scale
+        if scale_wrt_gas:
+            scale /= self.config.gradient_accumulation_steps
+        self.strategy.begin_backward(self.is_gradient_accumulation_boundary())
+        try:
+            (loss.float() * scale).backward(retain_graph=retain_graph)
+        finally:
+            self.strategy.end_backward()
+        self._timers["backward"] += time.perf_counter() - t0
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        t0 = time.perf_counter()
+        if self.is_gradient_accumulation_boundary():
+            result = self.strategy.step(self.loss_scaler.scale, self.config.gradient_clipping)
+            self._grad_norm = result.grad_norm
+            self.loss_scaler.update(result.overflow)
+            if result.overflow:
+                self.skipped_steps += 1
+                if self.dp_rank == 0:
+                    logger.warning("zerospeed: step %d skipped: non-finite gradients (loss scale now %g)",
+                                   self.global_steps + 1, self.loss_scaler.scale)
+            elif self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.strategy.zero_grad()
+            self.global_steps += 1
+            self.global_samples += self.config.train_batch_size
+            self._account_comms()
+            self._report()
+        self.micro_steps += 1
+        self._timers["step"] += time.perf_counter() - t0
+
+    def zero_grad(self) -> None:
+        self.strategy.zero_grad()
+
+    # -- accounting and reporting -----------------------------------------------------------------
+    def _account_comms(self) -> None:
+        now = comm.COUNTER.snapshot()
+        delta = {}
+        for op, s in now.items():
+            before = self._comms_mark.get(op, {"count": 0, "elements": 0, "bytes": 0})
+            d = {k: s[k] - before[k] for k in s}
+            if d["count"]:
+                delta[op] = d
+        self.last_step_comms = delta
+        self._comms_mark = now
+
+    def _report(self) -> None:
+        cfg = self.config
+        if self.dp_rank != 0 or not cfg.steps_per_print or self.global_steps % cfg.steps_per_print:
+            return
+        logger.info("step=%d skipped=%d lr=%s grad_norm=%s loss_scale=%g", self.global_steps, self.skipped_steps,
+                    [round(x, 8) for x in self.get_lr()], self._grad_norm, self.loss_scaler.scale)
+        if cfg.comms_logger.enabled:
+            for op, d in sorted(self.last_step_comms.items()):
+                logger.info("comms %s: %d calls, %d elements, %.3f MB this step", op, d["count"], d["elements"],
+                            d["bytes"] / 1e6)
+        if cfg.wall_clock_breakdown:
+            logger.info("time (s, cumulative): forward=%.3f backward=%.3f step=%.3f", self._timers["forward"],
+                        self._timers["backward"], self._timers["step"])
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of model state held by this rank: parameters, gradients, fp32 masters, optimizer
+        states, and the peak of transient communication buffers."""
+        out = self.strategy.memory_bytes()
+        bucketed = {id(p) for b in self.strategy.buckets for p in b.params}
+        out["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in bucketed)
+        out["total"] = out["params"] + out["grads"] + out["master_params"] + out["optimizer_states"]
+        return out
+
+    def wall_clock(self) -> dict[str, float]:
+        return dict(self._timers)

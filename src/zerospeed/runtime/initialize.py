@@ -1,0 +1,89 @@
+"""``zerospeed.initialize``: DeepSpeed's entry point, wiring config, optimizer, scheduler and engine."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from zerospeed import comm
+from zerospeed.config import ConfigError, ZeroSpeedConfig, load_config
+from zerospeed.runtime.dataloader import build_dataloader
+from zerospeed.runtime.engine import ZeroSpeedEngine
+
+
+def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    if items and isinstance(items[0], tuple):  # named_parameters()
+        items = [p for _, p in items]
+    return [{"params": [p for p in items if p.requires_grad]}]
+
+
+def _build_optimizer(cfg: ZeroSpeedConfig, optimizer: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    from zerospeed.ops.optimizers import build_optimizer, resolve_client_optimizer
+
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("optimizer", "an optimizer is given both in the config and as initialize(optimizer=...); "
+                          "keep one")
+    if optimizer is not None:
+        return resolve_client_optimizer(optimizer, groups)
+    if cfg.optimizer is None:
+        raise ConfigError("optimizer", "no optimizer: set 'optimizer' in the config or pass initialize(optimizer=...)")
+    return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
+
+
+def _build_scheduler(cfg: ZeroSpeedConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    from zerospeed.runtime.lr_schedules import build_lr_scheduler
+
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("scheduler", "a scheduler is given both in the config and as initialize(lr_scheduler=...); "
+                          "keep one")
+    if lr_scheduler is not None:
+        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+    if cfg.scheduler is None:
+        return None
+    return build_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Iterable[Any] | None = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable[..., Any] | None = None, config: Any = None, config_params: Any = None,
+               mesh_param: Any = None) -> tuple[ZeroSpeedEngine, torch.optim.Optimizer, Any, Any]:
+    """Build the training engine. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    ``config`` is a DeepSpeed config dict or JSON path (``config_params`` and
+    ``args.deepspeed_config`` are accepted as DeepSpeed does). The optimizer comes from the config
+    or from ``optimizer`` (an instance built over the model's parameters, or a callable taking
+    parameter groups); the scheduler likewise. ``mpu`` and ``mesh_param`` (model-parallel groups)
+    are not supported yet and must be None.
+    """
+    del dist_init_required
+    if model is None or not isinstance(model, nn.Module):
+        raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("initialize: mpu / mesh_param (model parallelism) are not supported yet; pass None")
+    raw = config if config is not None else config_params
+    if raw is None and args is not None:
+        raw = getattr(args, "deepspeed_config", None)
+    if raw is None:
+        raise ConfigError("", "no config: pass initialize(config=<dict or path to a DeepSpeed JSON file>)")
+    comm.init_distributed(distributed_port=distributed_port)
+    dp_world_size = comm.get_world_size()
+    cfg = load_config(raw, dp_world_size=dp_world_size)
+    device = comm.device_for_backend()
+    model.to(device)
+    groups = _param_groups(model, model_parameters)
+    opt = _build_optimizer(cfg, optimizer, groups)
+    engine = ZeroSpeedEngine(model, cfg, opt, dp_group=None)
+    engine.lr_scheduler = _build_scheduler(cfg, lr_scheduler, opt)
+    loader = None
+    if training_data is not None:
+        loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, comm.get_rank(), dp_world_size,
+                                  collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last, seed=cfg.seed or 0)
+    return engine, opt, loader, engine.lr_scheduler

@@ -1,0 +1,128 @@
+"""Run a function on N local ranks over gloo, with a hard timeout and every rank's failure reported.
+
+``run_distributed(fn, world_size, *args, timeout=...)`` starts ``world_size`` processes, each with
+torch's default process group initialised (gloo on CPU, one torch thread per rank), calls
+``fn(*args, **kwargs)`` in each, and returns the list of per-rank return values (rank order).
+
+Reliability decisions:
+
+* Processes come from a ``forkserver`` with torch preloaded: safe (no fork of a process whose
+  OpenMP pool is running) and fast (torch is imported once, not once per rank).
+* A rank that raises is reported with its traceback; once any rank has failed the others get a
+  short grace period and are then killed, so a peer blocked in a collective never hangs the suite.
+* A run that does not finish within ``timeout`` seconds is killed and reported with the ranks
+  that did not finish. The process group's own timeout is set below that, so a collective that
+  cannot complete raises inside the rank first, with its traceback.
+* Results travel as ``torch.save`` bytes, so tensors come back without shared-memory handles.
+
+``fn`` must be importable by name (a module-level function), as for any multiprocessing target.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+_CTX: Any = None
+_FAIL_GRACE_S = 5.0
+
+
+class DistributedTestError(RuntimeError):
+    """One or more ranks failed or timed out; the message holds every rank's report."""
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "zerospeed"])
+    return _CTX
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, pg_timeout_s: float,
+            results: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    status, payload = "ok", b""
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        value = fn(*args, **kwargs)
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        payload = buf.getvalue()
+    except BaseException:  # report everything, including KeyboardInterrupt from a kill
+        status, payload = "error", traceback.format_exc().encode()
+    results.put((rank, status, payload))
+    try:
+        if dist.is_initialized() and status == "ok":
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+                    **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    if world_size < 1:
+        raise ValueError(f"run_distributed: world_size must be >= 1, got {world_size}")
+    ctx = _context()
+    results = ctx.Queue()
+    port = _free_port()
+    pg_timeout_s = max(5.0, timeout * 0.8)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, pg_timeout_s, results, args, kwargs),
+                         daemon=True, name=f"zerospeed-rank{r}") for r in range(world_size)]
+    for p in procs:
+        p.start()
+    reports: dict[int, tuple[str, bytes]] = {}
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    while len(reports) < world_size:
+        now = time.monotonic()
+        limit = deadline if failed_at is None else min(deadline, failed_at + _FAIL_GRACE_S)
+        if now >= limit:
+            break
+        try:
+            rank, status, payload = results.get(timeout=min(0.5, limit - now))
+        except queue_mod.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                break
+            continue
+        reports[rank] = (status, payload)
+        if status != "ok" and failed_at is None:
+            failed_at = time.monotonic()
+    for p in procs:
+        p.join(timeout=2.0 if len(reports) == world_size else 0.1)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
+    problems = []
+    for r in range(world_size):
+        if r not in reports:
+            why = "timed out" if failed_at is None and time.monotonic() >= deadline else "did not finish"
+            problems.append(f"rank {r}: {why} (exit code {procs[r].exitcode}) after {timeout:.0f}s limit"
+                            if why == "timed out" else f"rank {r}: {why} (killed after a peer failed; exit code {procs[r].exitcode})")
+        elif reports[r][0] != "ok":
+            problems.append(f"rank {r} raised:\n{reports[r][1].decode()}")
+    if problems:
+        raise DistributedTestError(f"{fn.__name__} on world size {world_size} failed:\n" + "\n".join(problems))
+    return [torch.load(io.BytesIO(reports[r][1]), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,138 @@
+"""Master weights and the optimizer step over this rank's shards (ZeRO stages 0-2).
+
+:class:`ShardedOptimizerState` takes the user's torch optimizer (built over the model's
+parameters) and re-points each of its parameter groups at the tensors this rank updates:
+
+* stage 0, fp32: the model's own parameters (nothing changes; per-parameter optimizers such as
+  Lamb keep their semantics);
+* stage 0, bf16/fp16: per-parameter fp32 master views of one flat fp32 master per bucket;
+* stages 1-2: one flat shard per bucket (fp32 master, or a view of the fp32 parameter buffer when
+  training in fp32), so the optimizer's states exist only for 1/N of the model. This needs an
+  element-wise optimizer (Adam family, SGD, Adagrad, ...); see :data:`ELEMENTWISE_OPTIMIZERS`.
+
+Lr schedulers keep working because only ``group["params"]`` is replaced; ``lr``, ``betas`` and
+the rest of each group stay where the scheduler writes them.
+
+The step: gradients arrive summed over ranks and micro-batches and multiplied by the loss scale.
+One fp32 norm pass gives the global gradient norm (one scalar all-reduce when sharded), which also
+detects overflow (a non-finite norm). A single multiply pass then averages over ranks, unscales
+and clips (torch's ``clip_grad_norm_`` coefficient ``max_norm / (norm + 1e-6)``). After the
+optimizer updates the masters, 16-bit parameters are refreshed from them and, when sharded, every
+bucket is all-gathered (asynchronously, all buckets in flight, then waited).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zerospeed import comm
+from zerospeed.zero.flat_bucket import FlatBucket
+
+#: Optimizers whose update is element-wise, so running them on flat shards equals running them
+#: on whole parameters.
+ELEMENTWISE_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Adamax", "RMSprop", "Adadelta", "NAdam", "RAdam")
+
+
+@dataclass
+class StepResult:
+    grad_norm: float  # global gradient norm before clipping (unscaled)
+    overflow: bool  # non-finite gradients: the step was skipped
+
+
+class ShardedOptimizerState:
+    def __init__(self, buckets: list[FlatBucket], optimizer: torch.optim.Optimizer, master_dtype: torch.dtype,
+                 sharded: bool, dp_group: dist.ProcessGroup | None, dp_world_size: int) -> None:
+        self.buckets = buckets
+        self.optimizer = optimizer
+        self.sharded = sharded
+        self.dp_group = dp_group
+        self.dp_world_size = dp_world_size
+        self.separate_master = any(b.dtype != master_dtype for b in buckets)
+        self.masters: list[torch.Tensor] = []
+        self._opt_tensors: list[list[torch.Tensor]] = []
+        for b in buckets:
+            shard = b.param_shard()
+            master = shard.detach().to(master_dtype).clone() if b.dtype != master_dtype else shard
+            self.masters.append(master)
+            if sharded:
+                self._opt_tensors.append([master])
+            elif b.dtype == master_dtype:
+                self._opt_tensors.append(list(b.params))
+            else:
+                self._opt_tensors.append(b.param_views_of(master))
+        for gi, group in enumerate(optimizer.param_groups):
+            group["params"] = [t for b, ts in zip(buckets, self._opt_tensors) if b.layout.group_index == gi for t in ts]
+
+    # ------------------------------------------------------------------------------------------
+    def grad_norm_sq_local(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.masters[0].device if self.masters else "cpu")
+        for b in self.buckets:
+            total += torch.linalg.vector_norm(b.reduced_grad(), dtype=torch.float32).square()
+        return total
+
+    def step(self, loss_scale: float, max_norm: float, force_skip: bool = False) -> StepResult:
+        """Average, unscale, clip, update, and refresh the model's parameters.
+
+        Returns the unscaled pre-clip global norm; on overflow nothing is updated.
+        """
+        norm_sq = self.grad_norm_sq_local()
+        if self.sharded:
+            comm.all_reduce(norm_sq, group=self.dp_group)
+        divisor = self.dp_world_size * loss_scale
+        norm = math.sqrt(float(norm_sq)) / divisor if math.isfinite(float(norm_sq)) else float("inf")
+        if not math.isfinite(norm) or force_skip:
+            return StepResult(norm, True)
+        factor = 1.0 / divisor
+        if max_norm > 0:
+            factor *= min(1.0, max_norm / (norm + 1e-6))
+        for b, master, tensors in zip(self.buckets, self.masters, self._opt_tensors):
+            grad = b.reduced_grad()
+            if grad.dtype == master.dtype:
+                if factor != 1.0:
+                    grad.mul_(factor)
+                master_grad = grad
+            else:
+                master_grad = grad.to(master.dtype).mul_(factor)
+            if self.sharded:
+                master.grad = master_grad
+            elif tensors[0] is b.params[0]:
+                pass  # stage 0 fp32: param.grad already views the (now scaled) buffer
+            else:
+                for t, g in zip(tensors, b.param_views_of(master_grad)):
+                    t.grad = g
+        self.optimizer.step()
+        if self.separate_master:  # the fp32 gradients were made for this step only
+            for tensors in self._opt_tensors:
+                for t in tensors:
+                    t.grad = None
+        self._publish_params()
+        return StepResult(norm, False)
+
+    def _publish_params(self) -> None:
+        works = []
+        for b, master in zip(self.buckets, self.masters):
+            shard = b.param_shard()
+            if master is not shard:
+                shard.copy_(master)
+            if self.sharded:
+                works.append(comm.all_gather(b.param_buffer, shard, group=self.dp_group, async_op=True))
+        for w in works:
+            w.wait()
+
+    # -- accounting ------------------------------------------------------------------------------
+    def optimizer_state_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if torch.is_tensor(v) and v.numel() > 1 and v.data_ptr() not in seen:
+                    seen.add(v.data_ptr())
+                    total += v.numel() * v.element_size()
+        return total
+
+    def master_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self.masters) if self.separate_master else 0

@@ -1,0 +1,111 @@
+"""Data-parallel ZeRO stages 0, 1 and 2, composed from buckets, a reducer and the optimizer state.
+
+=====  ==========================  ===========================  ===============================
+stage  gradients                   reduction                    optimizer state / master
+=====  ==========================  ===========================  ===============================
+0      full, persistent buffer     all-reduce per bucket at the full
+                                   accumulation boundary
+1      full, persistent buffer     reduce-scatter per bucket at 1/N (flat shard per bucket)
+                                   the accumulation boundary
+2      1/N shard; full buffer only reduce-scatter per bucket on 1/N (flat shard per bucket)
+       while a bucket is in flight every micro-step
+=====  ==========================  ===========================  ===============================
+
+Stages 1-2 all-gather updated parameters per bucket after the step. The bucket size is
+``reduce_bucket_size`` elements; for stages 1-2 it is capped by ``allgather_bucket_size`` too,
+because a bucket is also the unit of the all-gather (so both limits hold as upper bounds).
+
+Parameters that the optimizer does not hold (frozen, ``requires_grad=False``, or left out of
+``model_parameters``) are not bucketed: they get no hooks and no reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerospeed.zero.flat_bucket import FlatBucket
+from zerospeed.zero.layout import plan_buckets
+from zerospeed.zero.partitioned_optimizer import ShardedOptimizerState, StepResult
+from zerospeed.zero.reducer import GradientReducer
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    stage: int
+    reduce_bucket_size: int
+    allgather_bucket_size: int
+    overlap_comm: bool
+    comm_dtype: torch.dtype | None = None
+    prescale: float = 1.0
+
+
+class DataParallelStrategy:
+    """Owns every bucket of one module and drives its gradients and optimizer for stages 0-2."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, options: StageOptions,
+                 dp_group: dist.ProcessGroup | None, dp_rank: int, dp_world_size: int) -> None:
+        if options.stage not in (0, 1, 2):
+            raise ValueError(f"DataParallelStrategy handles stages 0-2, got {options.stage}")
+        self.options = options
+        self.dp_world_size = dp_world_size
+        group_of: dict[int, int] = {}
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) in group_of:
+                    raise ValueError("a parameter appears in two optimizer parameter groups")
+                group_of[id(p)] = gi
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) in group_of]
+        known = {id(p) for _, p in module.named_parameters()}
+        unknown = [i for i in group_of if i not in known]
+        if unknown:
+            raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the model")
+        if optimizer.state:
+            raise ValueError("the optimizer already has state; pass a freshly built optimizer to initialize()")
+        ordered = list(reversed(named))  # gradients become ready roughly in reverse registration order
+        sharded = options.stage >= 1
+        bucket_numel = options.reduce_bucket_size
+        if sharded:
+            bucket_numel = min(bucket_numel, options.allgather_bucket_size)
+        layouts = plan_buckets([(n, tuple(p.shape), group_of[id(p)]) for n, p in ordered], bucket_numel,
+                               dp_world_size if sharded else 1)
+        grad_mode = "transient" if options.stage == 2 else "persistent"
+        self.buckets = [FlatBucket(layout, [ordered[s.index][1] for s in layout.slots], dp_rank, sharded, grad_mode)
+                        for layout in layouts]
+        self.reducer = GradientReducer(self.buckets, "reduce_scatter" if sharded else "all_reduce", dp_group,
+                                       comm_dtype=options.comm_dtype, overlap=options.overlap_comm or options.stage == 0,
+                                       prescale=options.prescale)
+        self.state = ShardedOptimizerState(self.buckets, optimizer, torch.float32, sharded, dp_group, dp_world_size)
+
+    def begin_backward(self, boundary: bool) -> None:
+        self.reducer.begin(reduce_now=boundary)
+
+    def end_backward(self) -> None:
+        self.reducer.finish()
+
+    def step(self, loss_scale: float, max_norm: float, force_skip: bool = False) -> StepResult:
+        if self.reducer.stray_backward:
+            raise RuntimeError("gradients were produced by a backward pass that did not go through "
+                               "engine.backward(loss); call engine.backward(loss) instead of loss.backward()")
+        # gradients were multiplied by `prescale` before the reduction; the step divides it out again
+        return self.state.step(loss_scale * self.options.prescale, max_norm, force_skip)
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.zero_grad()
+
+    def memory_bytes(self) -> dict[str, int]:
+        return {
+            "params": sum(b.param_bytes() for b in self.buckets),
+            "grads": sum(b.grad_bytes() for b in self.buckets),
+            "master_params": self.state.master_bytes(),
+            "optimizer_states": self.state.optimizer_state_bytes(),
+            "comm_buffers_peak": self.reducer.peak_comm_buffer_bytes,
+        }
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
