@@ -1,0 +1,189 @@
+"""``load_config``: DeepSpeed JSON (dict or file) in, one frozen :class:`ZeroSpeedConfig` out.
+
+Pipeline, each step on a private deep copy (the caller's dict is never mutated):
+
+1. read: dict as is; a path is read as strict JSON (duplicate keys refused, as DeepSpeed does);
+2. :func:`~zerospeed.config.removed.reject_removed` - keys DeepSpeed itself removed;
+3. :func:`~zerospeed.config.removed.drop_disabled_or_reject_unsupported` - features not built yet;
+4. :mod:`~zerospeed.config.normalize` - legacy forms, alias clashes, ``"auto"``;
+5. schema validation (batch triple resolved for ``dp_world_size``), then cross-section rules.
+
+Every failure is a single :class:`ConfigError` whose one-line message names the dotted key path.
+Pydantic's ``ValidationError`` never escapes: the first error is translated (``raise ... from
+None`` so no pydantic traceback is chained either).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import AliasChoices, BaseModel, ValidationError
+
+from .errors import ConfigError
+from .fields import ZS_ERROR, ZS_KEY
+from .normalize import apply_legacy_forms, merge_aliases, resolve_auto
+from .removed import drop_disabled_or_reject_unsupported, reject_removed
+from .schema import ZeroSpeedConfig
+
+ConfigSource = dict[str, Any] | str | os.PathLike[str] | ZeroSpeedConfig
+
+
+def load_config(config: ConfigSource, *, dp_world_size: int = 1) -> ZeroSpeedConfig:
+    """Parse, validate and resolve a DeepSpeed-format config for ``dp_world_size`` DP ranks.
+
+    ``config`` is a dict, a path to a JSON file, or a :class:`ZeroSpeedConfig` (re-resolved from
+    the dict it was built from, e.g. for another data-parallel world size).
+    Raises :class:`ConfigError` (one line, naming the key path) for any problem.
+    """
+    if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) or dp_world_size < 1:
+        raise ConfigError("", f"dp_world_size={dp_world_size!r} is not a positive integer")
+    if isinstance(config, ZeroSpeedConfig):
+        raw = config.raw
+    elif isinstance(config, dict):
+        raw = copy.deepcopy(config)
+    elif isinstance(config, (str, os.PathLike)):
+        raw = _read_json(Path(config).expanduser())
+    else:
+        raise ConfigError(
+            "",
+            f"expected a dict, a JSON file path or a ZeroSpeedConfig, got {type(config).__name__}",
+        )
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"the top level must be a JSON object, got {type(raw).__name__}")
+
+    work = copy.deepcopy(raw)
+    reject_removed(work)
+    drop_disabled_or_reject_unsupported(work)
+    apply_legacy_forms(work)
+    merge_aliases(work)
+    auto_batch_keys = resolve_auto(work)
+    context = {"dp_world_size": dp_world_size, "auto_keys": auto_batch_keys}
+    try:
+        resolved = ZeroSpeedConfig.model_validate(work, context=context)
+    except ValidationError as exc:
+        raise translate_validation_error(exc) from None
+    resolved._raw = raw
+    resolved._dp_world_size = dp_world_size
+    return resolved
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r} in one JSON object")
+        result[key] = value
+    return result
+
+
+def _read_json(path: Path) -> Any:
+    where = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(where, "no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(where, "is a directory, expected a JSON file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(where, f"cannot read: {_one_line(str(exc))}") from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as exc:
+        problem = f"invalid JSON at line {exc.lineno}:{exc.colno}: {exc.msg}"
+        raise ConfigError(where, problem) from None
+    except ValueError as exc:
+        raise ConfigError(where, f"invalid JSON: {exc}") from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    shown = _one_line(repr(value))
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside ``annotation`` (unwrapping Optional/Union/Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, typing.Annotated):
+        for arg in typing.get_args(annotation):
+            found = _section_model(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _field_keys(model: type[BaseModel]) -> dict[str, str]:
+    """Every accepted key of ``model`` (names and aliases) -> field name."""
+    keys: dict[str, str] = {}
+    for name, info in model.model_fields.items():
+        keys[name] = name
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):
+            keys.update({choice: name for choice in alias.choices if isinstance(choice, str)})
+        elif isinstance(alias, str):
+            keys[alias] = name
+    return keys
+
+
+def _model_at(loc: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = ZeroSpeedConfig
+    for part in loc:
+        if model is None:
+            return None
+        field = _field_keys(model).get(part)
+        if field is None:
+            return None
+        model = _section_model(model.model_fields[field].annotation)
+    return model
+
+
+def _unknown_key_problem(loc: list[str]) -> str:
+    model = _model_at(loc[:-1])
+    if model is None:
+        return "unknown key"
+    close = difflib.get_close_matches(loc[-1], list(_field_keys(model)), n=1, cutoff=0.6)
+    if close:
+        return f"unknown key; did you mean {close[0]!r}?"
+    where = f"in '{'.'.join(loc[:-1])}'" if len(loc) > 1 else "at the top level"
+    return f"unknown key (not a DeepSpeed or zerospeed key {where})"
+
+
+def translate_validation_error(exc: ValidationError) -> ConfigError:
+    """The first error of a pydantic ``ValidationError`` as one :class:`ConfigError`."""
+    error = exc.errors(include_url=False)[0]
+    # pydantic inserts union-member tags such as "function-before[...]" into loc; drop them
+    loc = [str(part) for part in error["loc"] if "[" not in str(part)]
+    ctx = error.get("ctx") or {}
+    kind = error["type"]
+    value = error.get("input")
+    if kind == "value_error" and isinstance(ctx.get("error"), ConfigError):
+        return ctx["error"]
+    if kind == ZS_ERROR:
+        if ctx.get(ZS_KEY):
+            loc += str(ctx[ZS_KEY]).split(".")
+        problem = error["msg"]
+    elif kind == "extra_forbidden":
+        problem = _unknown_key_problem(loc)
+    elif kind == "missing":
+        problem = "required key is missing"
+    elif kind in ("model_type", "dict_type", "model_attributes_type"):
+        problem = f"{_show(value)} is not a JSON object"
+    elif kind in ("tuple_type", "list_type", "iterable_type"):
+        problem = f"{_show(value)} is not a JSON list"
+    elif kind == "literal_error":
+        problem = f"{_show(value)} is not one of {ctx.get('expected', '')}"
+    else:
+        problem = f"{_show(value)} is not valid: {error['msg']}"
+    return ConfigError(".".join(loc), _one_line(problem))

@@ -1,0 +1,170 @@
+"""The top-level resolved configuration object, :class:`ZeroSpeedConfig`.
+
+Attribute names are DeepSpeed's key names, so code and users read ``cfg.zero_optimization.stage``
+exactly as they wrote it in JSON.  Build it with :func:`zerospeed.config.load_config`; constructing
+it directly skips the removed/unsupported/``"auto"`` passes.
+
+Decisions:
+
+* The batch triple is resolved while validating (DeepSpeed rules, see
+  :mod:`zerospeed.config.batch`) for the ``dp_world_size`` passed in the validation context, so the
+  three attributes are always consistent ints.  The original user dict is kept (private) so
+  ``load_config(cfg, dp_world_size=n)`` can re-resolve for another world size.
+* Cross-section rules DeepSpeed enforces are enforced here: fp16 and bf16 are exclusive; bf16/fp16
+  master-weight options need ZeRO stage 1-3.
+* ``seed`` and ``checkpoint.async_save`` are zerospeed additions (DeepSpeed has no such keys).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, Field, PrivateAttr, ValidationInfo, model_validator
+
+from .batch import GAS, MBS, TBS, resolve_batch
+from .fields import (
+    Bool,
+    DType,
+    Int,
+    NonNegFloat,
+    NonNegInt,
+    PosFloat,
+    PosInt,
+    Section,
+    fail,
+    one_of,
+)
+from .sections import (
+    ActivationCheckpointingConfig,
+    BF16Config,
+    CheckpointConfig,
+    CommsLoggerConfig,
+    CSVMonitorConfig,
+    DataTypesConfig,
+    FP16Config,
+    OptimizerConfig,
+    PipelineConfig,
+    SchedulerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
+from .zero import AioConfig, ZeroConfig
+
+Precision = Literal["fp32", "fp16", "bf16"]
+
+
+def _positive_or_none(data: dict[str, Any], key: str) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise fail(f"{value!r} is not a positive integer", key=key)
+    if isinstance(value, float) and not value.is_integer():
+        raise fail(f"{value!r} is not a positive integer", key=key)
+    if value < 1:
+        raise fail(f"{value!r} is not allowed; must be a positive integer", key=key)
+    return int(value)
+
+
+class ZeroSpeedConfig(Section):
+    """A validated, resolved DeepSpeed-format configuration (frozen)."""
+
+    train_batch_size: PosInt
+    train_micro_batch_size_per_gpu: PosInt
+    gradient_accumulation_steps: PosInt
+    gradient_clipping: NonNegFloat = 0.0
+    """Max global gradient norm; 0 disables clipping."""
+    steps_per_print: NonNegInt = 10
+    wall_clock_breakdown: Bool = False
+    memory_breakdown: Bool = False
+    seed: Int | None = None
+    prescale_gradients: Bool = False
+    gradient_predivide_factor: PosFloat = 1.0
+    gradient_allreduce_op: Annotated[
+        Literal["mean", "sum"], one_of("mean", "sum", case_insensitive=True)
+    ] = "mean"
+    communication_data_type: DType | None = None
+    seq_parallel_comm_data_type: DType = "fp32"
+    zero_allow_untested_optimizer: Bool = False
+    zero_force_ds_cpu_optimizer: Bool = True
+    dataloader_drop_last: Bool = False
+    disable_allgather: Bool = False
+    dump_state: Bool = False
+    vocabulary_size: PosInt | None = None
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(
+        default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16")
+    )
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    aio: AioConfig = Field(default_factory=AioConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _dp_world_size: int = PrivateAttr(default=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_batch(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict):
+            return data
+        context = info.context or {}
+        sizes = resolve_batch(
+            _positive_or_none(data, TBS),
+            _positive_or_none(data, MBS),
+            _positive_or_none(data, GAS),
+            dp_world_size=context.get("dp_world_size", 1),
+            auto_keys=context.get("auto_keys", ()),
+        )
+        return {**data, TBS: sizes.train_batch_size, MBS: sizes.train_micro_batch_size_per_gpu,
+                GAS: sizes.gradient_accumulation_steps}  # fmt: skip
+
+    @model_validator(mode="after")
+    def _cross_section_rules(self) -> ZeroSpeedConfig:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise fail(
+                "true conflicts with bf16.enabled: true; enable at most one of fp16 and bf16",
+                key="fp16.enabled",
+            )
+        stage = self.zero_optimization.stage
+        for section, flag in (
+            ("bf16", "bf16_master_weights_and_grads"),
+            ("bf16", "bf16_optimizer_states"),
+            ("fp16", "fp16_master_weights_and_grads"),
+        ):
+            if getattr(getattr(self, section), flag) and stage == 0:
+                raise fail(
+                    f"true requires zero_optimization.stage 1, 2 or 3 (got {stage})",
+                    key=f"{section}.{flag}",
+                )
+        return self
+
+    @property
+    def precision(self) -> Precision:
+        """The training precision: ``"fp16"``, ``"bf16"`` or ``"fp32"`` (neither enabled)."""
+        if self.fp16.enabled:
+            return "fp16"
+        if self.bf16.enabled:
+            return "bf16"
+        return "fp32"
+
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel world size the batch triple was resolved for."""
+        return self._dp_world_size
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """A copy of the dict the user gave (before aliases, ``"auto"`` and defaults)."""
+        return copy.deepcopy(self._raw)

@@ -1,0 +1,231 @@
+"""Top-level config sections other than ZeRO: precision, optimizer, scheduler, monitors, pipeline.
+
+Defaults are DeepSpeed's (``deepspeed/runtime/precision_config.py``, ``runtime/constants.py``,
+``monitor/config.py``, ``comm/constants.py``, ``activation_checkpointing/config.py``), except where
+a docstring below says otherwise.
+
+Decisions:
+
+* ``optimizer.params`` / ``scheduler.params`` stay a plain dict here; the optimizer and schedule
+  builders own their validation.  ``type`` is checked against :mod:`zerospeed.config.names` and
+  stored in its canonical spelling.
+* ``pipeline`` carries zerospeed's own keys next to DeepSpeed's (``schedule``, ``virtual_stages``).
+  ``partition`` defaults to ``"parameters"``, the default of DeepSpeed's ``PipelineModule``
+  (DeepSpeed's config dict says ``"best"``, which its module never implemented).
+* ``checkpoint.async_save`` is a zerospeed key (asynchronous torch.distributed.checkpoint save).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from .fields import (
+    Bool,
+    DType,
+    NonNegFloat,
+    NonNegInt,
+    PosInt,
+    Section,
+    Str,
+    to_int,
+    fail,
+    one_of,
+)
+from .names import NameProblem, canonical_optimizer_name, canonical_scheduler_name
+
+
+class FP16Config(Section):
+    """``fp16``: float16 mixed precision with (by default dynamic) loss scaling."""
+
+    enabled: Bool = False
+    auto_cast: Bool = False
+    loss_scale: NonNegFloat = 0.0
+    """Static loss scale; 0 means dynamic loss scaling."""
+    initial_scale_power: NonNegInt = 16
+    loss_scale_window: PosInt = 1000
+    hysteresis: PosInt = 2
+    consecutive_hysteresis: Bool = False
+    min_loss_scale: NonNegFloat = 1.0
+    fp16_master_weights_and_grads: Bool = False
+
+
+class BF16Config(Section):
+    """``bf16`` (alias ``bfloat16``): bfloat16 mixed precision; no loss scaling needed."""
+
+    enabled: Bool = False
+    immediate_grad_update: Bool = False
+    check_grad_overflow: Bool = False
+    bf16_master_weights_and_grads: Bool = False
+    bf16_optimizer_states: Bool = False
+
+    @model_validator(mode="after")
+    def _states_need_master(self) -> BF16Config:
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise fail(
+                "bf16_optimizer_states: true requires bf16_master_weights_and_grads: true "
+                "(DeepSpeed rule)",
+                key="bf16_optimizer_states",
+            )
+        return self
+
+
+def _params_dict(value: Any) -> Any:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise fail(f"{value!r} is not a JSON object of parameters")
+    return value
+
+
+Params = Annotated[dict[str, Any], BeforeValidator(_params_dict)]
+
+
+class OptimizerConfig(Section):
+    """``optimizer``: which optimizer the engine builds; ``params`` are passed to its builder."""
+
+    type: str
+    params: Params = Field(default_factory=dict)
+    legacy_fusion: Bool = False
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, value: Any) -> str:
+        try:
+            return canonical_optimizer_name(value)
+        except NameProblem as problem:
+            raise fail(str(problem)) from None
+
+
+class SchedulerConfig(Section):
+    """``scheduler``: which LR schedule the engine builds; ``params`` go to its builder."""
+
+    type: str
+    params: Params = Field(default_factory=dict)
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, value: Any) -> str:
+        try:
+            return canonical_scheduler_name(value)
+        except NameProblem as problem:
+            raise fail(str(problem)) from None
+
+
+class TensorBoardConfig(Section):
+    """``tensorboard`` monitor."""
+
+    enabled: Bool = False
+    output_path: Str = ""
+    job_name: Str = "DeepSpeedJobName"
+
+
+class WandbConfig(Section):
+    """``wandb`` monitor."""
+
+    enabled: Bool = False
+    group: Str | None = None
+    team: Str | None = None
+    project: Str = "deepspeed"
+
+
+class CSVMonitorConfig(Section):
+    """``csv_monitor``: metrics written as CSV files."""
+
+    enabled: Bool = False
+    output_path: Str = ""
+    job_name: Str = "DeepSpeedJobName"
+
+
+class CommsLoggerConfig(Section):
+    """``comms_logger``: count/time collectives (``prof_all`` or only the ops in ``prof_ops``)."""
+
+    enabled: Bool = False
+    verbose: Bool = False
+    prof_all: Bool = True
+    debug: Bool = False
+    prof_ops: tuple[Str, ...] = ()
+
+
+class ActivationCheckpointingConfig(Section):
+    """``activation_checkpointing``."""
+
+    partition_activations: Bool = False
+    cpu_checkpointing: Bool = False
+    contiguous_memory_optimization: Bool = False
+    number_checkpoints: PosInt | None = None
+    synchronize_checkpoint_boundary: Bool = False
+    profile: Bool = False
+
+
+def _stages(value: Any) -> Any:
+    if isinstance(value, str) and value.lower() == "auto":
+        return "auto"
+    try:
+        stages = to_int(value)
+    except PydanticCustomError:
+        stages = 0
+    if stages < 1:
+        raise fail(f"{value!r} is not allowed; expected a positive integer or 'auto'")
+    return stages
+
+
+def _partition(value: Any) -> Any:
+    if isinstance(value, str) and value.startswith("type:"):
+        return value
+    if isinstance(value, str) and value.lower() in ("parameters", "uniform"):
+        return value.lower()
+    raise fail(f"{value!r} is not one of 'parameters', 'uniform', 'type:<regex>'")
+
+
+class PipelineConfig(Section):
+    """``pipeline``: pipeline-parallel engine settings."""
+
+    stages: Annotated[int | Literal["auto"], BeforeValidator(_stages)] = "auto"
+    partition: Annotated[str, BeforeValidator(_partition)] = "parameters"
+    seed_layers: Bool = False
+    activation_checkpoint_interval: NonNegInt = 0
+    schedule: Annotated[
+        Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"],
+        one_of("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", case_insensitive=True),
+    ] = "1f1b"
+    virtual_stages: PosInt = 1
+    pipe_partitioned: Bool = True
+    grad_partitioned: Bool = True
+
+    @model_validator(mode="after")
+    def _interleaving(self) -> PipelineConfig:
+        if self.schedule == "interleaved_1f1b" and self.virtual_stages < 2:
+            raise fail(
+                "schedule 'interleaved_1f1b' needs virtual_stages >= 2", key="virtual_stages"
+            )
+        return self
+
+
+class ParallelWriteConfig(Section):
+    """``checkpoint.parallel_write``."""
+
+    pipeline_stage: Bool = False
+
+
+class CheckpointConfig(Section):
+    """``checkpoint``: tag validation, universal loading, storage options."""
+
+    tag_validation: Annotated[
+        Literal["Warn", "Ignore", "Fail"], one_of("Warn", "Ignore", "Fail", case_insensitive=True)
+    ] = "Warn"
+    load_universal: Bool = False
+    use_node_local_storage: Bool = False
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+    async_save: Bool = False
+
+
+class DataTypesConfig(Section):
+    """``data_types``: dtype overrides (``grad_accum_dtype``: dtype of accumulated gradients)."""
+
+    grad_accum_dtype: DType | None = None
+    param_dtype: DType | None = None
+    buffer_dtype: DType | None = None
+

@@ -1,0 +1,6 @@
+"""Optimizers: the DeepSpeed-config optimizer factory and the Lamb implementation."""
+
+from zerospeed.ops.lamb import Lamb
+from zerospeed.ops.optimizers import build_optimizer, resolve_client_optimizer
+
+__all__ = ["Lamb", "build_optimizer", "resolve_client_optimizer"]

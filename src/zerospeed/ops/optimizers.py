@@ -1,0 +1,254 @@
+"""Build the optimizer named in DeepSpeed's ``"optimizer": {"type", "params"}`` from torch pieces.
+
+Types (case-insensitive): ``Adam``, ``AdamW``, ``SGD``, ``Adagrad`` (torch's implementations) and
+``Lamb`` (:class:`zerospeed.ops.lamb.Lamb`).
+
+DeepSpeed facts this follows (``deepspeed/runtime/engine.py`` ``_configure_basic_optimizer`` and
+``deepspeed/runtime/config.py``, DeepSpeed master, read with the search tool):
+
+* ``Adam`` means **AdamW** unless the config says ``"adam_w_mode": false``: config.py has
+  ``ADAM_W_MODE_DEFAULT = True`` ("default to adamw logic for adam/adamw optimizers unless user
+  explicitly opts out"), and the engine computes
+  ``effective_adam_w_mode = name == "adamw" or adam_w_mode``; so ``AdamW`` is decoupled whatever
+  ``adam_w_mode`` says, and only ``Adam`` + ``adam_w_mode: false`` gives L2-coupled Adam.
+* ``torch_adam: true`` makes DeepSpeed build ``torch.optim.Adam/AdamW`` with the config params
+  as given, so torch's defaults apply (``AdamW`` weight_decay 0.01). Otherwise DeepSpeed builds
+  its ``FusedAdam`` / ``DeepSpeedCPUAdam``, whose defaults are ``lr=1e-3, betas=(0.9, 0.999),
+  eps=1e-8, weight_decay=0``; zerospeed passes those explicitly, so a config without
+  ``weight_decay`` gets 0 here as in DeepSpeed, not torch AdamW's 0.01.
+* ``bias_correction`` and ``set_grad_none`` are FusedAdam parameters (default True). Torch's Adam
+  always bias-corrects and the engine always sets grads to None, so only ``true`` is accepted.
+* ``SGD`` and ``Adagrad`` go to ``torch.optim`` with the params as given (torch's names and
+  defaults); ``Lamb`` is DeepSpeed's ``FusedLamb`` (see :mod:`zerospeed.ops.lamb`).
+* ``max_grad_norm`` in optimizer params is rejected by DeepSpeed's engine for every optimizer
+  ("use gradient_clipping"); zerospeed rejects it the same way, with the same advice.
+
+Beyond DeepSpeed's own names, any keyword of the torch class (``maximize``, ``foreach``, ``fused``,
+``lr_decay``...) is accepted, since DeepSpeed passes the params straight to torch in those cases.
+
+Implementation choice, measured on this project's 2-core CPU box (torch 2.13+cpu, 2 threads,
+10.5 M fp32 elements in 26 tensors of 1024x1024 / 512x512 / vectors, all grads set, 3 warm-up
+steps then the median of 15 ``step()`` calls, machine load ~1.8)::
+
+                  for-loop   foreach   fused
+        Adam        28.2       40.5      8.2
+        AdamW       34.8       39.7      7.9
+        SGD(mom)    10.3       11.9      6.2
+        Adagrad     14.7       32.1      5.7
+
+Fused is 1.7-5x faster than both, and foreach is *slower* than the for-loop on CPU (a rerun under
+heavy load from other jobs kept the order for Adam, AdamW and Adagrad, fused 3-9x ahead). So when
+every parameter is a floating tensor on CPU or CUDA the factory passes ``fused=True`` (on CUDA that
+follows torch's own guidance that fused is fastest; not measured here, this box has no GPU);
+otherwise it leaves the choice to torch (foreach on CUDA-like devices, the for-loop elsewhere). An
+explicit ``fused`` or ``foreach`` in the params wins.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerospeed.config.errors import ConfigError
+from zerospeed.ops.lamb import Lamb
+
+__all__ = ["build_optimizer", "resolve_client_optimizer", "OPTIMIZERS"]
+
+_FUSED_DEVICE_TYPES = ("cpu", "cuda")
+
+# DeepSpeed's FusedAdam / DeepSpeedCPUAdam defaults (what DeepSpeed builds unless torch_adam).
+_DEEPSPEED_ADAM_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+
+
+@dataclass(frozen=True)
+class _OptimizerSpec:
+    """One optimizer type: its canonical name and the parameter names it accepts."""
+
+    name: str
+    torch_classes: tuple[type[torch.optim.Optimizer], ...]
+    deepspeed_only: tuple[str, ...] = ()
+    excluded: tuple[str, ...] = ()
+
+    def allowed(self) -> list[str]:
+        names: list[str] = []
+        for cls in self.torch_classes:
+            for n in inspect.signature(cls.__init__).parameters:
+                if n not in ("self", "params") and n not in self.excluded and n not in names:
+                    names.append(n)
+        return names + [n for n in self.deepspeed_only if n not in names]
+
+
+#: registry, keyed by lower-case type name.
+OPTIMIZERS: dict[str, _OptimizerSpec] = {
+    "adam": _OptimizerSpec(
+        "Adam",
+        (torch.optim.Adam, torch.optim.AdamW),
+        deepspeed_only=("adam_w_mode", "torch_adam", "bias_correction", "set_grad_none"),
+        excluded=("decoupled_weight_decay",),  # adam_w_mode is the DeepSpeed spelling
+    ),
+    "adamw": _OptimizerSpec(
+        "AdamW",
+        (torch.optim.Adam, torch.optim.AdamW),
+        deepspeed_only=("adam_w_mode", "torch_adam", "bias_correction", "set_grad_none"),
+        excluded=("decoupled_weight_decay",),
+    ),
+    "sgd": _OptimizerSpec("SGD", (torch.optim.SGD,)),
+    "adagrad": _OptimizerSpec("Adagrad", (torch.optim.Adagrad,)),
+    "lamb": _OptimizerSpec("Lamb", (Lamb,), excluded=("max_grad_norm",)),
+}
+
+_NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay", "initial_accumulator_value",
+                 "max_coeff", "min_coeff")  # fmt: skip
+_BOOLEAN = ("amsgrad", "nesterov", "maximize", "foreach", "fused", "capturable", "differentiable", "adam_w_mode",
+            "torch_adam", "bias_correction", "set_grad_none", "eps_inside_sqrt")  # fmt: skip
+
+
+def _key(name: str) -> str:
+    return f"optimizer.params.{name}"
+
+
+def _check_values(spec: _OptimizerSpec, params: Mapping[str, Any]) -> None:
+    """Reject unknown names and bad values, naming ``optimizer.params.<name>``."""
+    allowed = spec.allowed()
+    for name, value in params.items():
+        if name == "max_grad_norm":
+            raise ConfigError(
+                _key(name), "not supported as an optimizer parameter (as in DeepSpeed); use the top-level "
+                "'gradient_clipping' instead",
+            )
+        if name not in allowed:
+            raise ConfigError(_key(str(name)), f"unknown parameter for {spec.name}; allowed: {', '.join(allowed)}")
+        if name in _BOOLEAN and not (isinstance(value, bool) or (name in ("foreach", "fused") and value is None)):
+            raise ConfigError(_key(name), f"{value!r} is not a boolean")
+        if name in _NON_NEGATIVE and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+        ):
+            raise ConfigError(_key(name), f"{value!r} must be a finite number >= 0")
+        if name == "betas":
+            ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(
+                not isinstance(b, bool) and isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in value
+            )
+            if not ok:
+                raise ConfigError(_key(name), f"{value!r} must be two numbers in [0, 1)")
+    for name in ("bias_correction", "set_grad_none"):
+        if spec.name != "Lamb" and params.get(name) is False:
+            raise ConfigError(_key(name), f"false is not supported: torch's {spec.name} always does this")
+    if spec.name == "Lamb" and params.get("amsgrad") is True:
+        raise ConfigError(_key("amsgrad"), "Lamb has no AMSGrad variant (DeepSpeed's FusedLamb refuses it too)")
+    if "min_coeff" in params or "max_coeff" in params:
+        lo, hi = params.get("min_coeff", 0.01), params.get("max_coeff", 10.0)
+        if lo > hi:
+            raise ConfigError(_key("min_coeff"), f"{lo} is larger than max_coeff ({hi})")
+
+
+def _tensors(groups: list[Any]) -> list[torch.Tensor]:
+    """Every tensor in torch-style param groups (tensors, (name, tensor) pairs, or dicts)."""
+    out: list[torch.Tensor] = []
+    for item in groups:
+        if isinstance(item, dict):
+            inner = item.get("params", [])
+            items = [inner] if isinstance(inner, torch.Tensor) else list(inner)
+            out.extend(t[1] if isinstance(t, tuple) else t for t in items)
+        elif isinstance(item, tuple):
+            out.append(item[1])
+        else:
+            out.append(item)
+    return out
+
+
+def _pick_implementation(kwargs: dict[str, Any], groups: list[Any]) -> None:
+    """Ask for fused kernels where they exist and were measured fastest (see module docstring)."""
+    if "fused" in kwargs or "foreach" in kwargs or kwargs.get("differentiable"):
+        return
+    tensors = _tensors(groups)
+    if tensors and all(
+        isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type in _FUSED_DEVICE_TYPES
+        for t in tensors
+    ):
+        kwargs["fused"] = True
+
+
+def _materialise(param_groups: Iterable[Any]) -> list[Any]:
+    # param groups may be a generator (model.parameters()); the dict items are copied so
+    # inspecting them never consumes an inner generator the optimizer still needs.
+    groups = []
+    for item in param_groups:
+        if isinstance(item, dict):
+            item = dict(item)
+            if not isinstance(item.get("params"), torch.Tensor) and "params" in item:
+                item["params"] = list(item["params"])
+        groups.append(item)
+    return groups
+
+
+def build_optimizer(
+    type_name: str, params: Mapping[str, Any], param_groups: Iterable[Any]
+) -> torch.optim.Optimizer:
+    """Build ``optimizer.type`` with ``optimizer.params`` over ``param_groups`` (torch convention).
+
+    Raises:
+        ConfigError: ``optimizer.type`` for an unknown type (with the nearest name),
+            ``optimizer.params.<name>`` for an unknown or bad parameter.
+    """
+    if not isinstance(type_name, str):
+        raise ConfigError("optimizer.type", f"{type_name!r} is not a string")
+    spec = OPTIMIZERS.get(type_name.lower())
+    if spec is None:
+        known = [s.name for s in OPTIMIZERS.values()]
+        close = difflib.get_close_matches(type_name.lower(), list(OPTIMIZERS), n=1, cutoff=0.5)
+        hint = f"; did you mean {OPTIMIZERS[close[0]].name!r}?" if close else ""
+        raise ConfigError("optimizer.type", f"unknown optimizer {type_name!r}{hint} (allowed: {', '.join(known)})")
+    _check_values(spec, params)
+    groups = _materialise(param_groups)
+    kwargs = dict(params)
+
+    if spec.name in ("Adam", "AdamW"):
+        adam_w_mode = kwargs.pop("adam_w_mode", True)
+        torch_adam = kwargs.pop("torch_adam", False)
+        kwargs.pop("bias_correction", None)
+        kwargs.pop("set_grad_none", None)
+        if "betas" in kwargs:
+            kwargs["betas"] = tuple(kwargs["betas"])
+        if not torch_adam:
+            kwargs = {**_DEEPSPEED_ADAM_DEFAULTS, **kwargs}
+        cls: type[torch.optim.Optimizer] = (
+            torch.optim.AdamW if spec.name == "AdamW" or adam_w_mode else torch.optim.Adam
+        )
+        _pick_implementation(kwargs, groups)
+        return cls(groups, **kwargs)
+    if spec.name == "Lamb":
+        if "betas" in kwargs:
+            kwargs["betas"] = tuple(kwargs["betas"])
+        return Lamb(groups, **kwargs)
+    torch_cls = spec.torch_classes[0]
+    _pick_implementation(kwargs, groups)
+    return torch_cls(groups, **kwargs)
+
+
+def resolve_client_optimizer(
+    optimizer_or_callable: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer],
+    param_groups: Iterable[Any],
+) -> torch.optim.Optimizer:
+    """The optimizer a user passed to ``initialize(optimizer=...)``.
+
+    An ``Optimizer`` instance is returned as is; a callable (an optimizer class, a
+    ``functools.partial``, a factory function) is called with ``param_groups``, as DeepSpeed does
+    for ``Callable[[params], Optimizer]``. The result must be a ``torch.optim.Optimizer``.
+    """
+    if isinstance(optimizer_or_callable, torch.optim.Optimizer):
+        return optimizer_or_callable
+    if not callable(optimizer_or_callable):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or a callable returning one, got "
+            f"{type(optimizer_or_callable).__name__}"
+        )
+    built = optimizer_or_callable(param_groups)
+    if not isinstance(built, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer")
+    return built

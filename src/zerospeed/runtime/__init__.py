@@ -1,0 +1,1 @@
+"""Training runtime: the engine and what it drives each step (LR schedules, ...)."""

@@ -1,0 +1,66 @@
+"""Model-state memory per rank predicted from the ZeRO formulas (a planning tool; no processes).
+
+With Ψ parameters, N data-parallel ranks and K bytes of optimizer state per parameter, the ZeRO
+paper's accounting for mixed precision (16-bit parameters and gradients, fp32 master weights
+counted inside K: Adam's K = 4 master + 4 momentum + 4 variance = 12) is:
+
+=======  ===========  ===========  ==========  ===================
+stage    parameters   gradients    optimizer   total
+=======  ===========  ===========  ==========  ===================
+0        2Ψ           2Ψ           KΨ          (4 + K)Ψ
+1        2Ψ           2Ψ           KΨ/N        4Ψ + KΨ/N
+2        2Ψ           2Ψ/N         KΨ/N        2Ψ + (2 + K)Ψ/N
+3        2Ψ/N         2Ψ/N         KΨ/N        (4 + K)Ψ/N
+=======  ===========  ===========  ==========  ===================
+
+For fp32 training the parameters are their own master: 4-byte parameters and gradients, and K
+counts only the optimizer's moments (Adam: 8). Sharded quantities are padded per bucket to a
+multiple of N in practice; :func:`estimate_model_state_bytes` gives the unpadded formula.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+#: Bytes of optimizer state per parameter, not counting an fp32 master copy.
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "sgd": 4, "sgd_no_momentum": 0, "adagrad": 4}
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    params: float
+    grads: float
+    optimizer_states: float  # including the fp32 master copy under mixed precision (the paper's K)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer_states
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+
+def estimate_model_state_bytes(num_params: int, dp_world_size: int, stage: int, precision: str = "bf16",
+                               optimizer: str = "adam") -> ModelStateBytes:
+    """Bytes per rank of parameters, gradients and optimizer states for a ZeRO stage.
+
+    >>> estimate_model_state_bytes(10**9, 8, 2, "bf16").total / 2**30  # 2Ψ + 14Ψ/8, in GiB
+    3.49...
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage}")
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision must be one of {', '.join(PRECISION_BYTES)}, got {precision!r}")
+    key = optimizer.lower()
+    if key not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
+    if num_params < 0 or dp_world_size < 1:
+        raise ValueError(f"need num_params >= 0 and dp_world_size >= 1, got {num_params}, {dp_world_size}")
+    psi, n = float(num_params), float(dp_world_size)
+    width = PRECISION_BYTES[precision]
+    k = OPTIMIZER_STATE_BYTES[key] + (4 if precision != "fp32" else 0)
+    params = width * psi / (n if stage >= 3 else 1)
+    grads = width * psi / (n if stage >= 2 else 1)
+    optim = k * psi / (n if stage >= 1 else 1)
+    return ModelStateBytes(params, grads, optim)

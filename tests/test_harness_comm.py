@@ -1,0 +1,73 @@
+"""The multi-process harness (failures and hangs are reported, never hang) and comm counting."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zerospeed import comm
+from zerospeed.testing import DistributedTestError, run_distributed
+
+
+def _rank_sum():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    comm.all_reduce(t)
+    return t.item()
+
+
+def _raise_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("deliberate failure on rank 1")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 0 would block here forever without the harness
+    return t.item()
+
+
+def _hang():
+    time.sleep(600)
+
+
+def _count_collectives():
+    comm.COUNTER.reset()
+    world = dist.get_world_size()
+    x = torch.arange(8 * world, dtype=torch.float32)
+    comm.all_reduce(x.clone())
+    out = torch.empty(8)
+    comm.reduce_scatter(out, x.clone())
+    full = torch.empty(8 * world)
+    comm.all_gather(full, torch.full((8,), float(dist.get_rank())))
+    return comm.COUNTER.snapshot(), comm.COUNTER.traffic_elements(), out, full
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_results_come_back_in_rank_order(world):
+    assert run_distributed(_rank_sum, world) == [world * (world + 1) / 2] * world
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_rank_is_reported_and_its_peer_does_not_hang():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError, match="deliberate failure on rank 1"):
+        run_distributed(_raise_on_rank_one, 2, timeout=50)
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.timeout(60)
+def test_a_hang_is_killed_at_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError, match="timed out"):
+        run_distributed(_hang, 2, timeout=3)
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.timeout(60)
+def test_collectives_are_counted_with_elements_and_bytes():
+    snap, traffic, out, full = run_distributed(_count_collectives, 2)[1]
+    assert snap["all_reduce"] == {"count": 1, "elements": 16, "bytes": 64}
+    assert snap["reduce_scatter"] == {"count": 1, "elements": 16, "bytes": 64}
+    assert snap["all_gather"] == {"count": 1, "elements": 16, "bytes": 64}
+    assert traffic == 2 * 16 + 16 + 16  # an all-reduce moves twice its size
+    assert out.tolist() == [2.0 * v for v in range(8, 16)]  # rank 1's half of the sum of two copies
+    assert full.tolist() == [0.0] * 8 + [1.0] * 8
