@@ -28,12 +28,13 @@ from torch import nn
 from zerospeed import comm
 from zerospeed.config import ConfigError, ZeroSpeedConfig
 from zerospeed.runtime.loss_scaler import build_loss_scaler
-from zerospeed.zero.strategy import DataParallelStrategy, StageOptions
+from zerospeed.zero.factory import BUILT_STAGES, build_strategy
+from zerospeed.zero.strategy import StageOptions
 from zerospeed.zero.partitioned_optimizer import ELEMENTWISE_OPTIMIZERS
 
 logger = logging.getLogger("zerospeed")
 
-SUPPORTED_ZERO_STAGES = (0, 1, 2)
+SUPPORTED_ZERO_STAGES = BUILT_STAGES
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -81,7 +82,7 @@ class ZeroSpeedEngine(nn.Module):
         options = StageOptions(stage=stage, reduce_bucket_size=int(zcfg.reduce_bucket_size),
                                allgather_bucket_size=int(zcfg.allgather_bucket_size),
                                overlap_comm=bool(zcfg.overlap_comm), comm_dtype=comm_dtype, prescale=prescale)
-        self.strategy = DataParallelStrategy(model, optimizer, options, dp_group, self.dp_rank, self.dp_world_size)
+        self.strategy = build_strategy(model, optimizer, options, zcfg, dp_group, self.dp_rank, self.dp_world_size)
         self.loss_scaler = build_loss_scaler(config.precision, config.fp16)
         self.micro_steps = 0
         self.global_steps = 0

@@ -1,0 +1,25 @@
+"""Choose the ZeRO strategy for a stage. The engine calls only :func:`build_strategy`.
+
+Every strategy offers the same interface (see :class:`zerospeed.zero.strategy.DataParallelStrategy`):
+``begin_backward(boundary)``, ``end_backward()``, ``step(loss_scale, max_norm) -> StepResult``,
+``zero_grad()``, ``memory_bytes()``, ``num_buckets``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerospeed.zero.strategy import DataParallelStrategy, StageOptions
+
+BUILT_STAGES = (0, 1, 2)
+
+
+def build_strategy(module: nn.Module, optimizer: torch.optim.Optimizer, options: StageOptions, zero_config: object,
+                   dp_group: dist.ProcessGroup | None, dp_rank: int, dp_world_size: int) -> DataParallelStrategy:
+    """The strategy object for ``options.stage``; ``zero_config`` is the parsed zero_optimization section."""
+    del zero_config  # stage 3 reads its stage3_* knobs from it
+    if options.stage in (0, 1, 2):
+        return DataParallelStrategy(module, optimizer, options, dp_group, dp_rank, dp_world_size)
+    raise ValueError(f"no strategy for ZeRO stage {options.stage}")
