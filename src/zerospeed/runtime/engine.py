@@ -203,10 +203,26 @@ class ZeroSpeedEngine(nn.Module):
         """Bytes of model state held by this rank: parameters, gradients, fp32 masters, optimizer
         states, and the peak of transient communication buffers."""
         out = self.strategy.memory_bytes()
-        bucketed = {id(p) for b in self.strategy.buckets for p in b.params}
+        bucketed = {id(p) for p in self.strategy.managed_parameters()}
         out["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in bucketed)
         out["total"] = out["params"] + out["grads"] + out["master_params"] + out["optimizer_states"]
         return out
 
     def wall_clock(self) -> dict[str, float]:
         return dict(self._timers)
+
+    # -- checkpoints (implemented in zerospeed.runtime.checkpointing) -----------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True) -> bool:
+        from zerospeed.runtime.checkpointing import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+        from zerospeed.runtime.checkpointing import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)

@@ -74,6 +74,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if raw is None:
         raise ConfigError("", "no config: pass initialize(config=<dict or path to a DeepSpeed JSON file>)")
     comm.init_distributed(distributed_port=distributed_port)
+    from zerospeed.pipe.module import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        from zerospeed.pipe.engine import initialize_pipeline
+
+        return initialize_pipeline(model, raw, optimizer=optimizer, model_parameters=model_parameters,
+                                   training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn)
     dp_world_size = comm.get_world_size()
     cfg = load_config(raw, dp_world_size=dp_world_size)
     device = comm.device_for_backend()

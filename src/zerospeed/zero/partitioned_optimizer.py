@@ -25,16 +25,36 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from zerospeed import comm
 from zerospeed.zero.flat_bucket import FlatBucket
+from zerospeed.zero.layout import BucketLayout
 
 #: Optimizers whose update is element-wise, so running them on flat shards equals running them
 #: on whole parameters.
 ELEMENTWISE_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Adamax", "RMSprop", "Adadelta", "NAdam", "RAdam")
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """What one bucket's shard holds on this rank, for checkpointing and inspection.
+
+    ``master`` is the fp32 master shard (elements ``[shard_start, shard_end)`` of the bucket's flat
+    layout; the whole bucket when not sharded); ``param_shard`` the same range of the 16/32-bit
+    parameter buffer; ``opt_tensors`` the tensors the optimizer holds for this bucket (keys of
+    ``optimizer.state``): either ``[master]`` (flat), or one parameter-shaped view per slot.
+    """
+
+    layout: BucketLayout
+    shard_start: int
+    shard_end: int
+    master: torch.Tensor
+    param_shard: torch.Tensor
+    opt_tensors: list[torch.Tensor]
 
 
 @dataclass
@@ -74,14 +94,24 @@ class ShardedOptimizerState:
             total += torch.linalg.vector_norm(b.reduced_grad(), dtype=torch.float32).square()
         return total
 
-    def step(self, loss_scale: float, max_norm: float, force_skip: bool = False) -> StepResult:
+    def shard_views(self) -> list[ShardView]:
+        return [ShardView(b.layout, b.shard_start, b.shard_end, m, b.param_shard(), ts)
+                for b, m, ts in zip(self.buckets, self.masters, self._opt_tensors)]
+
+    def step(self, loss_scale: float, max_norm: float, force_skip: bool = False,
+             norm_sq_hook: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepResult:
         """Average, unscale, clip, update, and refresh the model's parameters.
 
-        Returns the unscaled pre-clip global norm; on overflow nothing is updated.
+        ``norm_sq_hook`` receives the data-parallel group's squared gradient norm (still summed
+        over ranks and loss-scaled) and returns the global one: model-parallel engines (pipeline)
+        use it to add the other stages' contributions. Returns the unscaled pre-clip global
+        norm; on overflow nothing is updated.
         """
         norm_sq = self.grad_norm_sq_local()
         if self.sharded:
             comm.all_reduce(norm_sq, group=self.dp_group)
+        if norm_sq_hook is not None:
+            norm_sq = norm_sq_hook(norm_sq)
         divisor = self.dp_world_size * loss_scale
         norm = math.sqrt(float(norm_sq)) / divisor if math.isfinite(float(norm_sq)) else float("inf")
         if not math.isfinite(norm) or force_skip:

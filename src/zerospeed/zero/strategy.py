@@ -22,6 +22,7 @@ Parameters that the optimizer does not hold (frozen, ``requires_grad=False``, or
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ from torch import nn
 
 from zerospeed.zero.flat_bucket import FlatBucket
 from zerospeed.zero.layout import plan_buckets
-from zerospeed.zero.partitioned_optimizer import ShardedOptimizerState, StepResult
+from zerospeed.zero.partitioned_optimizer import ShardedOptimizerState, ShardView, StepResult
 from zerospeed.zero.reducer import GradientReducer
 
 
@@ -86,12 +87,21 @@ class DataParallelStrategy:
     def end_backward(self) -> None:
         self.reducer.finish()
 
-    def step(self, loss_scale: float, max_norm: float, force_skip: bool = False) -> StepResult:
+    def step(self, loss_scale: float, max_norm: float, force_skip: bool = False,
+             norm_sq_hook: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepResult:
         if self.reducer.stray_backward:
             raise RuntimeError("gradients were produced by a backward pass that did not go through "
                                "engine.backward(loss); call engine.backward(loss) instead of loss.backward()")
         # gradients were multiplied by `prescale` before the reduction; the step divides it out again
-        return self.state.step(loss_scale * self.options.prescale, max_norm, force_skip)
+        return self.state.step(loss_scale * self.options.prescale, max_norm, force_skip, norm_sq_hook)
+
+    def shard_views(self) -> list[ShardView]:
+        """This rank's shards, addressable by parameter name and offset (see :class:`ShardView`)."""
+        return self.state.shard_views()
+
+    def managed_parameters(self) -> list[nn.Parameter]:
+        """Parameters whose storage this strategy owns (the bucketed, trainable ones)."""
+        return [p for b in self.buckets for p in b.params]
 
     def zero_grad(self) -> None:
         for b in self.buckets:
