@@ -37,6 +37,7 @@ class CommCounter:
     """Per-collective-type totals since the last :meth:`reset`."""
 
     ops: dict[str, OpStats] = field(default_factory=dict)
+    generation: int = 0  # bumped by reset(), so a reader holding an old snapshot can tell
 
     def record(self, op: str, numel: int, element_size: int) -> None:
         stats = self.ops.setdefault(op, OpStats())
@@ -59,6 +60,7 @@ class CommCounter:
 
     def reset(self) -> None:
         self.ops.clear()
+        self.generation += 1
 
 
 #: The process-wide counter every wrapper in :mod:`zerospeed.comm.collectives` records into.

@@ -93,6 +93,7 @@ class ZeroSpeedEngine(nn.Module):
         self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.last_step_comms: dict[str, dict[str, int]] = {}
         self._comms_mark = comm.COUNTER.snapshot()
+        self._comms_generation = comm.COUNTER.generation
 
     # -- DeepSpeed-compatible accessors -----------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -176,6 +177,9 @@ class ZeroSpeedEngine(nn.Module):
     # -- accounting and reporting -----------------------------------------------------------------
     def _account_comms(self) -> None:
         now = comm.COUNTER.snapshot()
+        if comm.COUNTER.generation != self._comms_generation:
+            self._comms_mark = {}  # someone reset the counter since the last step: count from zero
+            self._comms_generation = comm.COUNTER.generation
         delta = {}
         for op, s in now.items():
             before = self._comms_mark.get(op, {"count": 0, "elements": 0, "bytes": 0})
