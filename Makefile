@@ -25,3 +25,32 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
+
+# Benchmark environment: a separate venv with the same pinned torch, this repo (editable) and
+# DeepSpeed from PyPI, built without its C++/CUDA ops (DS_BUILD_OPS=0) so it runs on CPU
+# (DS_ACCELERATOR=cpu, gloo backend). DeepSpeed JIT-compiles its CPU ops (fused Adam, shm comm)
+# on first use, ~4 min on 2 cores: the last step builds them into the venv so no benchmark run
+# pays for it. See bench/README.md for what was verified.
+BENCH_VENV ?= .venv-bench
+BENCH_BIN  := $(BENCH_VENV)/bin
+BENCH_STAMP := $(BENCH_VENV)/.installed
+BENCH_EXT  := $(abspath $(BENCH_VENV))/torch_extensions
+DEEPSPEED  ?= deepspeed==0.19.8
+BENCH_ARGS ?=
+
+.PHONY: bench-env
+
+$(BENCH_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_BIN)/python -m pip install -q --upgrade pip
+	$(BENCH_BIN)/python -m pip install -q "$(TORCH)"
+	$(BENCH_BIN)/python -m pip install -q -e .
+	$(BENCH_BIN)/python -m pip install -q setuptools wheel packaging ninja py-cpuinfo psutil hjson msgpack einops
+	DS_BUILD_OPS=0 DS_ACCELERATOR=cpu $(BENCH_BIN)/python -m pip install -q --no-build-isolation "$(DEEPSPEED)"
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(BENCH_EXT) $(BENCH_BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; [a().create_op_builder(n).load() for n in ('FusedAdamBuilder', 'ShareMemCommBuilder')]"
+	touch $(BENCH_STAMP)
+
+bench-env: $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(BENCH_EXT) OMP_NUM_THREADS=1 $(BENCH_BIN)/python bench/ddp_vs_zerospeed.py $(BENCH_ARGS)

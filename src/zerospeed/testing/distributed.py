@@ -6,8 +6,9 @@ torch's default process group initialised (gloo on CPU, one torch thread per ran
 
 Reliability decisions:
 
-* Processes come from a ``forkserver`` with torch preloaded: safe (no fork of a process whose
-  OpenMP pool is running) and fast (torch is imported once, not once per rank).
+* Processes come from a ``forkserver`` with torch (and torch._dynamo, which the first optimizer
+  constructor imports) and zerospeed's engine preloaded: safe (no fork of a process whose OpenMP
+  pool is running) and fast (imported once per test session, not once per rank).
 * A rank that raises is reported with its traceback; once any rank has failed the others get a
   short grace period and are then killed, so a peer blocked in a collective never hangs the suite.
 * A run that does not finish within ``timeout`` seconds is killed and reported with the ranks
@@ -44,7 +45,9 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "zerospeed"])
+        # torch.optim.Optimizer's constructor imports torch._dynamo (~5 s): pay it once, here.
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerospeed",
+                                     "zerospeed.runtime.initialize"])
     return _CTX
 
 

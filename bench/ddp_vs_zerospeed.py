@@ -1,0 +1,339 @@
+"""Training step time and memory: PyTorch DDP vs zerospeed vs DeepSpeed, same model, same data.
+
+Run from the repository root (``make bench`` does it in the bench venv, which has DeepSpeed)::
+
+    DS_ACCELERATOR=cpu .venv-bench/bin/python bench/ddp_vs_zerospeed.py --num_procs 2 --stage 2
+
+The script is its own driver: for each system it launches ``--num_procs`` workers of itself
+through the ``zerospeed`` launcher (torchrun underneath), one system at a time so that peak
+memory per process belongs to one system only. Every worker builds ``gpt_bench()`` from the same
+seed and takes the same precomputed batches (rank ``r`` of step ``i`` gets samples
+``(i * world + r) * micro_batch ...``), so the three systems do identical math up to the
+optimizer kernel and reduction order; their final losses are reported as a sanity check.
+
+Measured per system: median step time over ``--steps`` steps after ``--warmup`` (a barrier
+before each step), tokens/s across all ranks, peak RSS per rank, and ratios to DDP. Results go to
+``bench/results/ddp_vs_zerospeed-<date>.{json,md}``.
+
+Fairness notes: all systems run fp32 with the same AdamW hyper-parameters, gradient clipping 1.0
+and no gradient accumulation. DeepSpeed on CPU uses its own C++ fused Adam unless
+``--ds_torch_adam`` asks it for ``torch.optim.AdamW``; DDP and zerospeed use torch's AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    format_bytes,
+    package_version,
+    peak_rss_bytes,
+    time_steps,
+    write_results,
+)
+
+SYSTEMS = ("ddp", "zerospeed", "deepspeed")
+StepFn = Callable[[int], float]  # step index -> loss of that step (a Python float)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="comma-separated subset of " + ", ".join(SYSTEMS))
+    p.add_argument("--num_procs", type=int, default=2, help="data-parallel processes")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    p.add_argument("--micro_batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3),
+                   help="ZeRO stage for zerospeed and DeepSpeed")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--model", choices=("bench", "small"), default="bench",
+                   help="gpt_bench() (~14M params) or gpt_small() (~1.8M, for a quick check)")
+    p.add_argument("--ds_torch_adam", action="store_true",
+                   help="make DeepSpeed use torch.optim.AdamW instead of its fused CPU Adam")
+    p.add_argument("--no_write", action="store_true", help="print only, write no result files")
+    p.add_argument("--out_dir", default=str(RESULTS_DIR), help="where result files go")
+    p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def ds_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed-format config given to both zerospeed and DeepSpeed."""
+    adam_params: dict[str, Any] = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                   "weight_decay": 0.01}
+    if args.ds_torch_adam:
+        adam_params["torch_adam"] = True
+    return {
+        "train_batch_size": args.micro_batch * world_size,
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": adam_params},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": args.stage},
+        "bf16": {"enabled": False},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _model_and_batches(args: argparse.Namespace, rank: int, world_size: int, device: Any):
+    import torch
+    from data import SyntheticTextDataset
+    from gpt_model import GPT, gpt_bench, gpt_small
+
+    cfg = gpt_bench() if args.model == "bench" else gpt_small()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    num_steps = args.warmup + args.steps
+    data = SyntheticTextDataset(cfg.seq_len, num_steps * world_size * args.micro_batch, seed=0)
+    batches = []
+    for step in range(num_steps):
+        first = (step * world_size + rank) * args.micro_batch
+        samples = [data[i] for i in range(first, first + args.micro_batch)]
+        x = torch.stack([s[0] for s in samples]).to(device)
+        y = torch.stack([s[1] for s in samples]).to(device)
+        batches.append((x, y))
+    return model, cfg, batches
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_ddp(args: argparse.Namespace, model, batches, device) -> StepFn:
+    """Plain torch DDP + torch.optim.AdamW: the baseline a user already has."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = model.to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.01)
+
+    def step(i: int) -> float:
+        x, y = batches[i]
+        loss = ddp(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        return loss.item()
+
+    return step
+
+
+def run_zerospeed(args: argparse.Namespace, model, batches, device) -> StepFn:
+    """zerospeed through its DeepSpeed-compatible facade.
+
+    TODO(lead): finish and verify once ``zerospeed.initialize`` exists (this is the API it is
+    expected to offer); until then the driver reports zerospeed as "not implemented".
+    """
+    import zerospeed
+
+    if not hasattr(zerospeed, "initialize"):
+        raise NotImplementedError("zerospeed.initialize is not implemented yet")
+    import torch.distributed as dist
+
+    cfg = ds_config(args, dist.get_world_size())
+    engine, _opt, _loader, _sched = zerospeed.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg
+    )
+
+    def step(i: int) -> float:
+        x, y = batches[i]
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        _sync(device)
+        return loss.item()
+
+    return step
+
+
+def run_deepspeed(args: argparse.Namespace, model, batches, device) -> StepFn:
+    """DeepSpeed itself, as a user would call it (needs the bench venv; DS_ACCELERATOR=cpu)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    cfg = ds_config(args, dist.get_world_size())
+    engine, _opt, _loader, _sched = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg
+    )
+
+    def step(i: int) -> float:
+        x, y = batches[i]
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        _sync(device)
+        return loss.item()
+
+    return step
+
+
+RUNNERS: dict[str, Callable[..., StepFn]] = {
+    "ddp": run_ddp, "zerospeed": run_zerospeed, "deepspeed": run_deepspeed,
+}
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if args.worker == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    else:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    model, model_cfg, batches = _model_and_batches(args, rank, world_size, device)
+    num_params = model.num_parameters()
+    record: dict[str, Any]
+    try:
+        step_fn = RUNNERS[args.worker](args, model, batches, device)
+    except NotImplementedError as e:
+        record = {"status": "not implemented", "reason": str(e)}
+    else:
+        losses: list[float] = []
+        timing = time_steps(lambda i: losses.append(step_fn(i)), args.steps, args.warmup,
+                            barrier=dist.barrier)
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, {"median_s": timing.median_s,
+                                          "peak_rss_bytes": peak_rss_bytes()})
+        record = {
+            "status": "ok",
+            "num_params": num_params,
+            "tokens_per_step": world_size * args.micro_batch * model_cfg.seq_len,
+            "timing": timing.as_dict(),
+            "median_s_per_rank": [r["median_s"] for r in per_rank],
+            "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in per_rank],
+            "losses": losses,
+        }
+    if rank == 0 and args.result:
+        Path(args.result).write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- driver side
+
+
+def launch(args: argparse.Namespace, system: str, result_path: Path) -> int:
+    """Run ``--num_procs`` workers for ``system`` via the zerospeed launcher; returns exit code."""
+    cmd = [sys.executable, "-m", "zerospeed.launcher.runner", "--num_procs", str(args.num_procs),
+           str(Path(__file__).resolve()), "--worker", system, "--result", str(result_path),
+           "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--micro_batch", str(args.micro_batch), "--stage", str(args.stage),
+           "--threads", str(args.threads), "--model", args.model]
+    if args.ds_torch_adam:
+        cmd.append("--ds_torch_adam")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
+    print(f"[bench] {system}: {' '.join(cmd)}", flush=True)
+    return subprocess.run(cmd, env=env, cwd=REPO).returncode
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _row(system: str, rec: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str, Any]:
+    if rec.get("status") != "ok":
+        return {"system": system, "status": rec.get("status"), "note": rec.get("reason", "")}
+    median = max(rec["median_s_per_rank"])  # the step is as slow as its slowest rank
+    peak = max(rec["peak_rss_bytes_per_rank"])
+    row: dict[str, Any] = {
+        "system": system,
+        "status": "ok",
+        "step_s_median": median,
+        "tokens_per_s": rec["tokens_per_step"] / median,
+        "peak_rss_max_rank": format_bytes(peak),
+        "final_loss": rec["losses"][-1],
+    }
+    if baseline is not None and baseline.get("status") == "ok":
+        row["time_vs_ddp"] = median / max(baseline["median_s_per_rank"])
+        row["rss_vs_ddp"] = peak / max(baseline["peak_rss_bytes_per_rank"])
+    return row
+
+
+def driver_main(args: argparse.Namespace) -> None:
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        sys.exit(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    records: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="zs-bench-") as tmp:
+        for system in systems:
+            if system == "deepspeed" and package_version("deepspeed") is None:
+                records[system] = {"status": "skipped",
+                                   "reason": "deepspeed not installed (use make bench-env)"}
+                continue
+            result_path = Path(tmp) / f"{system}.json"
+            code = launch(args, system, result_path)
+            if code != 0 or not result_path.exists():
+                records[system] = {"status": "failed", "reason": f"exit code {code}"}
+            else:
+                records[system] = json.loads(result_path.read_text())
+    baseline = records.get("ddp")
+    rows = [_row(s, records[s], baseline) for s in systems]
+    for row in rows:
+        print("[bench] " + "  ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    if args.no_write:
+        return
+    params = {k: getattr(args, k) for k in ("num_procs", "steps", "warmup", "micro_batch",
+                                            "stage", "threads", "model", "ds_torch_adam")}
+    ok = [r for r in records.values() if r.get("status") == "ok"]
+    if ok:
+        params["num_params"] = ok[0]["num_params"]
+    notes = ["fp32, AdamW(lr=1e-3, betas=(0.9, 0.95), wd=0.01), clip 1.0, no accumulation",
+             "step time = max over ranks of each rank's median step time"]
+    json_path, md_path = write_results("ddp_vs_zerospeed", rows, params=params, notes=notes,
+                                       out_dir=args.out_dir)
+    print(f"[bench] wrote {json_path} and {md_path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+    else:
+        driver_main(args)
+
+
+if __name__ == "__main__":
+    main()
