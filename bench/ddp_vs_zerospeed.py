@@ -60,8 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     p.add_argument("--micro_batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3),
-                   help="ZeRO stage for zerospeed and DeepSpeed")
+    p.add_argument("--stages", default="0,1,2",
+                   help="comma-separated ZeRO stages to run zerospeed and DeepSpeed at (DDP runs once)")
+    p.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3), help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--model", choices=("bench", "small"), default="bench",
                    help="gpt_bench() (~14M params) or gpt_small() (~1.8M, for a quick check)")
@@ -149,14 +150,11 @@ def run_ddp(args: argparse.Namespace, model, batches, device) -> StepFn:
 def run_zerospeed(args: argparse.Namespace, model, batches, device) -> StepFn:
     """zerospeed through its DeepSpeed-compatible facade.
 
-    TODO(lead): finish and verify once ``zerospeed.initialize`` exists (this is the API it is
-    expected to offer); until then the driver reports zerospeed as "not implemented".
+    The same script a DeepSpeed user runs, with the import changed.
     """
-    import zerospeed
-
-    if not hasattr(zerospeed, "initialize"):
-        raise NotImplementedError("zerospeed.initialize is not implemented yet")
     import torch.distributed as dist
+
+    import zerospeed
 
     cfg = ds_config(args, dist.get_world_size())
     engine, _opt, _loader, _sched = zerospeed.initialize(
@@ -171,6 +169,7 @@ def run_zerospeed(args: argparse.Namespace, model, batches, device) -> StepFn:
         _sync(device)
         return loss.item()
 
+    step.model_state_bytes = lambda: engine.memory_breakdown()["total"]  # type: ignore[attr-defined]
     return step
 
 
@@ -242,6 +241,8 @@ def worker_main(args: argparse.Namespace) -> None:
             "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in per_rank],
             "losses": losses,
         }
+        if hasattr(step_fn, "model_state_bytes"):
+            record["model_state_bytes"] = step_fn.model_state_bytes()
     if rank == 0 and args.result:
         Path(args.result).write_text(json.dumps(record))
     dist.destroy_process_group()
@@ -271,7 +272,8 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _row(system: str, rec: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str, Any]:
+def _row(system: str, rec: dict[str, Any], baseline: dict[str, Any] | None,
+         deepspeed: dict[str, Any] | None = None) -> dict[str, Any]:
     if rec.get("status") != "ok":
         return {"system": system, "status": rec.get("status"), "note": rec.get("reason", "")}
     median = max(rec["median_s_per_rank"])  # the step is as slow as its slowest rank
@@ -287,6 +289,11 @@ def _row(system: str, rec: dict[str, Any], baseline: dict[str, Any] | None) -> d
     if baseline is not None and baseline.get("status") == "ok":
         row["time_vs_ddp"] = median / max(baseline["median_s_per_rank"])
         row["rss_vs_ddp"] = peak / max(baseline["peak_rss_bytes_per_rank"])
+    if deepspeed is not None and deepspeed.get("status") == "ok" and deepspeed is not rec:
+        row["time_vs_deepspeed"] = median / max(deepspeed["median_s_per_rank"])
+        row["rss_vs_deepspeed"] = peak / max(deepspeed["peak_rss_bytes_per_rank"])
+    if "model_state_bytes" in rec:
+        row["model_state_rank0"] = format_bytes(rec["model_state_bytes"])
     return row
 
 
@@ -295,28 +302,37 @@ def driver_main(args: argparse.Namespace) -> None:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         sys.exit(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    stages = [int(x) for x in args.stages.split(",") if x.strip()]
+    runs = [("ddp", None)] if "ddp" in systems else []
+    runs += [(system, stage) for stage in stages for system in systems if system != "ddp"]
     records: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="zs-bench-") as tmp:
-        for system in systems:
+        for system, stage in runs:
+            name = system if stage is None else f"{system}-z{stage}"
             if system == "deepspeed" and package_version("deepspeed") is None:
-                records[system] = {"status": "skipped",
-                                   "reason": "deepspeed not installed (use make bench-env)"}
+                records[name] = {"status": "skipped",
+                                 "reason": "deepspeed not installed (use make bench-env)"}
                 continue
-            result_path = Path(tmp) / f"{system}.json"
+            if stage is not None:
+                args.stage = stage
+            result_path = Path(tmp) / f"{name}.json"
             code = launch(args, system, result_path)
             if code != 0 or not result_path.exists():
-                records[system] = {"status": "failed", "reason": f"exit code {code}"}
+                records[name] = {"status": "failed", "reason": f"exit code {code}"}
             else:
-                records[system] = json.loads(result_path.read_text())
+                records[name] = json.loads(result_path.read_text())
     baseline = records.get("ddp")
-    rows = [_row(s, records[s], baseline) for s in systems]
+    rows = []
+    for name, rec in records.items():
+        stage_tag = name.rsplit("-", 1)[1] if "-z" in name else None
+        rows.append(_row(name, rec, baseline, records.get(f"deepspeed-{stage_tag}") if stage_tag else None))
     for row in rows:
         print("[bench] " + "  ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     if args.no_write:
         return
     params = {k: getattr(args, k) for k in ("num_procs", "steps", "warmup", "micro_batch",
-                                            "stage", "threads", "model", "ds_torch_adam")}
+                                            "stages", "threads", "model", "ds_torch_adam")}
     ok = [r for r in records.values() if r.get("status") == "ok"]
     if ok:
         params["num_params"] = ok[0]["num_params"]

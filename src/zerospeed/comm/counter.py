@@ -30,6 +30,7 @@ class OpStats:
     count: int = 0
     elements: int = 0
     bytes: int = 0
+    wire_elements: int = 0  # what the algorithm actually sent per rank, up to the (N-1)/N factor
 
 
 @dataclass
@@ -39,11 +40,17 @@ class CommCounter:
     ops: dict[str, OpStats] = field(default_factory=dict)
     generation: int = 0  # bumped by reset(), so a reader holding an old snapshot can tell
 
-    def record(self, op: str, numel: int, element_size: int) -> None:
+    def record(self, op: str, numel: int, element_size: int, wire_numel: int | None = None) -> None:
+        """Count one ``op`` over a logical message of ``numel`` elements.
+
+        ``wire_numel`` is what the chosen algorithm moves per rank (default: the ring figure,
+        twice the message for an all-reduce, once for the others; 0 for a world of one).
+        """
         stats = self.ops.setdefault(op, OpStats())
         stats.count += 1
         stats.elements += numel
         stats.bytes += numel * element_size
+        stats.wire_elements += numel * _TRAFFIC_WEIGHT.get(op, 1) if wire_numel is None else wire_numel
 
     def count(self, op: str) -> int:
         return self.ops[op].count if op in self.ops else 0
@@ -56,7 +63,8 @@ class CommCounter:
         return sum(self.elements(op) * _TRAFFIC_WEIGHT.get(op, 1) for op in ops)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        return {op: {"count": s.count, "elements": s.elements, "bytes": s.bytes} for op, s in self.ops.items()}
+        return {op: {"count": s.count, "elements": s.elements, "bytes": s.bytes, "wire_elements": s.wire_elements}
+                for op, s in self.ops.items()}
 
     def reset(self) -> None:
         self.ops.clear()

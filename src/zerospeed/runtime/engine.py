@@ -182,7 +182,7 @@ class ZeroSpeedEngine(nn.Module):
             self._comms_generation = comm.COUNTER.generation
         delta = {}
         for op, s in now.items():
-            before = self._comms_mark.get(op, {"count": 0, "elements": 0, "bytes": 0})
+            before = self._comms_mark.get(op, dict.fromkeys(s, 0))
             d = {k: s[k] - before[k] for k in s}
             if d["count"]:
                 delta[op] = d
