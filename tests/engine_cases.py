@@ -29,14 +29,18 @@ class TinyNet(nn.Module):
         return nn.functional.mse_loss(self.out(h).float(), y.float())
 
 
-def make_model() -> TinyNet:
+def make_model(frozen: bool = False) -> TinyNet:
+    """``frozen``: the middle layer does not train (requires_grad=False)."""
     torch.manual_seed(1234)
-    return TinyNet()
+    model = TinyNet()
+    if frozen:
+        model.mid.requires_grad_(False)
+    return model
 
 
 def param_groups(model: nn.Module) -> list[dict]:
     first = [model.inp.weight, model.inp.bias]
-    rest = [p for n, p in model.named_parameters() if not n.startswith("inp.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("inp.") and p.requires_grad]
     return [{"params": first, "lr": LR[0], "weight_decay": WEIGHT_DECAY[0]},
             {"params": rest, "lr": LR[1], "weight_decay": WEIGHT_DECAY[1]}]
 
@@ -56,9 +60,10 @@ def config(stage: int, gas: int, precision: str = "fp32", clip: float = 1.0, buc
     return cfg
 
 
-def reference_run(gas: int, clip: float = 1.0, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(gas: int, clip: float = 1.0, steps: int = STEPS,
+                  frozen: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single process, plain PyTorch: the global batch in ``gas`` micro-batches, mean loss."""
-    model = make_model()
+    model = make_model(frozen)
     opt = torch.optim.AdamW(param_groups(model), lr=0.05, betas=(0.9, 0.99), eps=1e-8, foreach=False)
     losses = []
     for step in range(steps):
@@ -76,12 +81,12 @@ def reference_run(gas: int, clip: float = 1.0, steps: int = STEPS) -> tuple[list
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def engine_run(cfg: dict, steps: int = STEPS) -> dict:
+def engine_run(cfg: dict, steps: int = STEPS, frozen: bool = False) -> dict:
     """Train with zerospeed on this rank's slice of each global batch; return losses, weights, stats."""
     import zerospeed
     from zerospeed import comm
 
-    model = make_model()
+    model = make_model(frozen)
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config=cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     gas = engine.gradient_accumulation_steps()

@@ -8,6 +8,7 @@ no clipping changes the summation order of the norm.
 """
 
 import pytest
+import torch
 
 from engine_cases import config, engine_run, max_rel_err, reference_run
 from zerospeed.testing import run_distributed
@@ -32,8 +33,35 @@ def test_fp32_matches_single_process_reference(stage, world, gas):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_active_clipping_and_frozen_parameters_match(stage):
+    """Clip at 0.05, far below the norms (~0.5), so every step is clipped; the middle layer is
+    frozen (requires_grad=False): it gets no bucket, no reduction and must stay untouched."""
+    ref_losses, ref_weights = reference_run(2, clip=0.05, frozen=True)
+    results = run_distributed(engine_run, 2, config(stage, 2, clip=0.05), 4, True)
+    for r in results:
+        assert r["norms"][0] > 0.05 * 5  # the clip really bites
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses)) < FP32_TOL
+        assert max_rel_err(r["weights"], ref_weights) < FP32_TOL
+        assert r["num_buckets"] == 3  # mid.weight's bucket is gone: [out.bias, out.weight], [inp.bias], [inp.weight]
+    from engine_cases import make_model
+
+    initial = dict(make_model(frozen=True).named_parameters())
+    assert all(torch.equal(results[0]["weights"][f"mid.{n}"], initial[f"mid.{n}"]) for n in ("weight", "bias"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fp16_with_dynamic_loss_scaling_tracks_fp32_reference(stage):
+    ref_losses, ref_weights = reference_run(2)
+    r = run_distributed(engine_run, 2, config(stage, 2, "fp16"))[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses)) < 1e-2
+    assert max_rel_err(r["weights"], ref_weights) < 2e-2
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("gas", [1, 4])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_bf16_tracks_fp32_reference(stage, world, gas):
     ref_losses, ref_weights = reference_run(gas)
