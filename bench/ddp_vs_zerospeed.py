@@ -160,6 +160,13 @@ def run_zerospeed(args: argparse.Namespace, model, batches, device) -> StepFn:
     engine, _opt, _loader, _sched = zerospeed.initialize(
         model=model, model_parameters=model.parameters(), config=cfg
     )
+    step = _engine_step_fn(engine, batches, device)
+    step.model_state_bytes = lambda: engine.memory_breakdown()["total"]  # type: ignore[attr-defined]
+    return step
+
+
+def _engine_step_fn(engine: Any, batches: list[Any], device: Any) -> StepFn:
+    """One training step of a DeepSpeed-API engine (zerospeed's or DeepSpeed's: the same calls)."""
 
     def step(i: int) -> float:
         x, y = batches[i]
@@ -169,7 +176,6 @@ def run_zerospeed(args: argparse.Namespace, model, batches, device) -> StepFn:
         _sync(device)
         return loss.item()
 
-    step.model_state_bytes = lambda: engine.memory_breakdown()["total"]  # type: ignore[attr-defined]
     return step
 
 
@@ -182,16 +188,7 @@ def run_deepspeed(args: argparse.Namespace, model, batches, device) -> StepFn:
     engine, _opt, _loader, _sched = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=cfg
     )
-
-    def step(i: int) -> float:
-        x, y = batches[i]
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        _sync(device)
-        return loss.item()
-
-    return step
+    return _engine_step_fn(engine, batches, device)
 
 
 RUNNERS: dict[str, Callable[..., StepFn]] = {
