@@ -45,7 +45,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
-SYSTEMS = ("ddp", "zerospeed", "deepspeed")
+SYSTEMS = ("ddp", "fsdp2", "zerospeed", "deepspeed")
 StepFn = Callable[[int], float]  # step index -> loss of that step (a Python float)
 
 
@@ -54,8 +54,8 @@ StepFn = Callable[[int], float]  # step index -> loss of that step (a Python flo
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help="comma-separated subset of " + ", ".join(SYSTEMS))
+    p.add_argument("--systems", default="ddp,zerospeed,deepspeed",
+                   help="comma-separated subset of " + ", ".join(SYSTEMS) + " (fsdp2 is the stage-3 peer)")
     p.add_argument("--num_procs", type=int, default=2, help="data-parallel processes")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
@@ -191,8 +191,33 @@ def run_deepspeed(args: argparse.Namespace, model, batches, device) -> StepFn:
     return _engine_step_fn(engine, batches, device)
 
 
+def run_fsdp2(args: argparse.Namespace, model, batches, device) -> StepFn:
+    """PyTorch FSDP2: ``fully_shard`` on every transformer block, then on the root (the
+    documented recipe), torch's AdamW over the DTensor parameters. Fully sharded, like ZeRO-3."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    model = model.to(device)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+    def step(i: int) -> float:
+        x, y = batches[i]
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        return loss.item()
+
+    return step
+
+
 RUNNERS: dict[str, Callable[..., StepFn]] = {
-    "ddp": run_ddp, "zerospeed": run_zerospeed, "deepspeed": run_deepspeed,
+    "ddp": run_ddp, "fsdp2": run_fsdp2, "zerospeed": run_zerospeed, "deepspeed": run_deepspeed,
 }
 
 
@@ -270,7 +295,7 @@ def _has_cuda() -> bool:
 
 
 def _row(system: str, rec: dict[str, Any], baseline: dict[str, Any] | None,
-         deepspeed: dict[str, Any] | None = None) -> dict[str, Any]:
+         deepspeed: dict[str, Any] | None = None, fsdp2: dict[str, Any] | None = None) -> dict[str, Any]:
     if rec.get("status") != "ok":
         return {"system": system, "status": rec.get("status"), "note": rec.get("reason", "")}
     median = max(rec["median_s_per_rank"])  # the step is as slow as its slowest rank
@@ -289,6 +314,9 @@ def _row(system: str, rec: dict[str, Any], baseline: dict[str, Any] | None,
     if deepspeed is not None and deepspeed.get("status") == "ok" and deepspeed is not rec:
         row["time_vs_deepspeed"] = median / max(deepspeed["median_s_per_rank"])
         row["rss_vs_deepspeed"] = peak / max(deepspeed["peak_rss_bytes_per_rank"])
+    if fsdp2 is not None and fsdp2.get("status") == "ok" and fsdp2 is not rec:
+        row["time_vs_fsdp2"] = median / max(fsdp2["median_s_per_rank"])
+        row["rss_vs_fsdp2"] = peak / max(fsdp2["peak_rss_bytes_per_rank"])
     if "model_state_bytes" in rec:
         row["model_state_rank0"] = format_bytes(rec["model_state_bytes"])
     return row
@@ -300,8 +328,8 @@ def driver_main(args: argparse.Namespace) -> None:
     if unknown:
         sys.exit(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
     stages = [int(x) for x in args.stages.split(",") if x.strip()]
-    runs = [("ddp", None)] if "ddp" in systems else []
-    runs += [(system, stage) for stage in stages for system in systems if system != "ddp"]
+    runs = [(s, None) for s in ("ddp", "fsdp2") if s in systems]
+    runs += [(system, stage) for stage in stages for system in systems if system not in ("ddp", "fsdp2")]
     records: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="zs-bench-") as tmp:
         for system, stage in runs:
@@ -322,7 +350,8 @@ def driver_main(args: argparse.Namespace) -> None:
     rows = []
     for name, rec in records.items():
         stage_tag = name.rsplit("-", 1)[1] if "-z" in name else None
-        rows.append(_row(name, rec, baseline, records.get(f"deepspeed-{stage_tag}") if stage_tag else None))
+        rows.append(_row(name, rec, baseline, records.get(f"deepspeed-{stage_tag}") if stage_tag else None,
+                         records.get("fsdp2") if stage_tag == "z3" else None))
     for row in rows:
         print("[bench] " + "  ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
