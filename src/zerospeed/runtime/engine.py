@@ -230,3 +230,9 @@ class ZeroSpeedEngine(nn.Module):
         return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save (``checkpoint.async_save``) has been published."""
+        from zerospeed.runtime.checkpointing import wait_for_checkpoint
+
+        wait_for_checkpoint(self)

@@ -99,6 +99,11 @@ class DataParallelStrategy:
         """This rank's shards, addressable by parameter name and offset (see :class:`ShardView`)."""
         return self.state.shard_views()
 
+    def after_checkpoint_load(self) -> None:
+        """Masters were overwritten by a checkpoint load: refresh the 16-bit parameters from them
+        and, when sharded, all-gather every bucket so each rank holds the full model again."""
+        self.state._publish_params()
+
     def managed_parameters(self) -> list[nn.Parameter]:
         """Parameters whose storage this strategy owns (the bucketed, trainable ones)."""
         return [p for b in self.buckets for p in b.params]

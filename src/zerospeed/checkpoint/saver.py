@@ -1,0 +1,331 @@
+"""Saving a training engine: snapshot, per-rank write, agreement, atomic publish (sync or async).
+
+Each data-parallel rank writes only its own shards (one safetensors file); no rank ever gathers
+the model. The phases, with an agreement among all ranks after each one that can fail, so that a
+failure on any rank makes every rank raise the same :class:`CheckpointSaveError` and nothing is
+published:
+
+1. snapshot (every rank): tensors to write and their piece records; rank 0 adds the JSON header
+   (optimizer hyperparameters, scheduler, loss scaler, counters, client_state, config). Tags are
+   compared across ranks (``checkpoint.tag_validation``).
+2. prepare (rank 0): create ``save_dir``, repair leftovers of an interrupted save, create the
+   temporary directory; its name travels to the other ranks.
+3. write (every rank): ``rank<r>.safetensors`` into the temporary directory, ``fsync``.
+4. publish (rank 0): ``index.json``, rename to ``save_dir/<tag>``, then ``latest``
+   (see :mod:`zerospeed.checkpoint.publish`).
+
+Asynchronous save (``checkpoint.async_save``): phases 1-2 run in the caller (the snapshot copies
+tensors to CPU memory, so training may change them right after), phases 3-4 in a background
+thread whose agreements use a dedicated gloo process group, so they never interleave with the
+training loop's collectives. ``wait(engine)`` joins it and re-raises its error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zerospeed
+from zerospeed import comm
+from zerospeed.checkpoint import publish
+from zerospeed.checkpoint.errors import CheckpointSaveError
+from zerospeed.checkpoint.index import INDEX_FILE, build_index, rank_file
+from zerospeed.checkpoint.jsonstate import capture_rng, encode
+from zerospeed.checkpoint.shards import LocalShards, add_full_tensor, all_views, collect_shards, master_is_weight
+from zerospeed.checkpoint.tensor_io import dtype_name, write_safetensors
+
+logger = logging.getLogger("zerospeed")
+
+
+@dataclass
+class SaveStats:
+    """Timings (seconds) and bytes of the last save on this rank."""
+
+    tag: str = ""
+    snapshot_s: float = 0.0  # blocking part of an async save
+    write_s: float = 0.0
+    publish_s: float = 0.0
+    total_s: float = 0.0
+    bytes_written: int = 0
+    path: str = ""
+
+
+@dataclass
+class _Snapshot:
+    shards: LocalShards
+    rng_meta: dict[str, Any]
+    header: dict[str, Any] | None  # rank 0 only
+    param_info: dict[str, dict[str, Any]] | None  # rank 0 only
+
+
+@dataclass
+class _AsyncSave:
+    thread: threading.Thread
+    error: BaseException | None = None
+    stats: SaveStats = field(default_factory=SaveStats)
+
+
+_PENDING: weakref.WeakKeyDictionary[Any, _AsyncSave] = weakref.WeakKeyDictionary()
+_LAST_STATS: weakref.WeakKeyDictionary[Any, SaveStats] = weakref.WeakKeyDictionary()
+_CKPT_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+# -- agreement ----------------------------------------------------------------------------------------
+
+_UNCHANGED = "nothing was published and the previous checkpoint and 'latest' are unchanged"
+
+
+def _agree(group: Any, what: str, error: str | None, payload: Any = None, consequence: str = _UNCHANGED) -> list[Any]:
+    """Gather ``(error, payload)`` from every rank; raise the same error on all if any rank failed."""
+    reports = comm.all_gather_object((error, payload), group=group)
+    failures = [f"rank {r}: {e}" for r, (e, _) in enumerate(reports) if e]
+    if failures:
+        raise CheckpointSaveError(f"checkpoint save failed while {what}; {consequence}:\n  " + "\n  ".join(failures))
+    return [p for _, p in reports]
+
+
+def _error_text(e: BaseException, action: str, path: str) -> str:
+    if isinstance(e, OSError):
+        return publish.describe_os_error(action, path, e)
+    return f"{type(e).__name__}: {e}"
+
+
+# -- snapshot -----------------------------------------------------------------------------------------
+
+def _module_entries(engine: Any, views: list[Any]) -> tuple[list[str], dict[str, str], dict[str, torch.Tensor]]:
+    """``state_dict`` keys in order, tied aliases of bucketed parameters, and the unbucketed entries."""
+    bucketed = {s.name for v in views for s in v.layout.slots}
+    module = engine.module
+    by_id = {id(p): n for n, p in module.named_parameters(remove_duplicate=False) if n in bucketed}
+    aliases, extras = {}, {}
+    sd = module.state_dict(keep_vars=True)
+    for key, value in sd.items():
+        if key in bucketed:
+            continue
+        if id(value) in by_id:
+            aliases[key] = by_id[id(value)]
+        elif torch.is_tensor(value):
+            extras[key] = value
+    return list(sd), aliases, extras
+
+
+def _param_groups_json(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        out = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            try:
+                out[key] = encode(value, f"optimizer.param_groups[{gi}][{key!r}]", None)
+            except TypeError as e:
+                logger.warning("zerospeed: not saving optimizer hyperparameter %s (%s)", key, e)
+        groups.append(out)
+    return groups
+
+
+def _config_json(engine: Any) -> Any:
+    raw = getattr(engine.config, "raw", None)
+    return json.loads(json.dumps(raw, default=repr)) if raw is not None else None
+
+
+def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) -> _Snapshot:
+    rank, world = engine.dp_rank, engine.dp_world_size
+    views = all_views(engine.strategy)
+    shards = collect_shards(views, engine.optimizer, rank, world, copy=copy)
+    rng_meta = capture_rng(shards.tensors)
+    if rank != 0:
+        return _Snapshot(shards, rng_meta, None, None)
+    keys, aliases, extras = _module_entries(engine, views)
+    param_info: dict[str, dict[str, Any]] = {}
+    for v in views:
+        separate = not master_is_weight(v)
+        kind = "param" if v.opt_tensors else "frozen"
+        for s in v.layout.slots:
+            param_info[s.name] = {"shape": list(s.shape), "dtype": dtype_name(v.param_shard.dtype), "kind": kind,
+                                  "group": v.layout.group_index if v.opt_tensors else None, "master": separate}
+    for j, (key, t) in enumerate(extras.items()):
+        add_full_tensor(shards, key, t, f"x{j}", copy=copy)
+        param_info[key] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                           "kind": "frozen" if isinstance(t, torch.nn.Parameter) else "buffer", "group": None,
+                           "master": False}
+    client_tensors: dict[str, torch.Tensor] = {}
+    client_json = encode(client_state, "client_state", client_tensors, key_prefix="client.")
+    shards.tensors.update(client_tensors)
+    opt = engine.optimizer
+    sched = engine.lr_scheduler
+    scaler = getattr(engine, "loss_scaler", None)
+    header = {
+        "tag": tag, "world_size": world, "zero_stage": int(engine.zero_stage),
+        "compute_dtype": dtype_name(engine.compute_dtype),
+        "zerospeed_version": zerospeed.__version__, "torch_version": torch.__version__, "created_unix": time.time(),
+        "state_dict_keys": keys, "aliases": aliases,
+        "optimizer": None if opt is None else {"class": type(opt).__name__, "param_groups": _param_groups_json(opt)},
+        "lr_scheduler": None if sched is None else encode(sched.state_dict(), "lr_scheduler.state_dict()", None),
+        "loss_scaler": None if scaler is None else encode(scaler.state_dict(), "loss_scaler.state_dict()", None),
+        "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
+                   "micro_steps": int(engine.micro_steps), "skipped_steps": int(engine.skipped_steps)},
+        "client_state": {"file": rank_file(0), "keys": sorted(client_tensors), "json": client_json},
+        "config": _config_json(engine),
+    }
+    return _Snapshot(shards, rng_meta, header, param_info)
+
+
+# -- the phases ---------------------------------------------------------------------------------------
+
+def _checkpoint_group(engine: Any) -> Any:
+    """A gloo group with the data-parallel ranks, for the background thread's agreements."""
+    if comm.get_world_size(engine.dp_group) == 1:
+        return None
+    ranks = tuple(dist.get_process_group_ranks(engine.dp_group) if engine.dp_group is not None
+                  else range(dist.get_world_size()))
+    if ranks not in _CKPT_GROUPS:
+        # new_group is collective over the whole world: every rank creates every dp group's copy
+        all_ranks = comm.all_gather_object(ranks)
+        for rs in dict.fromkeys(all_ranks):
+            group = dist.new_group(ranks=list(rs), backend="gloo")
+            _CKPT_GROUPS.setdefault(tuple(rs), group)
+    return _CKPT_GROUPS[ranks]
+
+
+def _write_and_publish(engine_rank: int, snap: _Snapshot, save_dir: str, tag: str, nonce: str, save_latest: bool,
+                       group: Any, stats: SaveStats) -> str:
+    tmp = publish.tmp_dir(save_dir, tag, nonce)
+    path = os.path.join(tmp, rank_file(engine_rank))
+    t0 = time.perf_counter()
+    error, record = None, None
+    publish.pause("write")
+    try:
+        publish.injected_failure(engine_rank, path)
+        rec = write_safetensors(path, snap.shards.tensors, {"format": "pt", "zerospeed": "checkpoint shard"})
+        stats.bytes_written = rec.num_bytes
+        record = {"file": dict(rec.to_json(), name=rec.name), "shards": snap.shards.shards,
+                  "pieces": snap.shards.pieces, "scalars": snap.shards.scalars,
+                  "state_keys": snap.shards.state_keys, "rng": snap.rng_meta}
+    except Exception as e:  # noqa: BLE001 - every failure must reach the agreement
+        error = _error_text(e, "write", path)
+    snap.shards.tensors.clear()  # free the snapshot as soon as it is on disk
+    stats.write_s = time.perf_counter() - t0
+    publish.pause("shards")
+    try:
+        records = _agree(group, "writing shards", error, record)
+    except CheckpointSaveError:
+        if engine_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    t1 = time.perf_counter()
+    final, error = os.path.join(save_dir, tag), None
+    if engine_rank == 0:
+        index_path = os.path.join(tmp, INDEX_FILE)
+        try:
+            assert snap.header is not None and snap.param_info is not None
+            index = build_index(snap.header, records, snap.param_info)
+            text = json.dumps(index, separators=(",", ":"))
+            with open(index_path, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            publish.pause("index")
+            final = publish.publish_dir(tmp, save_dir, tag, nonce)
+            publish.pause("latest")
+            if save_latest:
+                publish.write_text_atomic(os.path.join(save_dir, publish.LATEST_FILE), tag)
+        except Exception as e:  # noqa: BLE001
+            error = _error_text(e, "publish", index_path)
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+    _agree(group, "publishing", error, consequence="'latest' still names the previous checkpoint")
+    stats.publish_s = time.perf_counter() - t1
+    stats.path = final
+    return final
+
+
+def wait(engine: Any) -> SaveStats | None:
+    """Block until this engine's asynchronous save (if any) is published; re-raise its error."""
+    pending = _PENDING.pop(engine, None)
+    if pending is None:
+        return None
+    pending.thread.join()
+    if pending.error is not None:
+        raise pending.error
+    return pending.stats
+
+
+def pending(engine: Any) -> bool:
+    """True while an asynchronous save of this engine is still being written or published."""
+    job = _PENDING.get(engine)
+    return job is not None and job.thread.is_alive()
+
+
+def last_stats(engine: Any) -> SaveStats | None:
+    return _LAST_STATS.get(engine)
+
+
+def save(engine: Any, save_dir: str, tag: str | None, client_state: dict[str, Any] | None,
+         save_latest: bool, async_save: bool) -> bool:
+    """Save ``engine`` (see the module docstring). Returns True once published (sync) or started (async)."""
+    wait(engine)
+    group = engine.dp_group
+    rank = engine.dp_rank
+    stats = SaveStats()
+    t0 = time.perf_counter()
+    if tag is None:
+        tag = f"global_step{engine.global_steps}"
+    tag = publish.validate_tag(str(tag) if not isinstance(tag, str) else tag)
+    save_dir = os.fspath(save_dir)
+    error, snap = None, None
+    try:
+        snap = snapshot(engine, tag, dict(client_state or {}), copy=async_save)
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    tags = _agree(group, "taking the snapshot", error, tag)
+    if len(set(tags)) > 1:
+        mode = str(engine.config.checkpoint.tag_validation).lower()
+        msg = f"checkpoint tags differ across ranks ({', '.join(f'rank {r}: {t!r}' for r, t in enumerate(tags))})"
+        if mode == "fail":
+            raise CheckpointSaveError(msg + " and checkpoint.tag_validation is 'Fail'")
+        if mode == "warn" and rank == 0:
+            logger.warning("zerospeed: %s; saving under rank 0's tag %r", msg, tags[0])
+        tag = tags[0]
+    error, nonce = None, None
+    if rank == 0:
+        nonce = publish.new_nonce()
+        try:
+            publish.prepare_save_dir(save_dir)
+            os.mkdir(publish.tmp_dir(save_dir, tag, nonce))
+        except Exception as e:  # noqa: BLE001
+            error = _error_text(e, "create", publish.tmp_dir(save_dir, tag, nonce))
+    nonce = _agree(group, "preparing the directory", error, nonce)[0]
+    assert snap is not None
+    stats.tag = tag
+    if not async_save:
+        _write_and_publish(rank, snap, save_dir, tag, nonce, save_latest, group, stats)
+        stats.total_s = time.perf_counter() - t0
+        _LAST_STATS[engine] = stats
+        return True
+    bg_group = _checkpoint_group(engine)
+    stats.snapshot_s = time.perf_counter() - t0
+    job = _AsyncSave(threading.Thread(target=lambda: None), stats=stats)
+
+    def run() -> None:
+        try:
+            _write_and_publish(rank, snap, save_dir, tag, nonce, save_latest, bg_group, stats)
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            job.error = e
+        stats.total_s = time.perf_counter() - t0
+
+    job.thread = threading.Thread(target=run, name=f"zerospeed-ckpt-{tag}", daemon=False)
+    _PENDING[engine] = job
+    _LAST_STATS[engine] = stats
+    job.thread.start()
+    return True
