@@ -4,6 +4,13 @@ Measured, each in fresh gloo ranks started by :func:`zerospeed.testing.run_distr
 
 * ``zerospeed sync``: ``engine.save_checkpoint`` / ``engine.load_checkpoint`` at ``--world`` ranks,
   ZeRO ``--stage`` (median of ``--repeats``), bytes on disk per checkpoint;
+* ``DeepSpeed``: the same model, config (``--world``, ``--stage``, ``--precision``, AdamW) and
+  timing (median of ``--repeats``, barrier before and after, ``os.sync()`` before each save) with
+  DeepSpeed's own ``engine.save_checkpoint(dir, tag)`` / ``engine.load_checkpoint(dir, tag)``, in
+  the same run; skipped (with the reason) when ``deepspeed`` does not import (run under
+  ``.venv-bench`` with ``DS_ACCELERATOR=cpu``). DeepSpeed's default checkpoint engine does not
+  ``fsync``, so its save is also reported with an ``fsync`` of the files it wrote (the durability
+  zerospeed's save includes);
 * ``zerospeed resharded load``: that checkpoint loaded at world size 1, stage 0;
 * ``zerospeed async``: time the training loop is blocked by an asynchronous save (the CPU
   snapshot), time until it is published, and the training steps' times while it is written
@@ -19,7 +26,9 @@ shared machine); load figures compare the formats' CPU-side costs (parsing, chec
 resharding), not the disk.
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/checkpoint_bench.py [--world 2] [--stage 2]
-[--repeats 3] [--no_write]``
+[--repeats 3] [--no_deepspeed] [--no_write]``; with DeepSpeed: ``DS_ACCELERATOR=cpu
+TORCH_EXTENSIONS_DIR=$PWD/.venv-bench/torch_extensions OMP_NUM_THREADS=1 .venv-bench/bin/python
+bench/checkpoint_bench.py``
 """
 
 from __future__ import annotations
@@ -72,6 +81,65 @@ def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
+def _tree_files(path: str) -> list[str]:
+    return [os.path.join(dp, f) for dp, _, fs in os.walk(path) for f in fs]
+
+
+def _ds_engine(stage: int, precision: str):
+    """DeepSpeed's engine on the same model and config as :func:`_engine` (gloo, CPU accelerator)."""
+    import deepspeed
+    from gpt_model import GPT, gpt_bench
+
+    deepspeed.init_distributed(dist_backend="gloo")  # wraps the process group run_distributed made
+    torch.manual_seed(0)
+    model = GPT(gpt_bench())
+    cfg = _cfg(stage, precision)
+    cfg["steps_per_print"] = 10 ** 9  # DeepSpeed's "never"; 0 is zerospeed's
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def worker_deepspeed(stage: int, precision: str, root: str, repeats: int) -> dict:
+    import torch.distributed as dist
+
+    engine = _ds_engine(stage, precision)
+    _step(engine, 0)
+    saves, saves_fsync, loads = [], [], []
+    for i in range(repeats):
+        tag = f"t{i}"
+        os.sync()  # earlier writes' writeback must not be billed to this save
+        _barrier()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(root, tag=tag)
+        _barrier()
+        saves.append(time.perf_counter() - t0)
+        # DeepSpeed's TorchCheckpointEngine does not fsync; this rank's files (shared files by rank 0)
+        mine = [f for f in _tree_files(os.path.join(root, tag))
+                if f"zero_pp_rank_{dist.get_rank()}_" in os.path.basename(f)
+                or (dist.get_rank() == 0 and "zero_pp_rank_" not in os.path.basename(f))]
+        for f in mine:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _barrier()
+        saves_fsync.append(time.perf_counter() - t0)
+    files = _tree_files(os.path.join(root, f"t{repeats - 1}"))
+    nbytes = sum(os.path.getsize(f) for f in files)
+    for i in range(repeats):
+        _barrier()
+        t0 = time.perf_counter()
+        path, _ = engine.load_checkpoint(root, tag=f"t{i}")
+        _barrier()
+        loads.append(time.perf_counter() - t0)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed load_checkpoint({root!r}, tag='t{i}') loaded nothing")
+    _step(engine, 1)  # the loaded state trains
+    return {"save_s": saves, "save_fsync_s": saves_fsync, "load_s": loads, "bytes": nbytes,
+            "files": sorted(os.path.basename(f) for f in files)}
+
+
 def _barrier() -> None:
     import torch.distributed as dist
 
@@ -90,12 +158,14 @@ def worker_save_load(stage: int, precision: str, root: str, repeats: int) -> dic
         _barrier()
         t0 = time.perf_counter()
         engine.save_checkpoint(root, tag=f"t{i}")
+        _barrier()
         saves.append(time.perf_counter() - t0)
     nbytes = _dir_bytes(os.path.join(root, f"t{repeats - 1}"))
     for i in range(repeats):
         _barrier()
         t0 = time.perf_counter()
         engine.load_checkpoint(root, tag=f"t{i}")
+        _barrier()
         loads.append(time.perf_counter() - t0)
     # async: blocking part, time to publish, step times with and without a save in flight
     quiet = []
@@ -175,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="scratch directory (default: a new temporary directory)")
+    p.add_argument("--no_deepspeed", action="store_true", help="skip the DeepSpeed measurement")
     p.add_argument("--no_write", action="store_true", help="print only; do not write bench/results")
     args = p.parse_args(argv)
     root = args.dir or tempfile.mkdtemp(prefix="zs_ckpt_bench_")
@@ -185,6 +256,17 @@ def main(argv: list[str] | None = None) -> None:
                               timeout=900)
         save_s = max(med(r["save_s"]) for r in res)
         load_s = max(med(r["load_s"]) for r in res)
+        ds, ds_skip = None, None
+        if args.no_deepspeed:
+            ds_skip = "--no_deepspeed"
+        else:
+            try:
+                import deepspeed  # noqa: F401
+            except Exception as e:  # not installed (use .venv-bench), or its accelerator fails
+                ds_skip = f"deepspeed does not import: {type(e).__name__}: {e}".splitlines()[0][:200]
+        if ds_skip is None:
+            ds = run_distributed(worker_deepspeed, args.world, args.stage, args.precision,
+                                 os.path.join(root, "deepspeed"), args.repeats, timeout=1200)
         reshard = run_distributed(worker_load_only, 1, 0, args.precision, sharded, f"t{args.repeats - 1}",
                                   args.repeats, timeout=900)[0]
         cmp = run_distributed(worker_dcp_vs_ours, 1, root, args.repeats, timeout=900)[0]
@@ -198,6 +280,25 @@ def main(argv: list[str] | None = None) -> None:
          "bytes": res[0]["bytes"], "MB_per_s": round(res[0]["bytes"] / save_s / 1e6, 1)},
         {"what": f"zerospeed load, same layout", "seconds": round(load_s, 3), "bytes": res[0]["bytes"],
          "MB_per_s": round(res[0]["bytes"] / load_s / 1e6, 1)},
+    ]
+    what = f"world {args.world}, stage {args.stage}, {args.precision}"
+    if ds is not None:
+        ds_save = max(med(r["save_s"]) for r in ds)
+        ds_save_fsync = max(med(r["save_fsync_s"]) for r in ds)
+        ds_load = max(med(r["load_s"]) for r in ds)
+        nb = ds[0]["bytes"]
+        rows += [
+            {"what": f"DeepSpeed save_checkpoint, {what}", "seconds": round(ds_save, 3), "bytes": nb,
+             "MB_per_s": round(nb / ds_save / 1e6, 1)},
+            {"what": "DeepSpeed save_checkpoint + fsync of its files", "seconds": round(ds_save_fsync, 3),
+             "bytes": nb, "MB_per_s": round(nb / ds_save_fsync / 1e6, 1)},
+            {"what": "DeepSpeed load_checkpoint, same layout", "seconds": round(ds_load, 3), "bytes": nb,
+             "MB_per_s": round(nb / ds_load / 1e6, 1)},
+        ]
+    else:
+        rows += [{"what": f"DeepSpeed save_checkpoint / load_checkpoint, {what}", "seconds": "skipped",
+                  "bytes": "", "MB_per_s": "", "reason": ds_skip}]
+    rows += [
         {"what": "zerospeed load resharded to world 1, stage 0", "seconds": round(med(reshard), 3),
          "bytes": res[0]["bytes"], "MB_per_s": round(res[0]["bytes"] / med(reshard) / 1e6, 1)},
         {"what": "zerospeed async save: training blocked (snapshot)", "seconds": round(r0["async_blocking_s"], 3),
@@ -219,11 +320,27 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for row in rows:
         size = format_bytes(row["bytes"]) if isinstance(row["bytes"], int) else ""
-        print(f"{row['what']:<72} {row['seconds']:>8.3f} s  {size}")
+        secs = f"{row['seconds']:>8.3f} s" if isinstance(row["seconds"], float) else f"{row['seconds']:>10}"
+        print(f"{row['what']:<72} {secs}  {size}" + (f"  ({row['reason']})" if row.get("reason") else ""))
     ratio = med(cmp["dcp_load_s"]) / med(cmp["ours_load_s"])
+    ds_notes = []
+    if ds is not None:
+        ds_notes = [
+            f"zerospeed / DeepSpeed at {what} (below 1: zerospeed faster): save {save_s / ds_save:.2f}x "
+            f"({save_s / ds_save_fsync:.2f}x against DeepSpeed save + fsync), load {load_s / ds_load:.2f}x; "
+            f"bytes {res[0]['bytes'] / ds[0]['bytes']:.3f}x",
+            "DeepSpeed files per tag: " + ", ".join(ds[0]["files"]) + "; its default checkpoint engine "
+            "(torch.save) does not fsync, zerospeed's save does, hence the '+ fsync' row",
+            "both sides: median of --repeats per rank, the slower rank reported, barrier before and after "
+            "each timed call, os.sync() before each save",
+        ]
+    else:
+        ds_notes = [f"DeepSpeed row skipped: {ds_skip}"]
+    for n in ds_notes[:1]:
+        print(n)
     print(f"load time DCP / zerospeed at world 1: {ratio:.2f}x")
     if not args.no_write:
-        notes = [f"load time DCP / zerospeed at world 1: {ratio:.2f}x",
+        notes = ds_notes + [f"load time DCP / zerospeed at world 1: {ratio:.2f}x",
                  "loads read freshly written files (page cache) for both formats; zerospeed verifies a CRC-32 "
                  "of every tensor it reads, DCP verifies nothing",
                  "async: the training loop is blocked only for the CPU snapshot; the step times during the "
