@@ -65,6 +65,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     gpt_cfg = gpt_small()
     model = GPT(gpt_cfg)
+    num_params = sum(p.numel() for p in model.parameters())  # before initialize: stage 3 partitions them
     with open(args.config) as f:
         config = json.load(f)
     dataset = SyntheticTextDataset(seq_len=gpt_cfg.seq_len, num_samples=4096, seed=0)
@@ -72,7 +73,6 @@ def main() -> None:
                                                 training_data=dataset, config=config)
     gas = engine.gradient_accumulation_steps()
     tokens_per_step = engine.train_batch_size() * gpt_cfg.seq_len
-    num_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"zerospeed demo: GPT {num_params / 1e6:.2f}M parameters, ZeRO stage {engine.zero_stage}, "
               f"{engine.config.precision}, {world} processes, global batch {engine.train_batch_size()} "

@@ -245,3 +245,46 @@ def test_dataloader_gives_each_rank_a_disjoint_slice_of_micro_batches():
     assert sorted(rows0 + rows1) == list(range(16)) and not set(rows0) & set(rows1)
 
 
+
+
+def _offload_refused(key):
+    import zerospeed
+
+    cfg = config(2, 1)
+    cfg["zero_optimization"][key] = {"device": "cpu"}
+    try:
+        zerospeed.initialize(model=make_model(), config=cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
+def test_offload_is_refused_not_silently_ignored(key):
+    message = run_distributed(_offload_refused, 1, key)[0]
+    assert message is not None and f"zero_optimization.{key}.device" in message and "not built" in message
+
+
+def _consolidated(stage):
+    import zerospeed
+
+    model = make_model()
+    engine, *_ = zerospeed.initialize(model=model, config=config(stage, 1))
+    x, y = global_batch(0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+    engine.step()
+    full = {n: p.detach().clone() for n, p in engine.module.named_parameters()} if stage < 3 else None
+    return engine.consolidated_state_dict(), full
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_consolidated_state_dict_is_full_on_rank0_only(stage):
+    (sd0, full0), (sd1, _) = run_distributed(_consolidated, 2, stage)
+    assert sd1 == {}
+    shapes = {n: tuple(p.shape) for n, p in make_model().named_parameters()}
+    assert {k: tuple(v.shape) for k, v in sd0.items()} == shapes
+    if full0 is not None:
+        assert all(torch.equal(sd0[k], full0[k]) for k in shapes)

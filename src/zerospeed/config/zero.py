@@ -18,6 +18,8 @@ Decisions:
 * The stage is accepted in 0..3; whether the engine builds a given stage is the engine's concern.
 * ``offload_*.device == "nvme"`` requires ``nvme_path`` (DeepSpeed fails later, at swap time).
 * Partial optimizer offload (``ratio`` < 1) is only valid with stage 3 (DeepSpeed rule).
+* ``stage3_collective_timeout_s`` (default 600) is a zerospeed extension: the ZeRO-3 divergence
+  watchdog's wait limit per collective (see :mod:`zerospeed.zero.stage3.watchdog`).
 * Keys that switch on features zerospeed lacks (ZeRO++ quantization, hpZ, ZenFlow, SuperOffload,
   GDS) are refused before validation by :mod:`zerospeed.config.removed`; what reaches this module
   is off, so those keys are not fields here.
@@ -30,7 +32,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, model_validator
 
-from .fields import Bool, Fraction, NonNegInt, PosFraction, PosInt, Section, Str, fail, one_of
+from .fields import Bool, Fraction, NonNegFloat, NonNegInt, PosFraction, PosInt, Section, Str, fail, one_of
 
 OffloadDevice = Annotated[
     Literal["none", "cpu", "nvme"], one_of("none", "cpu", "nvme", case_insensitive=True)
@@ -127,6 +129,10 @@ class ZeroConfig(Section):
             "stage3_gather_fp16_weights_on_model_save",
         ),
     )
+    stage3_collective_timeout_s: NonNegFloat = 600.0
+    """zerospeed extension (not a DeepSpeed key): seconds a ZeRO-3 parameter gather or gradient
+    reduce-scatter waits for its peers before failing with a report of which rank is at which module
+    (control flow that differs between ranks, a dead peer) instead of hanging; 0 waits forever."""
     stage3_module_granularity_threshold: NonNegInt = 0
     stage3_use_all_reduce_for_fetch_params: Bool = False
     stage3_allgather_sequential: Bool = False

@@ -63,6 +63,12 @@ class ZeroSpeedEngine(nn.Module):
                                   f"ZeRO stage {stage} runs the optimizer on flat shards, which is exact only for "
                                   f"element-wise optimizers ({', '.join(ELEMENTWISE_OPTIMIZERS)}); {name} is not one. "
                                   "Use stage 0, or set zero_allow_untested_optimizer: true if it is element-wise")
+        for key in ("offload_optimizer", "offload_param"):
+            section = getattr(config.zero_optimization, key)
+            if section is not None and section.enabled:
+                raise ConfigError(f"zero_optimization.{key}.device",
+                                  f"{section.device!r}: offloading is not built in this version of zerospeed; "
+                                  "remove the section or set device to 'none'")
         self.module = model
         self.config = config
         self.optimizer = optimizer
@@ -211,6 +217,18 @@ class ZeroSpeedEngine(nn.Module):
         out["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in bucketed)
         out["total"] = out["params"] + out["grads"] + out["master_params"] + out["optimizer_states"]
         return out
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) module state dict on data-parallel rank 0, ``{}`` on the others.
+
+        Every rank must call it: under stage 3 it all-gathers the partitioned parameters.
+        """
+        gather = getattr(self.strategy, "consolidated_state_dict", None)
+        if gather is not None:
+            return gather()
+        if self.dp_rank != 0:
+            return {}
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def wall_clock(self) -> dict[str, float]:
         return dict(self._timers)

@@ -7,19 +7,28 @@ Every strategy offers the same interface (see :class:`zerospeed.zero.strategy.Da
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zerospeed.zero.strategy import DataParallelStrategy, StageOptions
 
-BUILT_STAGES = (0, 1, 2)
+if TYPE_CHECKING:
+    from zerospeed.zero.stage3.strategy import Stage3Strategy
+
+BUILT_STAGES = (0, 1, 2, 3)
 
 
 def build_strategy(module: nn.Module, optimizer: torch.optim.Optimizer, options: StageOptions, zero_config: object,
-                   dp_group: dist.ProcessGroup | None, dp_rank: int, dp_world_size: int) -> DataParallelStrategy:
+                   dp_group: dist.ProcessGroup | None, dp_rank: int,
+                   dp_world_size: int) -> DataParallelStrategy | Stage3Strategy:
     """The strategy object for ``options.stage``; ``zero_config`` is the parsed zero_optimization section."""
-    del zero_config  # stage 3 reads its stage3_* knobs from it
     if options.stage in (0, 1, 2):
         return DataParallelStrategy(module, optimizer, options, dp_group, dp_rank, dp_world_size)
+    if options.stage == 3:  # reads its stage3_* knobs from zero_config
+        from zerospeed.zero.stage3.strategy import Stage3Strategy
+
+        return Stage3Strategy(module, optimizer, options, zero_config, dp_group, dp_rank, dp_world_size)
     raise ValueError(f"no strategy for ZeRO stage {options.stage}")

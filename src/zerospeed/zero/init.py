@@ -1,0 +1,203 @@
+"""DeepSpeed's ZeRO-3 user API: ``zero.Init``, ``zero.GatheredParameters``, external parameters.
+
+* ``with zero.Init(config_dict_or_path=ds_config): model = MyModel()`` partitions each module's
+  parameters as soon as its constructor returns (see :mod:`zerospeed.zero.stage3.construction`),
+  so no rank ever materialises the whole model; ``initialize`` then adopts the partitioned model.
+* ``with zero.GatheredParameters(params, modifier_rank=None):`` gathers full parameters for
+  reading; with ``modifier_rank=r`` the values rank ``r`` leaves in them are broadcast on exit and
+  every rank re-partitions them (its 16-bit shard and its fp32 master shard). Without a modifier
+  rank, modifications are discarded. On parameters that are not partitioned it does nothing.
+* ``zero.register_external_parameter(module, param)``: ``module``'s forward uses ``param``
+  although another module owns it; ZeRO-3 gathers it around ``module``'s forward and backward.
+  Tied parameters (one ``Parameter`` registered in two modules, e.g. a tied embedding and LM head)
+  are detected without registration.
+
+Decisions: ``zero.Init``'s dtype is ``dtype=`` if given, else the config's precision (bf16 / fp16),
+else each parameter keeps its dtype. ``config`` may omit the batch size keys (they do not matter
+here). ``remote_device="cpu"`` keeps shards in CPU memory (the engine moves nothing back: use it
+with CPU training); NVMe and model-parallel options are not supported and raise.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_active: list[Any] = []  # ConstructionPartitioner stack of nested Init contexts
+
+
+def _parse_config(config: Any) -> Any:
+    from zerospeed.config import ZeroSpeedConfig, load_config
+
+    if config is None or isinstance(config, ZeroSpeedConfig):
+        return config
+    batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu")
+    if isinstance(config, dict) and not any(k in config for k in batch_keys):
+        config = {**copy.deepcopy(config), "train_micro_batch_size_per_gpu": 1}
+    from zerospeed import comm
+
+    return load_config(config, dp_world_size=comm.get_world_size())
+
+
+class Init:
+    """Partition parameters as the model is built (DeepSpeed's ``deepspeed.zero.Init``)."""
+
+    def __init__(self, module: nn.Module | None = None, data_parallel_group: dist.ProcessGroup | None = None,
+                 mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
+                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
+                 dtype: torch.dtype | None = None, mpu: Any = None, zero_param_parallel_group: Any = None,
+                 zero_quantized_weights: bool = False, zero_quantized_nontrainable_weights: bool = False,
+                 sequence_data_parallel_group: Any = None, param_swapper: Any = None) -> None:
+        del mem_efficient_linear, pin_memory  # DeepSpeed knobs with no effect here
+        for name, value in (("mpu", mpu), ("zero_param_parallel_group", zero_param_parallel_group),
+                            ("sequence_data_parallel_group", sequence_data_parallel_group),
+                            ("param_swapper", param_swapper)):
+            if value is not None:
+                raise ValueError(f"zero.Init: {name} is not supported by zerospeed; pass None")
+        if zero_quantized_weights or zero_quantized_nontrainable_weights:
+            raise ValueError("zero.Init: quantized weights (ZeRO++) are not supported by zerospeed")
+        if remote_device not in (None, "none", "cpu"):
+            raise ValueError(f"zero.Init: remote_device={remote_device!r} is not supported (None or 'cpu')")
+        if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"zero.Init: dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+        self.enabled = enabled
+        if not enabled:
+            return
+        from zerospeed import comm
+
+        comm.init_distributed()
+        cfg = _parse_config(config if config is not None else config_dict_or_path)
+        self.dtype = dtype if dtype is not None else (_DTYPES[cfg.precision] if cfg is not None else None)
+        self.timeout_s = cfg.zero_optimization.stage3_collective_timeout_s if cfg is not None else None
+        self.group = data_parallel_group
+        self.device = torch.device("cpu") if remote_device == "cpu" else comm.device_for_backend()
+        self._partitioner: Any = None
+        if module is not None:
+            self._make_partitioner().partition_module(module)
+
+    def _make_partitioner(self) -> Any:
+        from zerospeed.zero.stage3.construction import ConstructionPartitioner
+
+        return ConstructionPartitioner(self.group, self.dtype, self.device, self.timeout_s)
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        if _active:  # nested: the outermost context's hooks already see every registration
+            return self
+        self._partitioner = self._make_partitioner()
+        self._partitioner.start()
+        _active.append(self._partitioner)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled or self._partitioner is None:
+            return
+        _active.remove(self._partitioner)
+        partitioner, self._partitioner = self._partitioner, None
+        partitioner.stop()
+
+
+def _params_of(params: Any) -> list[nn.Parameter]:
+    if params is None:
+        return []
+    if torch.is_tensor(params):
+        return [params]
+    return [p for p in params if p is not None]
+
+
+class GatheredParameters:
+    """Gather partitioned parameters for the duration of the context (DeepSpeed's API)."""
+
+    def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
+                 enabled: bool = True) -> None:
+        self.params = _params_of(params)
+        self.modifier_rank = modifier_rank
+        self.fwd_module = fwd_module
+        self.enabled = enabled
+        self._groups: list[tuple[Any, list[Any]]] = []
+
+    def __enter__(self) -> "GatheredParameters":
+        if not self.enabled:
+            return self
+        from zerospeed.zero.stage3 import registry
+
+        by_owner: dict[int, tuple[Any, list[Any]]] = {}
+        for p in self.params:
+            found = registry.lookup(p)
+            if found is None:
+                continue
+            bucket = found[0]
+            owner, buckets = by_owner.setdefault(id(bucket.owner), (bucket.owner, []))
+            if all(b is not bucket for b in buckets):
+                buckets.append(bucket)
+            if self.fwd_module is not None:
+                register_external_parameter(self.fwd_module, p)
+        self._groups = list(by_owner.values())
+        for owner, buckets in self._groups:
+            owner.pin(buckets, "GatheredParameters")
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if not self.enabled or not self._groups:
+            return
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                self._broadcast_and_repartition()
+        finally:
+            for owner, buckets in self._groups:
+                owner.unpin(buckets)
+            self._groups = []
+
+    def _broadcast_and_repartition(self) -> None:
+        from zerospeed import comm
+
+        for owner, buckets in self._groups:
+            for b in buckets:
+                if comm.get_rank() == self.modifier_rank:
+                    b.adopt_user_writes()
+            works = []
+            for b in buckets:
+                owner.watchdog.note_collective("broadcast", f"{b.name} [GatheredParameters]")
+                works.append((b, comm.broadcast(b.full_buffer(), src=self.modifier_rank, group=b.group,
+                                                async_op=True)))
+            for b, work in works:
+                owner.watchdog.wait(work, "broadcast", b.name)
+                b.write_back_shard()
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Tell ZeRO-3 that ``module``'s forward uses ``parameter``, which another module owns."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_external_parameter: module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(parameter, nn.Parameter):
+        raise TypeError("register_external_parameter: parameter must be a torch.nn.Parameter, got "
+                        f"{type(parameter).__name__}")
+    from zerospeed.zero.stage3 import registry
+
+    registry.add_external(module, parameter)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Undo :func:`register_external_parameter`."""
+    if not isinstance(module, nn.Module) or not isinstance(parameter, nn.Parameter):
+        raise TypeError("unregister_external_parameter(module: nn.Module, parameter: nn.Parameter)")
+    from zerospeed.zero.stage3 import registry
+
+    registry.remove_external(module, parameter)
+
+
+def is_partitioned(param: Any) -> bool:
+    """True when ``param`` is partitioned by ZeRO-3 (by ``zero.Init`` or a stage-3 engine)."""
+    from zerospeed.zero.stage3 import registry
+
+    return registry.lookup(param) is not None
+
+
+__all__ = ["GatheredParameters", "Init", "is_partitioned", "register_external_parameter",
+           "unregister_external_parameter"]

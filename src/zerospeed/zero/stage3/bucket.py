@@ -1,0 +1,233 @@
+"""One ZeRO-3 bucket: a flat run of parameters sharded over the data-parallel group.
+
+A :class:`Stage3Bucket` is the only code that changes what a parameter's ``.data`` is. Between
+uses a parameter's ``.data`` is an empty 1-D tensor (``shape == (0,)``, as in DeepSpeed), so an
+accidental use outside a gather fails loudly on the shape instead of reading stale memory, and
+``module.to(dtype)`` on a partitioned model is harmless. While gathered, ``.data`` is a view of
+the bucket's flat full buffer.
+
+Memory model (the FSDP one): the full buffer is a single tensor whose *storage* is resized to 0
+bytes on release and back to full size on gather. Autograd may have saved views of a weight in
+forward (``F.linear`` saves ``weight.t()``); those views share this storage, so releasing really
+frees the memory, and re-gathering into the same storage before the module's backward makes them
+valid again. Nothing ever reads the storage while it is 0 bytes because ``param.data`` is swapped
+to the empty placeholder first.
+
+Invariants: ``shard`` holds elements ``[shard_start, shard_end)`` of the bucket's flat layout
+(:class:`~zerospeed.zero.layout.BucketLayout`, padded to a multiple of N, padding zero) in the
+model dtype and is the authoritative copy of the parameters; ``grad_shard`` (trainable buckets)
+is this rank's reduced gradient range, summed over ranks and micro-batches, in the model dtype;
+``master`` is the fp32 master shard when it is a separate tensor (mixed precision), else None.
+
+The bucket holds its parameters weakly (the process-wide registry maps a live parameter to its
+bucket), so a model that is dropped frees its shards. Lifecycle counters (``fwd_refs``,
+``bwd_active``...) are plain fields owned by :class:`~zerospeed.zero.stage3.hooks.Stage3Runtime`
+and :class:`~zerospeed.zero.init.GatheredParameters`; the bucket only says whether anyone uses it.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerospeed import comm
+from zerospeed.zero.layout import BucketLayout
+
+
+class BucketState(enum.Enum):
+    RELEASED = "released"  # only the shard exists
+    INFLIGHT = "inflight"  # all-gather started, not waited for
+    GATHERED = "gathered"  # full buffer valid, parameters point into it
+
+
+class Stage3Bucket:
+    def __init__(self, layout: BucketLayout, params: Sequence[nn.Parameter], values: Sequence[torch.Tensor],
+                 dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup | None, rank: int, name: str,
+                 persistent: bool = False, trainable: bool = False) -> None:
+        if len(params) != len(layout.slots) or len(values) != len(layout.slots):
+            raise ValueError(f"bucket {name!r}: {len(layout.slots)} slots, {len(params)} parameters, "
+                             f"{len(values)} values")
+        self.layout = layout
+        self.name = name
+        self.dtype = dtype
+        self.device = device
+        self.group = group
+        self.persistent = persistent
+        self.trainable = trainable
+        self._param_refs = [weakref.ref(p) for p in params]
+        self.grad_slots = tuple(i for i, p in enumerate(params) if p.requires_grad)
+        self.shard_start, self.shard_end = layout.shard_range(rank)
+        self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for piece in layout.pieces(rank):
+                src = values[self._slot_pos(piece.slot)].reshape(-1).narrow(0, piece.param_start, piece.numel)
+                self.shard.narrow(0, piece.shard_start, piece.numel).copy_(src)
+        self.grad_shard = torch.zeros_like(self.shard) if trainable else None
+        self.master: torch.Tensor | None = None
+
+        self._full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+        self._full_nbytes = self._full.untyped_storage().nbytes()
+        # views are made while the storage is allocated; they stay valid across resizes
+        self._views = [self._full.narrow(0, s.offset, s.numel).view(s.shape) for s in layout.slots]
+        self._full.untyped_storage().resize_(0)
+        self._placeholder = torch.empty(0, dtype=dtype, device=device)
+        self.state = BucketState.RELEASED
+        self.work: Any = None
+        # lifecycle, owned by the runtime / GatheredParameters
+        self.fwd_refs = 0
+        self.pins = 0
+        self.bwd_active = False
+        self.bwd_calls = 0
+        self.prefetched = False
+        self.owner: Any = None  # the gatherer that accounts for this bucket's gathers
+        with torch.no_grad():
+            for p in params:
+                p.data = self._placeholder
+
+    def _slot_pos(self, slot: Any) -> int:
+        return self.layout.slots.index(slot)
+
+    # -- parameters -------------------------------------------------------------------------------
+    @property
+    def params(self) -> list[nn.Parameter]:
+        out = []
+        for ref in self._param_refs:
+            p = ref()
+            if p is None:
+                raise RuntimeError(f"ZeRO-3 bucket {self.name!r}: a parameter was garbage-collected while its "
+                                   "bucket is still in use")
+            out.append(p)
+        return out
+
+    def live_params(self) -> list[tuple[int, nn.Parameter]]:
+        """(slot position, parameter) for the parameters that still exist."""
+        return [(i, p) for i, ref in enumerate(self._param_refs) if (p := ref()) is not None]
+
+    @property
+    def index(self) -> int:
+        return self.layout.index
+
+    @property
+    def num_grad_params(self) -> int:
+        return len(self.grad_slots)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.layout.padded_numel
+
+    @property
+    def full_bytes(self) -> int:
+        return self._full_nbytes
+
+    def in_use(self) -> bool:
+        return bool(self.fwd_refs or self.pins or self.bwd_active or self.bwd_calls)
+
+    # -- the gather / release cycle ---------------------------------------------------------------
+    def start_gather(self) -> Any:
+        """Allocate the full buffer and start the all-gather of every rank's shard into it."""
+        if self.state is not BucketState.RELEASED:
+            raise RuntimeError(f"ZeRO-3 bucket {self.name!r}: gather started while {self.state.value}")
+        self._full.untyped_storage().resize_(self._full_nbytes)
+        self.work = comm.all_gather(self._full, self.shard, group=self.group, async_op=True)
+        self.state = BucketState.INFLIGHT
+        return self.work
+
+    def finish_gather(self, attach: bool = True) -> None:
+        """After the all-gather was waited for: point the parameters at the full buffer."""
+        if self.state is not BucketState.INFLIGHT:
+            raise RuntimeError(f"ZeRO-3 bucket {self.name!r}: finish_gather while {self.state.value}")
+        self.work = None
+        self.state = BucketState.GATHERED
+        if attach:
+            self.attach()
+
+    def attach(self) -> None:
+        with torch.no_grad():
+            for i, p in self.live_params():
+                p.data = self._views[i]
+
+    def refresh_in_place(self) -> Any:
+        """Start re-gathering a GATHERED bucket into its live buffer (persistent buckets after a step)."""
+        if self.state is not BucketState.GATHERED:
+            raise RuntimeError(f"ZeRO-3 bucket {self.name!r}: refresh while {self.state.value}")
+        self.work = comm.all_gather(self._full, self.shard, group=self.group, async_op=True)
+        self.state = BucketState.INFLIGHT
+        return self.work
+
+    def release(self) -> None:
+        """Point the parameters back at the empty placeholder and free the full buffer."""
+        if self.state is BucketState.INFLIGHT:
+            raise RuntimeError(f"ZeRO-3 bucket {self.name!r}: release while its all-gather is in flight")
+        if self.state is BucketState.RELEASED:
+            return
+        with torch.no_grad():
+            for _, p in self.live_params():
+                p.data = self._placeholder
+        self._full.untyped_storage().resize_(0)
+        self.state = BucketState.RELEASED
+        self.prefetched = False
+
+    def discard(self) -> None:
+        """Free everything and forget the parameters without touching them (they were re-bucketed)."""
+        self._full.untyped_storage().resize_(0)
+        self.shard = self._placeholder
+        self.grad_shard = None
+        self.master = None
+        self._param_refs = []
+        self.state = BucketState.RELEASED
+        self.work = None
+
+    # -- access to the gathered values ------------------------------------------------------------
+    def full_buffer(self) -> torch.Tensor:
+        if self.state is not BucketState.GATHERED:
+            raise RuntimeError(f"ZeRO-3 bucket {self.name!r} is not gathered ({self.state.value})")
+        return self._full
+
+    def slot_view(self, i: int) -> torch.Tensor:
+        self.full_buffer()
+        return self._views[i]
+
+    def adopt_user_writes(self) -> None:
+        """Copy into the full buffer any parameter whose ``.data`` user code replaced while gathered."""
+        with torch.no_grad():
+            for i, p in self.live_params():
+                view = self._views[i]
+                if p.data.data_ptr() != view.data_ptr() or p.data.shape != view.shape:
+                    if p.data.numel() != view.numel():
+                        raise ValueError(f"parameter {self.layout.slots[i].name!r} was replaced by a tensor of "
+                                         f"shape {tuple(p.data.shape)}; ZeRO-3 needs {tuple(view.shape)}")
+                    view.copy_(p.data.reshape(view.shape))
+                    p.data = view
+
+    def write_back_shard(self) -> None:
+        """Make the shard (and the fp32 master) this rank's range of the gathered full buffer."""
+        full = self.full_buffer()
+        with torch.no_grad():
+            self.shard.copy_(full.narrow(0, self.shard_start, self.shard_end - self.shard_start))
+            if self.master is not None:
+                self.master.copy_(self.shard)
+
+    # -- the interface ShardedOptimizerState reads ------------------------------------------------
+    def param_shard(self) -> torch.Tensor:
+        return self.shard
+
+    def reduced_grad(self) -> torch.Tensor:
+        if self.grad_shard is None:
+            raise RuntimeError(f"ZeRO-3 bucket {self.name!r} holds no trainable parameters")
+        return self.grad_shard
+
+    # -- accounting -------------------------------------------------------------------------------
+    def shard_bytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size()
+
+    def grad_bytes(self) -> int:
+        return 0 if self.grad_shard is None else self.grad_shard.numel() * self.grad_shard.element_size()
+
+    def __repr__(self) -> str:
+        return (f"Stage3Bucket({self.name!r}, {len(self.layout.slots)} params, {self.layout.padded_numel} elements, "
+                f"{self.state.value}{', persistent' if self.persistent else ''})")

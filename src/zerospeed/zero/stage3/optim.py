@@ -1,0 +1,31 @@
+"""The ZeRO-3 optimizer step: stage 1-2's sharded step, minus the parameter all-gather.
+
+:class:`~zerospeed.zero.partitioned_optimizer.ShardedOptimizerState` already does what stage 3
+needs on flat shards: one fp32 master shard per bucket (the 16-bit parameter shard itself when
+training in fp32), the optimizer's groups re-pointed at them, the global norm with one scalar
+all-reduce, overflow skip, and a single averaging / unscaling / clipping multiply. Stages 1-2 then
+all-gather every bucket; stage 3 only refreshes its parameter shards from the masters, because
+parameters are gathered when a module next needs them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zerospeed.zero.partitioned_optimizer import ShardedOptimizerState
+from zerospeed.zero.stage3.bucket import Stage3Bucket
+
+
+class Stage3OptimizerState(ShardedOptimizerState):
+    def __init__(self, buckets: list[Stage3Bucket], optimizer: torch.optim.Optimizer,
+                 dp_group: dist.ProcessGroup | None, dp_world_size: int) -> None:
+        super().__init__(buckets, optimizer, torch.float32, True, dp_group, dp_world_size)  # type: ignore[arg-type]
+        for b, master in zip(buckets, self.masters):
+            b.master = None if master is b.shard else master
+
+    def _publish_params(self) -> None:
+        with torch.no_grad():
+            for b, master in zip(self.buckets, self.masters):
+                if master is not b.shard:
+                    b.shard.copy_(master)

@@ -1,0 +1,85 @@
+"""Process-wide maps from live parameters / modules to ZeRO-3 state (nothing is stored on them).
+
+* parameter -> (its :class:`~zerospeed.zero.stage3.bucket.Stage3Bucket`, slot position): filled by
+  ``zero.Init`` and by the stage-3 strategy; read by ``GatheredParameters`` and by the strategy
+  when it adopts a model that ``zero.Init`` already partitioned.
+* module -> external parameters (``zero.register_external_parameter``): parameters a module's
+  forward uses although another module owns them; the runtime gathers them around that forward.
+
+Entries are keyed by ``id()`` and hold the parameter / module through a weak reference whose
+callback removes the entry, so the registry never keeps a model alive. The registry holds buckets
+strongly: a bucket lives as long as any of its parameters does (the bucket holds its parameters
+weakly), which is what keeps a ``zero.Init`` model's shards alive until an engine adopts them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+from torch import nn
+
+_params: dict[int, tuple[weakref.ref, Any, int]] = {}
+_external: dict[int, tuple[weakref.ref, list[weakref.ref]]] = {}
+_listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _dropper(table: dict[int, Any], key: int) -> Callable[[Any], None]:
+    def drop(ref: weakref.ref) -> None:
+        entry = table.get(key)
+        if entry is not None and entry[0] is ref:
+            del table[key]
+
+    return drop
+
+
+def add_bucket(bucket: Any) -> None:
+    for pos, p in bucket.live_params():
+        key = id(p)
+        _params[key] = (weakref.ref(p, _dropper(_params, key)), bucket, pos)
+
+
+def remove_bucket(bucket: Any) -> None:
+    for key in [k for k, (_, b, _) in _params.items() if b is bucket]:
+        del _params[key]
+
+
+def lookup(param: Any) -> tuple[Any, int] | None:
+    """The bucket holding ``param`` and its slot position, or None when it is not partitioned."""
+    entry = _params.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1], entry[2]
+
+
+def add_external(module: nn.Module, param: nn.Parameter) -> None:
+    key = id(module)
+    entry = _external.get(key)
+    if entry is None or entry[0]() is not module:
+        entry = (weakref.ref(module, _dropper(_external, key)), [])
+        _external[key] = entry
+    if not any(r() is param for r in entry[1]):
+        entry[1].append(weakref.ref(param))
+    for listener in list(_listeners):
+        listener.on_external_parameter(module, param)
+
+
+def remove_external(module: nn.Module, param: nn.Parameter) -> None:
+    entry = _external.get(id(module))
+    if entry is None or entry[0]() is not module:
+        return
+    entry[1][:] = [r for r in entry[1] if r() is not None and r() is not param]
+    for listener in list(_listeners):
+        listener.on_external_parameter_removed(module, param)
+
+
+def externals_of(module: nn.Module) -> list[nn.Parameter]:
+    entry = _external.get(id(module))
+    if entry is None or entry[0]() is not module:
+        return []
+    return [p for r in entry[1] if (p := r()) is not None]
+
+
+def listen(listener: Any) -> None:
+    """``listener.on_external_parameter(module, param)`` is called on every new registration."""
+    _listeners.add(listener)

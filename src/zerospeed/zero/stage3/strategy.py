@@ -1,0 +1,202 @@
+"""ZeRO stage 3: parameters, gradients and optimizer states all partitioned over the data-parallel group.
+
+Composed from small parts (each module says more):
+
+* :mod:`~zerospeed.zero.stage3.planner` - module units and their buckets (adopting a ``zero.Init`` model);
+* :mod:`~zerospeed.zero.stage3.bucket` - one bucket's shard, full buffer and the ``param.data`` swap;
+* :mod:`~zerospeed.zero.stage3.hooks` - gather before a module's forward / backward, release after;
+* :mod:`~zerospeed.zero.stage3.prefetch` - trace of the first step, prefetch, reuse and live bounds;
+* :mod:`~zerospeed.zero.stage3.grads` - per-bucket reduce-scatter into the gradient shards;
+* :mod:`~zerospeed.zero.stage3.optim` - the sharded optimizer step (no all-gather afterwards);
+* :mod:`~zerospeed.zero.stage3.watchdog` - time-outs that name the diverging module and ranks.
+
+Per rank, with Ψ parameters and N ranks: 16-bit shards 2Ψ/N, gradient shards 2Ψ/N, fp32 master and
+Adam moments 12Ψ/N (fp32 training: 4 + 4 + 8 bytes per element / N), plus padding (at most N-1
+elements per bucket), persistent parameters in full, the live gathered buffers (bounded by
+``stage3_max_live_parameters`` beyond what one module needs) and the transient gradient buffers
+of at most three buckets. Per step (accumulation 1, no persistence or reuse): all-gather Ψ in
+forward, Ψ in backward, reduce-scatter Ψ: 3Ψ elements.
+
+Gradient accumulation: gradients are reduce-scattered every micro-step (there is no full-size
+gradient to keep) and summed into the shards; ``boundary`` only matters to the step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerospeed.zero.partitioned_optimizer import ShardView, StepResult
+from zerospeed.zero.stage3.bucket import Stage3Bucket
+from zerospeed.zero.stage3.grads import Stage3GradReducer
+from zerospeed.zero.stage3.hooks import BucketGatherer, Stage3Knobs, Stage3Runtime
+from zerospeed.zero.stage3.optim import Stage3OptimizerState
+from zerospeed.zero.stage3.planner import PlannerOptions, build_buckets
+from zerospeed.zero.stage3.watchdog import Watchdog
+
+
+class Stage3Strategy:
+    """Owns every ZeRO-3 bucket of one module and drives gathers, gradients and the optimizer."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, options: Any, zero_config: Any,
+                 dp_group: dist.ProcessGroup | None, dp_rank: int, dp_world_size: int) -> None:
+        if options.stage != 3:
+            raise ValueError(f"Stage3Strategy handles stage 3, got {options.stage}")
+        self.module = module
+        self.options = options
+        self.dp_group = dp_group
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.gather_16bit_weights_on_model_save = bool(zero_config.stage3_gather_16bit_weights_on_model_save)
+        group_of = _optimizer_groups(module, optimizer)
+        self.watchdog = Watchdog.for_group(dp_group, zero_config.stage3_collective_timeout_s)
+        adopter = BucketGatherer(self.watchdog)
+        planner = PlannerOptions(int(zero_config.stage3_param_persistence_threshold),
+                                 int(zero_config.stage3_model_persistence_threshold))
+        self.buckets, plans = build_buckets(module, group_of, planner, dp_group, dp_rank, dp_world_size, adopter)
+        knobs = Stage3Knobs(prefetch_numel=int(zero_config.stage3_prefetch_bucket_size),
+                            max_live_numel=int(zero_config.stage3_max_live_parameters),
+                            max_reuse_distance=int(zero_config.stage3_max_reuse_distance))
+        self.runtime = Stage3Runtime(module, plans, self.buckets, knobs, self.watchdog)
+        self.reducer = Stage3GradReducer(self.buckets, dp_group, self.watchdog, self.runtime.on_grads_done,
+                                         comm_dtype=options.comm_dtype, overlap=options.overlap_comm,
+                                         prescale=options.prescale)
+        self.trainable = [b for b in self.buckets if b.trainable]
+        self.state = Stage3OptimizerState(self.trainable, optimizer, dp_group, dp_world_size)
+        self.runtime.gather_persistent()
+
+    # -- the strategy interface -------------------------------------------------------------------
+    def begin_backward(self, boundary: bool) -> None:
+        del boundary  # stage 3 reduces every micro-step
+        self.runtime.begin_backward()
+        self.reducer.begin()
+
+    def end_backward(self) -> None:
+        try:
+            self.reducer.finish()
+        finally:
+            self.runtime.end_backward()
+
+    def step(self, loss_scale: float, max_norm: float, force_skip: bool = False,
+             norm_sq_hook: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepResult:
+        if self.reducer.stray_backward or self.runtime.stray_backward:
+            raise RuntimeError("gradients were produced by a backward pass that did not go through "
+                               "engine.backward(loss); call engine.backward(loss) instead of loss.backward()")
+        result = self.state.step(loss_scale * self.options.prescale, max_norm, force_skip, norm_sq_hook)
+        if not result.overflow:
+            self.runtime.release_all()
+            self.runtime.gather_persistent()  # persistent parameters are gathered from the new shards
+        return result
+
+    def zero_grad(self) -> None:
+        for b in self.trainable:
+            assert b.grad_shard is not None
+            b.grad_shard.zero_()
+        for b in self.buckets:
+            for _, p in b.live_params():
+                p.grad = None
+
+    def managed_parameters(self) -> list[nn.Parameter]:
+        """Every parameter of the module: stage 3 owns the storage of all of them."""
+        return [p for b in self.buckets for _, p in b.live_params()]
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    def num_parameters(self) -> int:
+        """Elements of the whole model (a tied weight once): ``p.numel()`` is 0 for a partitioned parameter."""
+        return sum(b.layout.numel for b in self.buckets)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Model-state bytes on this rank. ``params``: 16-bit shards plus persistent parameters in
+        full; ``gathered_params_peak`` / ``_live``: full buffers of gathered (non-persistent) buckets."""
+        return {
+            "params": sum(b.shard_bytes() for b in self.buckets) + sum(b.full_bytes for b in self.buckets
+                                                                         if b.persistent),
+            "grads": sum(b.grad_bytes() for b in self.buckets),
+            "master_params": self.state.master_bytes(),
+            "optimizer_states": self.state.optimizer_state_bytes(),
+            "comm_buffers_peak": self.reducer.peak_comm_buffer_bytes,
+            "gathered_params_peak": self.runtime.live_peak_bytes,
+            "gathered_params_live": self.runtime.live_bytes,
+        }
+
+    def shard_views(self) -> list[ShardView]:
+        """Trainable buckets' shards, addressable by parameter name and offset (for checkpoints)."""
+        return self.state.shard_views()
+
+    def frozen_shard_views(self) -> list[ShardView]:
+        """Buckets the optimizer does not update (frozen parameters): weight shard only, no optimizer state;
+        ``master`` is the 16-bit shard itself."""
+        return [ShardView(b.layout, b.shard_start, b.shard_end, b.shard, b.shard, [])
+                for b in self.buckets if not b.trainable]
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's full state dict (16-bit weights, buffers) on rank 0, ``{}`` on the others.
+
+        A collective: every rank of the data-parallel group must call it. Buckets are gathered one
+        at a time, so besides the result only one bucket is whole at once. Tied parameters appear
+        under each of their names, as in ``module.state_dict()``.
+        """
+        names: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        on_rank0 = self.dp_rank == 0
+        full: dict[str, torch.Tensor] = {}
+        for b in self.buckets:
+            self.runtime.pin([b], "consolidated_state_dict")
+            try:
+                if on_rank0:
+                    for pos, p in b.live_params():
+                        value = b.slot_view(pos).detach().clone()
+                        for name in names.get(id(p), []):
+                            full[name] = value
+            finally:
+                self.runtime.unpin([b])
+        if not on_rank0:
+            return {}
+        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        for key, value in self.module.state_dict().items():
+            out[key] = full.get(key, value)
+        return out
+
+    def on_shards_loaded(self) -> None:
+        """Call after writing into the shards (checkpoint load): gathered copies are stale now."""
+        self.runtime.release_all()
+        for b in self.buckets:
+            if b.master is not None:
+                b.shard.copy_(b.master)
+        self.runtime.gather_persistent()
+
+    def after_checkpoint_load(self) -> None:
+        """The checkpoint loader's hook (same name on every strategy)."""
+        self.on_shards_loaded()
+
+    def close(self) -> None:
+        """Remove every hook (the parameters stay partitioned)."""
+        self.runtime.remove_hooks()
+        self.reducer.remove_hooks()
+
+
+def _optimizer_groups(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    group_of: dict[int, int] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) in group_of:
+                raise ValueError("a parameter appears in two optimizer parameter groups")
+            group_of[id(p)] = gi
+    known = {id(p) for p in module.parameters()}
+    unknown = [i for i in group_of if i not in known]
+    if unknown:
+        raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the model")
+    if optimizer.state:
+        raise ValueError("the optimizer already has state; pass a freshly built optimizer to initialize()")
+    return group_of
+
+
+__all__ = ["Stage3Bucket", "Stage3Strategy"]
