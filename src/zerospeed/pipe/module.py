@@ -100,6 +100,7 @@ class PipelineModule(nn.Module):
             torch_checkpoint, use_reentrant=False)
         self.checkpointable_layers = list(checkpointable_layers) if checkpointable_layers else None
         self.dynamic_shape = dynamic_shape
+        self.partition_method = partition_method  # kept so the pipeline engine can re-partition (virtual stages)
 
         self.parts: list[int] = partition_layers(self._layer_specs, self.num_stages, partition_method)
         self._local_start = self.parts[self.stage_id]

@@ -13,7 +13,9 @@ from zerospeed.runtime.dataloader import build_dataloader
 from zerospeed.runtime.engine import ZeroSpeedEngine
 
 
-def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
+def param_groups_of(model: nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
+    """Parameter groups from ``model_parameters`` (tensors, named tensors or group dicts), or the
+    model's trainable parameters as one group."""
     if model_parameters is None:
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
     items = list(model_parameters)
@@ -24,7 +26,8 @@ def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> l
     return [{"params": [p for p in items if p.requires_grad]}]
 
 
-def _build_optimizer(cfg: ZeroSpeedConfig, optimizer: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+def optimizer_from_config(cfg: ZeroSpeedConfig, optimizer: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """The optimizer from the config section or the client's (instance or callable), never both."""
     from zerospeed.ops.optimizers import build_optimizer, resolve_client_optimizer
 
     if optimizer is not None and cfg.optimizer is not None:
@@ -37,7 +40,8 @@ def _build_optimizer(cfg: ZeroSpeedConfig, optimizer: Any, groups: list[dict[str
     return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
 
 
-def _build_scheduler(cfg: ZeroSpeedConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+def scheduler_from_config(cfg: ZeroSpeedConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """The lr scheduler from the config section or the client's (instance or callable), or None."""
     from zerospeed.runtime.lr_schedules import build_lr_scheduler
 
     if lr_scheduler is not None and cfg.scheduler is not None:
@@ -85,10 +89,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     cfg = load_config(raw, dp_world_size=dp_world_size)
     device = comm.device_for_backend()
     model.to(device)
-    groups = _param_groups(model, model_parameters)
-    opt = _build_optimizer(cfg, optimizer, groups)
+    groups = param_groups_of(model, model_parameters)
+    opt = optimizer_from_config(cfg, optimizer, groups)
     engine = ZeroSpeedEngine(model, cfg, opt, dp_group=None)
-    engine.lr_scheduler = _build_scheduler(cfg, lr_scheduler, opt)
+    engine.lr_scheduler = scheduler_from_config(cfg, lr_scheduler, opt)
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, comm.get_rank(), dp_world_size,
