@@ -39,6 +39,24 @@ from zerospeed.zero.layout import BucketLayout
 ELEMENTWISE_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Adamax", "RMSprop", "Adadelta", "NAdam", "RAdam")
 
 
+def optimizer_group_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """``id(param) -> index of its optimizer parameter group``, checking what a strategy needs:
+    each tensor in one group only, every tensor a parameter of ``module``, no optimizer state yet."""
+    group_of: dict[int, int] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) in group_of:
+                raise ValueError("a parameter appears in two optimizer parameter groups")
+            group_of[id(p)] = gi
+    known = {id(p) for p in module.parameters()}
+    unknown = [i for i in group_of if i not in known]
+    if unknown:
+        raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the model")
+    if optimizer.state:
+        raise ValueError("the optimizer already has state; pass a freshly built optimizer to initialize()")
+    return group_of
+
+
 @dataclass(frozen=True)
 class ShardView:
     """What one bucket's shard holds on this rank, for checkpointing and inspection.

@@ -30,7 +30,7 @@ from torch import nn
 
 from zerospeed.zero.flat_bucket import FlatBucket
 from zerospeed.zero.layout import plan_buckets
-from zerospeed.zero.partitioned_optimizer import ShardedOptimizerState, ShardView, StepResult
+from zerospeed.zero.partitioned_optimizer import ShardedOptimizerState, ShardView, StepResult, optimizer_group_of
 from zerospeed.zero.reducer import GradientReducer
 
 
@@ -53,19 +53,8 @@ class DataParallelStrategy:
             raise ValueError(f"DataParallelStrategy handles stages 0-2, got {options.stage}")
         self.options = options
         self.dp_world_size = dp_world_size
-        group_of: dict[int, int] = {}
-        for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) in group_of:
-                    raise ValueError("a parameter appears in two optimizer parameter groups")
-                group_of[id(p)] = gi
+        group_of = optimizer_group_of(module, optimizer)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) in group_of]
-        known = {id(p) for _, p in module.named_parameters()}
-        unknown = [i for i in group_of if i not in known]
-        if unknown:
-            raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the model")
-        if optimizer.state:
-            raise ValueError("the optimizer already has state; pass a freshly built optimizer to initialize()")
         ordered = list(reversed(named))  # gradients become ready roughly in reverse registration order
         sharded = options.stage >= 1
         bucket_numel = options.reduce_bucket_size

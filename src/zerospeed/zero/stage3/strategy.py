@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerospeed.zero.partitioned_optimizer import ShardView, StepResult
+from zerospeed.zero.partitioned_optimizer import ShardView, StepResult, optimizer_group_of
 from zerospeed.zero.stage3.bucket import Stage3Bucket
 from zerospeed.zero.stage3.grads import Stage3GradReducer
 from zerospeed.zero.stage3.hooks import BucketGatherer, Stage3Knobs, Stage3Runtime
@@ -52,7 +52,7 @@ class Stage3Strategy:
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
         self.gather_16bit_weights_on_model_save = bool(zero_config.stage3_gather_16bit_weights_on_model_save)
-        group_of = _optimizer_groups(module, optimizer)
+        group_of = optimizer_group_of(module, optimizer)
         self.watchdog = Watchdog.for_group(dp_group, zero_config.stage3_collective_timeout_s)
         adopter = BucketGatherer(self.watchdog)
         planner = PlannerOptions(int(zero_config.stage3_param_persistence_threshold),
@@ -181,22 +181,6 @@ class Stage3Strategy:
         """Remove every hook (the parameters stay partitioned)."""
         self.runtime.remove_hooks()
         self.reducer.remove_hooks()
-
-
-def _optimizer_groups(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    group_of: dict[int, int] = {}
-    for gi, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if id(p) in group_of:
-                raise ValueError("a parameter appears in two optimizer parameter groups")
-            group_of[id(p)] = gi
-    known = {id(p) for p in module.parameters()}
-    unknown = [i for i in group_of if i not in known]
-    if unknown:
-        raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the model")
-    if optimizer.state:
-        raise ValueError("the optimizer already has state; pass a freshly built optimizer to initialize()")
-    return group_of
 
 
 __all__ = ["Stage3Bucket", "Stage3Strategy"]
