@@ -84,3 +84,22 @@ def test_native_gloo_collectives_give_the_same_results():
     assert snap["reduce_scatter"]["wire_elements"] == 16 and snap["all_gather"]["wire_elements"] == 16
     assert out.tolist() == [2.0 * v for v in range(8, 16)]
     assert full.tolist() == [0.0] * 8 + [1.0] * 8
+
+
+def _in_place_reduce_scatter(native):
+    import os
+
+    os.environ["ZEROSPEED_NATIVE_COLLECTIVES"] = "1" if native else "0"
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.arange(4 * world, dtype=torch.float32) + rank
+    mine = x.narrow(0, 4 * rank, 4)  # the output is this rank's own chunk of the input
+    comm.reduce_scatter(mine, x, async_op=True).wait()
+    return mine.tolist()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("native", [False, True])
+def test_in_place_reduce_scatter_on_both_paths(native):
+    results = run_distributed(_in_place_reduce_scatter, 2, native)
+    # chunk r of sum over ranks of (arange(8) + rank) = 2 * arange(8) + 1
+    assert results[0] == [1.0, 3.0, 5.0, 7.0] and results[1] == [9.0, 11.0, 13.0, 15.0]

@@ -84,6 +84,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp
     """Reduce ``input`` (numel = world * output.numel) over the group; rank r gets chunk r.
 
     ``input`` is scratch: its contents are unspecified afterwards (on gloo it holds the full sum).
+    ``output`` may be this rank's own chunk of ``input`` (an in-place reduce-scatter): on gloo that
+    costs no copy at all; on the native path a temporary keeps the collective's buffers apart.
     """
     world = _world(group)
     if world == 1:
@@ -94,12 +96,26 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp
         COUNTER.record("reduce_scatter", input.numel(), input.element_size(), wire_numel=2 * input.numel())
         mine = input.reshape(-1).narrow(0, dist.get_rank(group) * output.numel(), output.numel())
         work = dist.all_reduce(input, op=op, group=group, async_op=True)
+        if mine.data_ptr() == output.data_ptr():  # in place: the sum already sits in the output
+            if async_op:
+                return work
+            work.wait()
+            return None
         finish = _ThenWork(work, lambda: output.view(-1).copy_(mine))
         if async_op:
             return finish
         finish.wait()
         return None
     COUNTER.record("reduce_scatter", input.numel(), input.element_size())
+    start, end = input.data_ptr(), input.data_ptr() + input.numel() * input.element_size()
+    if start <= output.data_ptr() < end:  # output aliases input: reduce into a temporary
+        temp = torch.empty_like(output)
+        work = _reduce_scatter_single(temp, input, op=op, group=group, async_op=True)
+        finish = _ThenWork(work, lambda: output.copy_(temp))
+        if async_op:
+            return finish
+        finish.wait()
+        return None
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 

@@ -134,7 +134,10 @@ class GradientReducer:
             work = comm.all_reduce(sent, group=self.dp_group, async_op=True)
             received = None
         else:
-            received = torch.empty(bucket.layout.shard_numel, dtype=sent.dtype, device=sent.device)
+            if sent is bucket.grad_buffer:  # stage 1: reduce in place into this rank's range of the buffer
+                received = bucket.reduced_grad()
+            else:
+                received = torch.empty(bucket.layout.shard_numel, dtype=sent.dtype, device=sent.device)
             work = comm.reduce_scatter(received, sent, group=self.dp_group, async_op=True)
         self._pending.append(_Pending(bucket, work, sent, received))
         in_flight = sum(p.sent.numel() * p.sent.element_size() for p in self._pending
@@ -157,5 +160,5 @@ class GradientReducer:
         if bucket.grad_mode == "transient":
             assert bucket.grad_shard is not None
             bucket.grad_shard.add_(p.received)
-        else:  # stage 1: the full buffer is spent; keep the reduced shard in its own range of it
-            bucket.reduced_grad().copy_(p.received)
+        elif p.received.data_ptr() != bucket.reduced_grad().data_ptr():
+            bucket.reduced_grad().copy_(p.received)  # stage 1 with a different communication dtype
