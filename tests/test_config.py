@@ -474,8 +474,8 @@ def test_offload_rules() -> None:
     for bad in (0, 1.5, -0.1):
         error_of(cfg(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": bad}}),
                  "zero_optimization.offload_optimizer.ratio", "(0, 1]")  # fmt: skip
-    error_of(cfg(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
-             "zero_optimization.offload_optimizer.ratio", "stage 3")  # fmt: skip
+    z2 = load_config(cfg(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}))
+    assert z2.zero_optimization.offload_optimizer is not None and z2.zero_optimization.offload_optimizer.ratio == 0.5
     z = load_config(cfg(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}))
     assert z.zero_optimization.offload_optimizer is not None
     assert z.zero_optimization.offload_optimizer.ratio == 0.3

@@ -34,7 +34,15 @@ from zerospeed.checkpoint.errors import (CheckpointCorruptError, CheckpointError
 from zerospeed.checkpoint.index import CheckpointIndex
 from zerospeed.checkpoint.jsonstate import decode, restore_rng
 from zerospeed.checkpoint.reader import TensorSource
-from zerospeed.checkpoint.shards import CopyOp, all_views, master_is_weight, opt_mode, owned_pieces, plan_range
+from zerospeed.checkpoint.shards import (
+    CopyOp,
+    all_views,
+    master_is_weight,
+    opt_mode,
+    owned_pieces,
+    plan_range,
+    resident_for_checkpoint,
+)
 from zerospeed.checkpoint.tensor_io import dtype_from_name
 
 logger = logging.getLogger("zerospeed")
@@ -301,7 +309,9 @@ def load(engine: Any, load_dir: str, tag: str | None, load_module_strict: bool, 
         raise CheckpointError("checkpoint load failed on another rank; nothing was loaded:\n  " + "\n  ".join(failed))
     assert index is not None and p is not None and source is not None
     try:
-        _apply(engine, index, p, source, load_optimizer_states, load_lr_scheduler_states, load_module_only, rng_file)
+        with resident_for_checkpoint(engine.strategy, write_back=True):
+            _apply(engine, index, p, source, load_optimizer_states, load_lr_scheduler_states, load_module_only,
+                   rng_file)
         client = index.data.get("client_state") or {}
         tensors = {k: source.get(client["file"], k).clone() for k in client.get("keys", [])}
         client_state = decode(client.get("json", {}), tensors)

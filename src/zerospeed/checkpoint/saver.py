@@ -41,7 +41,14 @@ from zerospeed.checkpoint import publish
 from zerospeed.checkpoint.errors import CheckpointSaveError
 from zerospeed.checkpoint.index import INDEX_FILE, build_index, rank_file
 from zerospeed.checkpoint.jsonstate import capture_rng, encode
-from zerospeed.checkpoint.shards import LocalShards, add_full_tensor, all_views, collect_shards, master_is_weight
+from zerospeed.checkpoint.shards import (
+    LocalShards,
+    add_full_tensor,
+    all_views,
+    collect_shards,
+    master_is_weight,
+    resident_for_checkpoint,
+)
 from zerospeed.checkpoint.tensor_io import dtype_name, write_safetensors
 
 logger = logging.getLogger("zerospeed")
@@ -141,8 +148,11 @@ def _config_json(engine: Any) -> Any:
 
 def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) -> _Snapshot:
     rank, world = engine.dp_rank, engine.dp_world_size
-    views = all_views(engine.strategy)
-    shards = collect_shards(views, engine.optimizer, rank, world, copy=copy)
+    # shards swapped out again after the block must be copied while they are in memory
+    copy = copy or bool(getattr(engine.strategy, "checkpoint_needs_copy", False))
+    with resident_for_checkpoint(engine.strategy, write_back=False):
+        views = all_views(engine.strategy)
+        shards = collect_shards(views, engine.optimizer, rank, world, copy=copy)
     rng_meta = capture_rng(shards.tensors)
     if rank != 0:
         return _Snapshot(shards, rng_meta, None, None)

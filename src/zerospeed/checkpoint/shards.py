@@ -22,8 +22,9 @@ tensors. Nothing here knows about files; :mod:`zerospeed.checkpoint.reader` supp
 from __future__ import annotations
 
 import dataclasses
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -52,6 +53,25 @@ def all_views(strategy: Any) -> list[Any]:
     (``frozen_shard_views()``, stage 3: weights only, ``opt_tensors == []``), in a rank-independent order."""
     frozen = getattr(strategy, "frozen_shard_views", None)
     return list(strategy.shard_views()) + (list(frozen()) if callable(frozen) else [])
+
+
+@contextmanager
+def resident_for_checkpoint(strategy: Any, write_back: bool) -> Iterator[None]:
+    """Everything a checkpoint reads or writes, in memory for the duration of the block.
+
+    Offloaded state may live on NVMe between steps: optimizer states
+    (``strategy.state.resident_for_checkpoint(write_back)``) and stage-3 parameter shards
+    (``strategy.resident_params()``). ``write_back`` (a load) stores what the block left in
+    them; a save only reads. Strategies without offload have neither hook.
+    """
+    with ExitStack() as stack:
+        params = getattr(strategy, "resident_params", None)
+        if callable(params):
+            stack.enter_context(params())
+        states = getattr(getattr(strategy, "state", None), "resident_for_checkpoint", None)
+        if callable(states):
+            stack.enter_context(states(write_back))
+        yield
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -17,7 +17,8 @@ Decisions:
   ``stage3_gather_fp16_weights_on_model_save`` spellings are accepted as aliases.
 * The stage is accepted in 0..3; whether the engine builds a given stage is the engine's concern.
 * ``offload_*.device == "nvme"`` requires ``nvme_path`` (DeepSpeed fails later, at swap time).
-* Partial optimizer offload (``ratio`` < 1) is only valid with stage 3 (DeepSpeed rule).
+* Partial optimizer offload (``ratio`` < 1) is accepted at stages 1-3 (DeepSpeed: stage 3 only);
+  it is applied per bucket (see :mod:`zerospeed.zero.offload.tier`).
 * ``stage3_collective_timeout_s`` (default 600) is a zerospeed extension: the ZeRO-3 divergence
   watchdog's wait limit per collective (see :mod:`zerospeed.zero.stage3.watchdog`).
 * Keys that switch on features zerospeed lacks (ZeRO++ quantization, hpZ, ZenFlow, SuperOffload,
@@ -64,7 +65,7 @@ class OffloadOptimizerConfig(_Offload):
     buffer_count: NonNegInt = 4
     fast_init: Bool = False
     ratio: PosFraction = 1.0
-    """Fraction of optimizer state offloaded, in (0, 1]; < 1 only with stage 3."""
+    """Fraction of optimizer state offloaded, in (0, 1] (applied at bucket granularity)."""
     pipeline_read: Bool = False
     pipeline_write: Bool = False
     convert_grad_on_cpu: Bool = True
@@ -155,17 +156,6 @@ class ZeroConfig(Section):
             if stage in (0, 1, 2, 3) and not isinstance(stage, bool):
                 data = {**data, "overlap_comm": stage == 3}
         return data
-
-    @model_validator(mode="after")
-    def _partial_offload_needs_stage3(self) -> ZeroConfig:
-        offload = self.offload_optimizer
-        if offload is not None and offload.ratio < 1 and self.stage != 3:
-            raise fail(
-                f"{offload.ratio} < 1 (partial offload) needs "
-                f"zero_optimization.stage 3, got stage {self.stage}",
-                key="offload_optimizer.ratio",
-            )
-        return self
 
     @property
     def stage3_gather_fp16_weights_on_model_save(self) -> bool:

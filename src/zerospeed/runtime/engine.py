@@ -29,6 +29,7 @@ from zerospeed import comm
 from zerospeed.config import ConfigError, ZeroSpeedConfig
 from zerospeed.runtime.loss_scaler import build_loss_scaler
 from zerospeed.zero.factory import BUILT_STAGES, build_strategy
+from zerospeed.zero.offload import check_offload
 from zerospeed.zero.strategy import StageOptions
 from zerospeed.zero.partitioned_optimizer import ELEMENTWISE_OPTIMIZERS
 
@@ -48,6 +49,10 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+def _enabled(section: Any) -> Any:
+    return section if section is not None and section.enabled else None
+
+
 class ZeroSpeedEngine(nn.Module):
     def __init__(self, model: nn.Module, config: ZeroSpeedConfig, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any = None, dp_group: dist.ProcessGroup | None = None) -> None:
@@ -63,12 +68,6 @@ class ZeroSpeedEngine(nn.Module):
                                   f"ZeRO stage {stage} runs the optimizer on flat shards, which is exact only for "
                                   f"element-wise optimizers ({', '.join(ELEMENTWISE_OPTIMIZERS)}); {name} is not one. "
                                   "Use stage 0, or set zero_allow_untested_optimizer: true if it is element-wise")
-        for key in ("offload_optimizer", "offload_param"):
-            section = getattr(config.zero_optimization, key)
-            if section is not None and section.enabled:
-                raise ConfigError(f"zero_optimization.{key}.device",
-                                  f"{section.device!r}: offloading is not built in this version of zerospeed; "
-                                  "remove the section or set device to 'none'")
         self.module = model
         self.config = config
         self.optimizer = optimizer
@@ -87,7 +86,11 @@ class ZeroSpeedEngine(nn.Module):
         zcfg = config.zero_optimization
         options = StageOptions(stage=stage, reduce_bucket_size=int(zcfg.reduce_bucket_size),
                                allgather_bucket_size=int(zcfg.allgather_bucket_size),
-                               overlap_comm=bool(zcfg.overlap_comm), comm_dtype=comm_dtype, prescale=prescale)
+                               overlap_comm=bool(zcfg.overlap_comm), comm_dtype=comm_dtype, prescale=prescale,
+                               offload_optimizer=_enabled(zcfg.offload_optimizer),
+                               offload_param=_enabled(zcfg.offload_param), aio=config.aio,
+                               sub_group_size=int(zcfg.sub_group_size))
+        check_offload(options, optimizer)
         self.strategy = build_strategy(model, optimizer, options, zcfg, dp_group, self.dp_rank, self.dp_world_size)
         self.loss_scaler = build_loss_scaler(config.precision, config.fp16)
         self.micro_steps = 0
@@ -229,6 +232,15 @@ class ZeroSpeedEngine(nn.Module):
         if self.dp_rank != 0:
             return {}
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def destroy(self) -> None:
+        """Release what the engine holds outside the model (DeepSpeed's ``engine.destroy()``): waits
+        for an asynchronous checkpoint save, removes the strategy's hooks and deletes NVMe swap files.
+        The engine cannot train afterwards."""
+        self.wait_for_checkpoint()
+        close = getattr(self.strategy, "close", None)
+        if callable(close):
+            close()
 
     def wall_clock(self) -> dict[str, float]:
         return dict(self._timers)

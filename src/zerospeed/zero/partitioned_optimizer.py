@@ -19,13 +19,21 @@ detects overflow (a non-finite norm). A single multiply pass then averages over 
 and clips (torch's ``clip_grad_norm_`` coefficient ``max_norm / (norm + 1e-6)``). After the
 optimizer updates the masters, 16-bit parameters are refreshed from them and, when sharded, every
 bucket is all-gathered (asynchronously, all buckets in flight, then waited).
+
+Offload (``options.offload_optimizer``): the buckets chosen by ``ratio`` belong to an
+:class:`~zerospeed.zero.offload.tier.OffloadTier` (fp32 master in host memory, Adam states in host
+memory or on NVMe, CPU Adam update). They stay in the user's param groups, so lr schedulers and
+checkpoints see them, but never get a ``.grad``, so the torch optimizer skips them. A failure in
+the offloaded update (an NVMe error) is agreed on by all ranks with one small all-reduce before
+anything else collective happens, so every rank raises instead of the others hanging.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -33,6 +41,7 @@ import torch.distributed as dist
 from zerospeed import comm
 from zerospeed.zero.flat_bucket import FlatBucket
 from zerospeed.zero.layout import BucketLayout
+from zerospeed.zero.offload.tier import OffloadTier, choose_offloaded
 
 #: Optimizers whose update is element-wise, so running them on flat shards equals running them
 #: on whole parameters.
@@ -55,6 +64,12 @@ def optimizer_group_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer
     if optimizer.state:
         raise ValueError("the optimizer already has state; pass a freshly built optimizer to initialize()")
     return group_of
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` are the same elements (a flat bucket's ``param_shard()`` is a new
+    view at every call, so identity says nothing)."""
+    return a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
 
 
 @dataclass(frozen=True)
@@ -83,18 +98,25 @@ class StepResult:
 
 class ShardedOptimizerState:
     def __init__(self, buckets: list[FlatBucket], optimizer: torch.optim.Optimizer, master_dtype: torch.dtype,
-                 sharded: bool, dp_group: dist.ProcessGroup | None, dp_world_size: int) -> None:
+                 sharded: bool, dp_group: dist.ProcessGroup | None, dp_world_size: int, options: Any = None) -> None:
         self.buckets = buckets
         self.optimizer = optimizer
         self.sharded = sharded
         self.dp_group = dp_group
         self.dp_world_size = dp_world_size
-        self.separate_master = any(b.dtype != master_dtype for b in buckets)
+        offload_cfg = getattr(options, "offload_optimizer", None)
+        offloaded = set(choose_offloaded([b.param_shard().numel() for b in buckets], float(offload_cfg.ratio))) \
+            if offload_cfg is not None else set()
         self.masters: list[torch.Tensor] = []
         self._opt_tensors: list[list[torch.Tensor]] = []
-        for b in buckets:
+        for bi, b in enumerate(buckets):
             shard = b.param_shard()
-            master = shard.detach().to(master_dtype).clone() if b.dtype != master_dtype else shard
+            if bi in offloaded and (shard.device.type != "cpu" or b.dtype != master_dtype):
+                pin = bool(offload_cfg.pin_memory) and torch.cuda.is_available()
+                master = torch.empty(shard.numel(), dtype=master_dtype, pin_memory=pin)
+                master.copy_(shard.detach())
+            else:
+                master = shard.detach().to(master_dtype).clone() if b.dtype != master_dtype else shard
             self.masters.append(master)
             if sharded:
                 self._opt_tensors.append([master])
@@ -102,8 +124,16 @@ class ShardedOptimizerState:
                 self._opt_tensors.append(list(b.params))
             else:
                 self._opt_tensors.append(b.param_views_of(master))
+        self.separate_master = any(not same_memory(m, b.param_shard()) for b, m in zip(buckets, self.masters))
         for gi, group in enumerate(optimizer.param_groups):
             group["params"] = [t for b, ts in zip(buckets, self._opt_tensors) if b.layout.group_index == gi for t in ts]
+        self.offloaded = offloaded
+        self.offload: OffloadTier | None = None
+        if offloaded:
+            rank = comm.get_rank(dp_group) if sharded else 0
+            self.offload = OffloadTier(optimizer, offload_cfg, getattr(options, "aio", None), rank,
+                                       [buckets[i] for i in sorted(offloaded)],
+                                       [self.masters[i] for i in sorted(offloaded)])
 
     # ------------------------------------------------------------------------------------------
     def grad_norm_sq_local(self) -> torch.Tensor:
@@ -137,7 +167,9 @@ class ShardedOptimizerState:
         factor = 1.0 / divisor
         if max_norm > 0:
             factor *= min(1.0, max_norm / (norm + 1e-6))
-        for b, master, tensors in zip(self.buckets, self.masters, self._opt_tensors):
+        on_device = [i for i in range(len(self.buckets)) if i not in self.offloaded]
+        for i in on_device:
+            b, master, tensors = self.buckets[i], self.masters[i], self._opt_tensors[i]
             grad = b.reduced_grad()
             if grad.dtype == master.dtype:
                 if factor != 1.0:
@@ -152,19 +184,61 @@ class ShardedOptimizerState:
             else:
                 for t, g in zip(tensors, b.param_views_of(master_grad)):
                     t.grad = g
-        self.optimizer.step()
+        if on_device:
+            self.optimizer.step()
         if self.separate_master:  # the fp32 gradients were made for this step only
-            for tensors in self._opt_tensors:
-                for t in tensors:
+            for i in on_device:
+                for t in self._opt_tensors[i]:
                     t.grad = None
-        self._publish_params()
+        self._published = self._offloaded_step(factor)
+        try:
+            self._publish_params()
+        finally:
+            self._published = set()
         return StepResult(norm, False)
+
+    def _offloaded_step(self, factor: float) -> set[int]:
+        """Run the offloaded tier's update; all ranks agree whether it failed anywhere."""
+        if self.offload is None:
+            return set()
+        error: BaseException | None = None
+        published: set[int] = set()
+        try:
+            published = self.offload.step(factor)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the agreement
+            error = exc
+        if self.sharded and self.dp_world_size > 1:
+            failed = torch.zeros(self.dp_world_size, dtype=torch.float32)
+            if error is not None:
+                failed[comm.get_rank(self.dp_group)] = 1.0
+            comm.all_reduce(failed, group=self.dp_group)
+            ranks = [r for r, f in enumerate(failed.tolist()) if f]
+            if ranks and error is None:
+                raise RuntimeError(f"the offloaded optimizer step failed on data-parallel rank(s) {ranks} (see "
+                                   "their error); this rank stops too so that no rank waits for it")
+        if error is not None:
+            raise error
+        return published
+
+    def resident_for_checkpoint(self, write_back: bool) -> ContextManager[None]:
+        """Make every optimizer state visible in ``optimizer.state`` for a checkpoint save
+        (``write_back=False``) or load (``write_back=True``: keep what the load put there)."""
+        return self.offload.resident_state(write_back) if self.offload is not None else nullcontext()
+
+    def offload_memory_bytes(self) -> dict[str, int]:
+        return self.offload.memory_bytes() if self.offload is not None else {}
+
+    def close(self) -> None:
+        """Release offload resources (NVMe swap files); the optimizer cannot step afterwards."""
+        if self.offload is not None:
+            self.offload.close()
 
     def _publish_params(self) -> None:
         works = []
+        published = getattr(self, "_published", set())
         for b, master in zip(self.buckets, self.masters):
             shard = b.param_shard()
-            if master is not shard:
+            if id(b) not in published and not same_memory(master, shard):
                 shard.copy_(master)
             if self.sharded:
                 works.append(comm.all_gather(b.param_buffer, shard, group=self.dp_group, async_op=True))
@@ -183,4 +257,5 @@ class ShardedOptimizerState:
         return total
 
     def master_bytes(self) -> int:
-        return sum(m.numel() * m.element_size() for m in self.masters) if self.separate_master else 0
+        return sum(m.numel() * m.element_size() for b, m in zip(self.buckets, self.masters)
+                   if not same_memory(m, b.param_shard()))

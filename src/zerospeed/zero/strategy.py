@@ -15,6 +15,9 @@ Stages 1-2 all-gather updated parameters per bucket after the step. The bucket s
 ``reduce_bucket_size`` elements; for stages 1-2 it is capped by ``allgather_bucket_size`` too,
 because a bucket is also the unit of the all-gather (so both limits hold as upper bounds).
 
+With ``offload_optimizer`` the bucket size is also capped at ``sub_group_size`` elements per rank,
+because a bucket's shard is the offload tier's unit (see :mod:`zerospeed.zero.offload.tier`).
+
 Parameters that the optimizer does not hold (frozen, ``requires_grad=False``, or left out of
 ``model_parameters``) are not bucketed: they get no hooks and no reduction.
 """
@@ -22,7 +25,7 @@ Parameters that the optimizer does not hold (frozen, ``requires_grad=False``, or
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,10 @@ class StageOptions:
     overlap_comm: bool
     comm_dtype: torch.dtype | None = None
     prescale: float = 1.0
+    offload_optimizer: Any = None  # config.zero.OffloadOptimizerConfig, enabled, or None
+    offload_param: Any = None  # config.zero.OffloadParamConfig, enabled, or None (stage 3 only)
+    aio: Any = None  # config.zero.AioConfig: the NVMe I/O engine's settings
+    sub_group_size: int = 1_000_000_000
 
 
 class DataParallelStrategy:
@@ -60,6 +67,8 @@ class DataParallelStrategy:
         bucket_numel = options.reduce_bucket_size
         if sharded:
             bucket_numel = min(bucket_numel, options.allgather_bucket_size)
+        if options.offload_optimizer is not None:  # a bucket is the offload sub-group
+            bucket_numel = min(bucket_numel, options.sub_group_size * dp_world_size)
         layouts = plan_buckets([(n, tuple(p.shape), group_of[id(p)]) for n, p in ordered], bucket_numel,
                                dp_world_size if sharded else 1)
         grad_mode = "transient" if options.stage == 2 else "persistent"
@@ -68,7 +77,8 @@ class DataParallelStrategy:
         self.reducer = GradientReducer(self.buckets, "reduce_scatter" if sharded else "all_reduce", dp_group,
                                        comm_dtype=options.comm_dtype, overlap=options.overlap_comm or options.stage == 0,
                                        prescale=options.prescale)
-        self.state = ShardedOptimizerState(self.buckets, optimizer, torch.float32, sharded, dp_group, dp_world_size)
+        self.state = ShardedOptimizerState(self.buckets, optimizer, torch.float32, sharded, dp_group, dp_world_size,
+                                           options=options)
 
     def begin_backward(self, boundary: bool) -> None:
         self.reducer.begin(reduce_now=boundary)
@@ -108,7 +118,12 @@ class DataParallelStrategy:
             "master_params": self.state.master_bytes(),
             "optimizer_states": self.state.optimizer_state_bytes(),
             "comm_buffers_peak": self.reducer.peak_comm_buffer_bytes,
+            **self.state.offload_memory_bytes(),
         }
+
+    def close(self) -> None:
+        """Release what outlives a step (NVMe swap files of offloaded optimizer states)."""
+        self.state.close()
 
     @property
     def num_buckets(self) -> int:

@@ -10,6 +10,8 @@ parameters are gathered when a module next needs them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -19,13 +21,15 @@ from zerospeed.zero.stage3.bucket import Stage3Bucket
 
 class Stage3OptimizerState(ShardedOptimizerState):
     def __init__(self, buckets: list[Stage3Bucket], optimizer: torch.optim.Optimizer,
-                 dp_group: dist.ProcessGroup | None, dp_world_size: int) -> None:
-        super().__init__(buckets, optimizer, torch.float32, True, dp_group, dp_world_size)  # type: ignore[arg-type]
+                 dp_group: dist.ProcessGroup | None, dp_world_size: int, options: Any = None) -> None:
+        super().__init__(buckets, optimizer, torch.float32, True, dp_group, dp_world_size,  # type: ignore[arg-type]
+                         options=options)
         for b, master in zip(buckets, self.masters):
             b.master = None if master is b.shard else master
 
     def _publish_params(self) -> None:
         with torch.no_grad():
+            published = getattr(self, "_published", set())
             for b, master in zip(self.buckets, self.masters):
-                if master is not b.shard:
+                if master is not b.shard and id(b) not in published:
                     b.shard.copy_(master)

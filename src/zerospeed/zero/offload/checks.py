@@ -1,0 +1,55 @@
+"""What an offload configuration needs from the rest of the run, checked before anything is built.
+
+Each problem is a :class:`~zerospeed.config.ConfigError` naming the key that asks for it:
+
+* ``offload_optimizer`` needs ZeRO stage 1, 2 or 3 (stage 0 keeps full optimizer states on every
+  rank; there is nothing partitioned to offload) and an Adam-family optimizer, because the
+  offloaded step is :mod:`zerospeed.ops.adam`'s CPU Adam/AdamW (DeepSpeed likewise swaps its
+  ``DeepSpeedCPUAdam`` in for ``"type": "Adam"``);
+* ``offload_param`` needs stage 3 (only stage 3 partitions parameters);
+* an ``nvme`` device needs an existing, writable ``nvme_path`` (checked with a probe file, so a
+  read-only mount or a full disk shows here and not in the middle of the first step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerospeed.config import ConfigError
+from zerospeed.ops.adam import CPUAdam
+from zerospeed.ops.aio import AIOError, check_nvme_path
+
+#: Optimizer classes whose update the offloaded step reproduces exactly (torch's Adam/AdamW math).
+OFFLOADABLE_OPTIMIZERS: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW, CPUAdam)
+
+
+def check_nvme_dir(key: str, path: str) -> str:
+    """``path`` as a checked directory, or a ConfigError naming ``key`` and the path."""
+    try:
+        return check_nvme_path(path)
+    except AIOError as exc:
+        raise ConfigError(key, f"{path!r}: {exc}") from exc
+
+
+def check_offload(options: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Raise a ConfigError for an offload request this run cannot honour (see the module docstring)."""
+    opt_cfg, param_cfg = options.offload_optimizer, options.offload_param
+    if opt_cfg is not None:
+        if options.stage not in (1, 2, 3):
+            raise ConfigError("zero_optimization.offload_optimizer",
+                              f"optimizer offload needs zero_optimization.stage 1, 2 or 3, got stage {options.stage}")
+        if not isinstance(optimizer, OFFLOADABLE_OPTIMIZERS):
+            raise ConfigError("zero_optimization.offload_optimizer",
+                              f"the offloaded optimizer step is CPU Adam/AdamW; {type(optimizer).__name__} is not "
+                              "supported: use optimizer.type Adam or AdamW (or torch.optim.Adam/AdamW), or remove "
+                              "offload_optimizer")
+        if opt_cfg.device == "nvme":
+            check_nvme_dir("zero_optimization.offload_optimizer.nvme_path", opt_cfg.nvme_path)
+    if param_cfg is not None:
+        if options.stage != 3:
+            raise ConfigError("zero_optimization.offload_param",
+                              f"parameter offload needs zero_optimization.stage 3, got stage {options.stage}")
+        if param_cfg.device == "nvme":
+            check_nvme_dir("zero_optimization.offload_param.nvme_path", param_cfg.nvme_path)
