@@ -46,6 +46,10 @@ def check_offload(options: Any, optimizer: torch.optim.Optimizer) -> None:
                               "supported: use optimizer.type Adam or AdamW (or torch.optim.Adam/AdamW), or remove "
                               "offload_optimizer")
         if opt_cfg.device == "nvme":
+            if opt_cfg.buffer_count < 1:
+                raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
+                                  f"{opt_cfg.buffer_count}: NVMe offload needs at least 1 swap buffer (2 or more "
+                                  "overlap the reads and writes with the update)")
             check_nvme_dir("zero_optimization.offload_optimizer.nvme_path", opt_cfg.nvme_path)
     if param_cfg is not None:
         if options.stage != 3:
