@@ -120,6 +120,11 @@ def main() -> None:
                   f"  {mib(m['total'])}")
         print(f"  {'ZeRO':>4}  {mib(predicted.params)}  {mib(predicted.grads)}  {mib(predicted.optimizer_states):>12}"
               f"  {mib(predicted.total)}   (formula, unpadded)")
+        if any(m.get("optimizer_states_nvme") for m in memories):
+            print("  offloaded optimizer states on NVMe, per rank: "
+                  + ", ".join(f"rank {r}: {mib(m['optimizer_states_nvme']).strip()} on disk, "
+                              f"{mib(m['offload_buffers']).strip()} of swap buffers in memory"
+                              for r, m in enumerate(memories)))
 
 
 if __name__ == "__main__":

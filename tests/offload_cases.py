@@ -112,6 +112,29 @@ def checkpoint_case(stage: int, nvme_root: str, ckpt_dir: str, save_offload: str
     return out
 
 
+def read_only_dir(tmp_path) -> str:
+    """A directory this process cannot create files in (root ignores permission bits: then a
+    kernel file system that refuses writes to everyone)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with open(ro / "probe", "w"):
+            pass
+    except OSError:
+        return str(ro)
+    os.unlink(ro / "probe")  # root ignores permission bits: use a directory the kernel refuses
+    for candidate in ("/sys", "/proc"):
+        try:
+            with open(os.path.join(candidate, ".zs-probe"), "w"):
+                pass
+        except OSError:
+            return candidate
+    import pytest
+
+    pytest.skip("no directory here refuses writes to this user (root on a fully writable system)")
+
+
 # -- failures ------------------------------------------------------------------------------------
 def error_of(cfg: dict) -> str | None:
     from zerospeed.config import ConfigError

@@ -123,29 +123,10 @@ def test_resident_memory_bound_with_nvme(tmp_path):
 
 
 # -- errors ----------------------------------------------------------------------------------------
-def _read_only_dir(tmp_path) -> str:
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    try:
-        with open(ro / "probe", "w"):
-            pass
-    except OSError:
-        return str(ro)
-    os.unlink(ro / "probe")  # root ignores permission bits: use a directory the kernel refuses
-    for candidate in ("/sys", "/proc"):
-        try:
-            with open(os.path.join(candidate, ".zs-probe"), "w"):
-                pass
-        except OSError:
-            return candidate
-    pytest.skip("no directory here refuses writes to this user (root on a fully writable system)")
-
-
 @pytest.mark.timeout(60)
 def test_bad_nvme_paths_and_full_disk_name_the_path(tmp_path):
     missing = str(tmp_path / "does" / "not" / "exist")
-    read_only = _read_only_dir(tmp_path)
+    read_only = offload_cases.read_only_dir(tmp_path)
     msgs = run_distributed(_bad_path_errors, 1, missing, read_only, str(tmp_path), timeout=50)[0]
     assert "zero_optimization.offload_optimizer.nvme_path" in msgs["missing"] and missing in msgs["missing"]
     assert "does not exist" in msgs["missing"]

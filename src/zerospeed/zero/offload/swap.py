@@ -12,33 +12,22 @@ pinned when a GPU is present). :meth:`NvmeStateSwapper.run` drives them as a rin
 ``i`` uses buffer ``i % buffer_count``; reads are issued ``lookahead`` sub-groups ahead of the
 update and a buffer is re-read only after its previous write-back finished.
 
-Failure handling:
-
-* the files are preallocated with ``posix_fallocate``, so a disk too small fails at start with
-  the path and the bytes needed (not with ENOSPC in the middle of a step);
-* before each swap pass every file is checked against the inode it was created with, so a file
-  deleted or replaced mid-run is reported by path (a write would otherwise re-create it silently
-  and later reads would return zeros);
-* I/O errors are :class:`~zerospeed.ops.aio.AIOError` naming the path, raised after every request
-  in flight has finished (no buffer is left half-read);
-* the folder is removed by :meth:`close`, and by a ``weakref.finalize`` that also runs at
-  interpreter exit, so swap files do not outlive the process (a SIGKILL still leaves them; they
-  are in a folder named after the pid).
+Failure handling: the folder and files come from :mod:`zerospeed.zero.offload.swapfiles`
+(reserved up front, so a full disk fails at start naming the path; checked against their inode
+before every pass, so a deleted file is reported by path; removed on close, at exit and when a
+multiprocessing child ends). I/O errors are :class:`~zerospeed.ops.aio.AIOError` naming the
+path, raised after every request in flight has finished (no buffer is left half-read).
 """
 
 from __future__ import annotations
 
-import errno
-import os
-import secrets
-import shutil
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from zerospeed.ops.aio import AIOError, AsyncIOHandle
+from zerospeed.zero.offload.swapfiles import SwapFile, SwapFolder
 
 #: every sub-group region starts on a 4096-byte boundary of the file (O_DIRECT alignment)
 ALIGN_BYTES = 4096
@@ -48,15 +37,6 @@ _ALIGN_NUMEL = ALIGN_BYTES // _FP32
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    parent = os.path.dirname(path)
-    try:
-        os.rmdir(parent)  # the shared zerospeed_swap folder, when this was its last user
-    except OSError:
-        pass
 
 
 class NvmeStateSwapper:
@@ -80,45 +60,24 @@ class NvmeStateSwapper:
             self.offsets[i] = total
             total += n
         self.file_numel = total
-        root = os.path.join(os.fspath(nvme_path), "zerospeed_swap")
-        self.folder = os.path.join(root, f"optimizer_rank{rank}_{os.getpid()}_{secrets.token_hex(4)}")
+        self.handle = AsyncIOHandle.from_config(aio_config)
+        self._folder = SwapFolder(nvme_path, "optimizer", rank, "zero_optimization.offload_optimizer.nvme_path",
+                                  on_close=self.handle.close)
+        self.folder = self._folder.path
+        self.files: dict[str, SwapFile] = {}
         try:
-            os.makedirs(self.folder)
-        except OSError as exc:
-            raise AIOError("mkdir", self.folder, exc.errno, detail="cannot create the swap folder") from exc
-        self._finalizer = weakref.finalize(self, _remove_tree, self.folder)
-        self.paths = {k: os.path.join(self.folder, f"{k}.swp") for k in self.keys}
-        self._inodes: dict[str, int] = {}
-        try:
-            self._preallocate()
-            self.handle = AsyncIOHandle.from_config(aio_config)
+            for key in self.keys:
+                self.files[key] = self._folder.create_file(f"{key}.swp", self.file_numel * _FP32,
+                                                           f"optimizer state {key!r}")
         except BaseException:
             self.close()
             raise
+        self.paths = {k: f.path for k, f in self.files.items()}
         max_numel = max(self.aligned, default=_ALIGN_NUMEL)
         self.buffer_count = buffer_count
         self.buffers = [{k: self.handle.new_aligned_tensor(max_numel, torch.float32, pin_memory=pin_memory)
                          for k in self.keys} for _ in range(buffer_count)]
         self._writes: dict[int, list[Any]] = {}
-
-    # -- set-up -----------------------------------------------------------------------------------
-    def _preallocate(self) -> None:
-        nbytes = self.file_numel * _FP32
-        for key, path in self.paths.items():
-            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-            try:
-                if nbytes:
-                    try:
-                        os.posix_fallocate(fd, 0, nbytes)
-                    except OSError as exc:
-                        free = shutil.disk_usage(self.folder).free
-                        need = nbytes * len(self.paths)
-                        detail = (f"cannot reserve {nbytes} bytes for optimizer state {key!r} "
-                                  f"({need} bytes in all for {len(self.paths)} files; {free} bytes free)")
-                        raise AIOError("fallocate", path, exc.errno, detail=detail, num_bytes=nbytes) from exc
-                self._inodes[path] = os.fstat(fd).st_ino
-            finally:
-                os.close(fd)
 
     # -- facts ------------------------------------------------------------------------------------
     @property
@@ -131,17 +90,8 @@ class NvmeStateSwapper:
 
     def check_files(self) -> None:
         """Raise AIOError naming a swap file that no longer is the one created at start."""
-        for path, inode in self._inodes.items():
-            try:
-                st = os.stat(path)
-            except OSError as exc:
-                raise AIOError("check", path, exc.errno,
-                               detail="the optimizer-state swap file disappeared during training; the offloaded "
-                                      "optimizer states are lost: restart from the last checkpoint") from exc
-            if st.st_ino != inode or st.st_size < self.file_numel * _FP32:
-                raise AIOError("check", path, errno.ESTALE,
-                               detail="the optimizer-state swap file was replaced or truncated during training; "
-                                      "the offloaded optimizer states are lost: restart from the last checkpoint")
+        for f in self.files.values():
+            f.check()
 
     # -- one pass over every sub-group ------------------------------------------------------------
     def views(self, i: int) -> dict[str, torch.Tensor]:
@@ -225,7 +175,4 @@ class NvmeStateSwapper:
 
     def close(self) -> None:
         """Stop the I/O threads and delete the swap folder (idempotent)."""
-        handle = getattr(self, "handle", None)
-        if handle is not None:
-            handle.close()
-        self._finalizer()
+        self._folder.close()

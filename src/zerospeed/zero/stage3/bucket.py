@@ -19,6 +19,14 @@ model dtype and is the authoritative copy of the parameters; ``grad_shard`` (tra
 is this rank's reduced gradient range, summed over ranks and micro-batches, in the model dtype;
 ``master`` is the fp32 master shard when it is a separate tensor (mixed precision), else None.
 
+Parameter offload (``offload_param``): when ``swapper`` is set (a
+:class:`~zerospeed.zero.stage3.param_offload.ParamSwapper`), ``shard`` may be swapped out (its
+storage resized to 0 bytes, the values on NVMe or in host memory) whenever the swapper has no user
+for it. The bucket makes it resident for exactly as long as it reads or writes it: from
+``start_gather`` / ``refresh_in_place`` until the all-gather was waited for (``finish_gather``), and
+around ``write_back_shard`` (which marks it dirty). Everyone else who touches ``shard`` (the
+optimizer step, checkpoints) holds it through the swapper.
+
 The bucket holds its parameters weakly (the process-wide registry maps a live parameter to its
 bucket), so a model that is dropped frees its shards. Lifecycle counters (``fwd_refs``,
 ``bwd_active``...) are plain fields owned by :class:`~zerospeed.zero.stage3.hooks.Stage3Runtime`
@@ -85,6 +93,8 @@ class Stage3Bucket:
         self.bwd_calls = 0
         self.prefetched = False
         self.owner: Any = None  # the gatherer that accounts for this bucket's gathers
+        self.swapper: Any = None  # ParamSwapper under offload_param, set by the strategy
+        self._swap_use = False  # the in-flight all-gather holds the shard resident
         with torch.no_grad():
             for p in params:
                 p.data = self._placeholder
@@ -132,10 +142,22 @@ class Stage3Bucket:
         """Allocate the full buffer and start the all-gather of every rank's shard into it."""
         if self.state is not BucketState.RELEASED:
             raise RuntimeError(f"ZeRO-3 bucket {self.name!r}: gather started while {self.state.value}")
+        self._acquire_shard()
         self._full.untyped_storage().resize_(self._full_nbytes)
         self.work = comm.all_gather(self._full, self.shard, group=self.group, async_op=True)
         self.state = BucketState.INFLIGHT
         return self.work
+
+    def _acquire_shard(self) -> None:
+        """Offload: keep ``shard`` resident until the all-gather reading it was waited for."""
+        if self.swapper is not None and not self._swap_use:
+            self.swapper.acquire(self)
+            self._swap_use = True
+
+    def _release_shard(self) -> None:
+        if self._swap_use:
+            self._swap_use = False
+            self.swapper.release(self)
 
     def finish_gather(self, attach: bool = True) -> None:
         """After the all-gather was waited for: point the parameters at the full buffer."""
@@ -143,6 +165,7 @@ class Stage3Bucket:
             raise RuntimeError(f"ZeRO-3 bucket {self.name!r}: finish_gather while {self.state.value}")
         self.work = None
         self.state = BucketState.GATHERED
+        self._release_shard()
         if attach:
             self.attach()
 
@@ -155,6 +178,7 @@ class Stage3Bucket:
         """Start re-gathering a GATHERED bucket into its live buffer (persistent buckets after a step)."""
         if self.state is not BucketState.GATHERED:
             raise RuntimeError(f"ZeRO-3 bucket {self.name!r}: refresh while {self.state.value}")
+        self._acquire_shard()
         self.work = comm.all_gather(self._full, self.shard, group=self.group, async_op=True)
         self.state = BucketState.INFLIGHT
         return self.work
@@ -174,6 +198,10 @@ class Stage3Bucket:
 
     def discard(self) -> None:
         """Free everything and forget the parameters without touching them (they were re-bucketed)."""
+        if self.swapper is not None:
+            self.swapper.forget(self)
+            self.swapper = None
+            self._swap_use = False
         self._full.untyped_storage().resize_(0)
         self.shard = self._placeholder
         self.grad_shard = None
@@ -207,10 +235,16 @@ class Stage3Bucket:
     def write_back_shard(self) -> None:
         """Make the shard (and the fp32 master) this rank's range of the gathered full buffer."""
         full = self.full_buffer()
-        with torch.no_grad():
-            self.shard.copy_(full.narrow(0, self.shard_start, self.shard_end - self.shard_start))
-            if self.master is not None:
-                self.master.copy_(self.shard)
+        if self.swapper is not None:
+            self.swapper.acquire(self, overwrite=True)  # the whole shard is overwritten: nothing to read
+        try:
+            with torch.no_grad():
+                self.shard.copy_(full.narrow(0, self.shard_start, self.shard_end - self.shard_start))
+                if self.master is not None:
+                    self.master.copy_(self.shard)
+        finally:
+            if self.swapper is not None:
+                self.swapper.release(self, dirty=True)
 
     # -- the interface ShardedOptimizerState reads ------------------------------------------------
     def param_shard(self) -> torch.Tensor:
@@ -223,6 +257,9 @@ class Stage3Bucket:
 
     # -- accounting -------------------------------------------------------------------------------
     def shard_bytes(self) -> int:
+        """Bytes of the shard in memory now (0 while swapped out by parameter offload)."""
+        if self.shard.untyped_storage().nbytes() == 0:
+            return 0
         return self.shard.numel() * self.shard.element_size()
 
     def grad_bytes(self) -> int:

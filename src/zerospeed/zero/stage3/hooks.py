@@ -20,6 +20,10 @@ with accounting of live gathered elements); ``GatheredParameters`` pins buckets 
 Modules called more than once per forward count their uses; tied parameters (one Parameter
 registered in two modules) and registered external parameters are in the plans of every module
 that uses them. A pass starts at the root's forward pre-hook.
+
+Parameter offload: the buckets a fetch is about to gather (those the module needs, then the
+prefetched ones) first have their swapped-out shards read ahead, all reads in flight together
+(:meth:`BucketGatherer.read_ahead`); each bucket's ``start_gather`` waits for its own read.
 """
 
 from __future__ import annotations
@@ -102,6 +106,13 @@ class BucketGatherer:
         self.live_peak_numel = 0
         self.live_peak_bytes = 0
 
+    @staticmethod
+    def read_ahead(buckets: Iterable[Stage3Bucket]) -> None:
+        """Start reading the swapped-out shards (``offload_param``) of the released ``buckets``."""
+        for b in buckets:
+            if b.swapper is not None and b.state is BucketState.RELEASED:
+                b.swapper.prefetch([b])
+
     def start(self, b: Stage3Bucket, why: str) -> None:
         self.watchdog.note_collective("all_gather", f"{b.name} [{why}]")
         b.start_gather()
@@ -131,6 +142,7 @@ class BucketGatherer:
 
     def pin(self, buckets: list[Stage3Bucket], why: str) -> None:
         """Gather ``buckets`` (one all-gather each, all in flight together) and hold them."""
+        self.read_ahead(buckets)
         for b in buckets:
             if b.state is BucketState.RELEASED:
                 self.start(b, why)
@@ -157,6 +169,7 @@ class Stage3Runtime(BucketGatherer):
         self.stray_backward = False
         self._grads_done: set[int] = set()
         self._handles: dict[int, list[Any]] = {}
+        self.on_begin_pass: Callable[[], None] | None = None  # the strategy's hook at each root forward
         for b in buckets:
             b.owner = self
         for plan in plans.values():
@@ -287,6 +300,8 @@ class Stage3Runtime(BucketGatherer):
 
     # -- the gather path --------------------------------------------------------------------------
     def _begin_pass(self) -> None:
+        if self.on_begin_pass is not None:
+            self.on_begin_pass()
         self.trace.begin_pass()
         self.watchdog.begin_pass()
         self.watchdog.verify = not self.trace.complete  # no recorded order yet: check collectives one by one
@@ -305,11 +320,13 @@ class Stage3Runtime(BucketGatherer):
         fresh = [b for b in need if b.state is BucketState.RELEASED]
         if fresh:
             self._make_room(sum(b.padded_numel for b in fresh), plan.buckets)
+        self.read_ahead(fresh)
         for b in fresh:
             self.start(b, f"{phase} of {plan.name}")
         if self.trace.following:
             ahead = plan_prefetch(self.trace.upcoming(), self.buckets, self.knobs.prefetch_numel, self.live_numel,
                                   self.knobs.max_live_numel, allow_backward=torch.is_grad_enabled())
+            self.read_ahead(ahead)
             for b in ahead:
                 self.start(b, "prefetch")
                 b.prefetched = True

@@ -8,7 +8,17 @@ Composed from small parts (each module says more):
 * :mod:`~zerospeed.zero.stage3.prefetch` - trace of the first step, prefetch, reuse and live bounds;
 * :mod:`~zerospeed.zero.stage3.grads` - per-bucket reduce-scatter into the gradient shards;
 * :mod:`~zerospeed.zero.stage3.optim` - the sharded optimizer step (no all-gather afterwards);
-* :mod:`~zerospeed.zero.stage3.watchdog` - time-outs that name the diverging module and ranks.
+* :mod:`~zerospeed.zero.stage3.watchdog` - time-outs that name the diverging module and ranks;
+* :mod:`~zerospeed.zero.stage3.param_offload` - ``offload_param``: shards on NVMe / in host memory
+  between uses.
+
+Parameter offload: a bucket's shard is resident while its all-gather reads it (the bucket sees to
+that), during the optimizer step (every trainable shard, held by :meth:`Stage3Strategy.step` and
+written back afterwards), and inside :meth:`Stage3Strategy.resident_params` (checkpoints). Since
+the checkpoint code reads the shards through :meth:`~Stage3Strategy.shard_views`, a call to
+``shard_views()`` / ``frozen_shard_views()`` outside ``resident_params()`` also makes every shard
+resident and keeps it so until the next forward, step, backward, checkpoint-load refresh or
+``close()`` (so the views it returned stay valid while a save or load uses them).
 
 Per rank, with Ψ parameters and N ranks: 16-bit shards 2Ψ/N, gradient shards 2Ψ/N, fp32 master and
 Adam moments 12Ψ/N (fp32 training: 4 + 4 + 8 bytes per element / N), plus padding (at most N-1
@@ -23,8 +33,9 @@ gradient to keep) and summed into the shards; ``boundary`` only matters to the s
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,6 +46,7 @@ from zerospeed.zero.stage3.bucket import Stage3Bucket
 from zerospeed.zero.stage3.grads import Stage3GradReducer
 from zerospeed.zero.stage3.hooks import BucketGatherer, Stage3Knobs, Stage3Runtime
 from zerospeed.zero.stage3.optim import Stage3OptimizerState
+from zerospeed.zero.stage3.param_offload import ParamSwapper, build_param_swapper
 from zerospeed.zero.stage3.planner import PlannerOptions, build_buckets
 from zerospeed.zero.stage3.watchdog import Watchdog
 
@@ -66,12 +78,20 @@ class Stage3Strategy:
                                          comm_dtype=options.comm_dtype, overlap=options.overlap_comm,
                                          prescale=options.prescale)
         self.trainable = [b for b in self.buckets if b.trainable]
-        self.state = Stage3OptimizerState(self.trainable, optimizer, dp_group, dp_world_size)
+        self.state = Stage3OptimizerState(self.trainable, optimizer, dp_group, dp_world_size, options)
+        # after the optimizer state: it reads the shards to build its masters (mixed precision)
+        self.swapper: ParamSwapper | None = build_param_swapper(
+            self.buckets, getattr(options, "offload_param", None), getattr(options, "aio", None), dp_rank)
+        self._resident_depth = 0  # open resident_params() blocks
+        self._view_hold = contextlib.ExitStack()  # shards held since shard_views() (see the module docstring)
+        self._view_held = False
+        self.runtime.on_begin_pass = self._end_view_hold
         self.runtime.gather_persistent()
 
     # -- the strategy interface -------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
         del boundary  # stage 3 reduces every micro-step
+        self._end_view_hold()
         self.runtime.begin_backward()
         self.reducer.begin()
 
@@ -86,7 +106,14 @@ class Stage3Strategy:
         if self.reducer.stray_backward or self.runtime.stray_backward:
             raise RuntimeError("gradients were produced by a backward pass that did not go through "
                                "engine.backward(loss); call engine.backward(loss) instead of loss.backward()")
-        result = self.state.step(loss_scale * self.options.prescale, max_norm, force_skip, norm_sq_hook)
+        if self.swapper is None:
+            result = self.state.step(loss_scale * self.options.prescale, max_norm, force_skip, norm_sq_hook)
+        else:
+            self._end_view_hold()
+            skipped: list[bool] = []  # dirty unless the step was skipped (an exception counts as dirty)
+            with self.swapper.hold(self.trainable, dirty=lambda: not (skipped and skipped[0])):
+                result = self.state.step(loss_scale * self.options.prescale, max_norm, force_skip, norm_sq_hook)
+                skipped.append(result.overflow)
         if not result.overflow:
             self.runtime.release_all()
             self.runtime.gather_persistent()  # persistent parameters are gathered from the new shards
@@ -114,7 +141,15 @@ class Stage3Strategy:
 
     def memory_bytes(self) -> dict[str, int]:
         """Model-state bytes on this rank. ``params``: 16-bit shards plus persistent parameters in
-        full; ``gathered_params_peak`` / ``_live``: full buffers of gathered (non-persistent) buckets."""
+        full; ``gathered_params_peak`` / ``_live``: full buffers of gathered (non-persistent) buckets.
+
+        With ``offload_param``, ``params`` counts only the shards resident now; ``params_swapped_in`` is
+        the part of it that is offloaded shards swapped in (in use or cached: at most ``buffer_count``
+        beyond those in use), ``param_swap_buffers`` the aligned host staging buffers of NVMe I/O,
+        ``params_on_nvme`` the bytes of this rank's swap file and ``params_on_host`` the host copies of
+        ``device: cpu`` offload from an accelerator."""
+        swap = self.swapper.memory_bytes() if self.swapper is not None else \
+            {"params_swapped_in": 0, "param_swap_buffers": 0, "params_on_nvme": 0, "params_on_host": 0}
         return {
             "params": sum(b.shard_bytes() for b in self.buckets) + sum(b.full_bytes for b in self.buckets
                                                                          if b.persistent),
@@ -124,15 +159,61 @@ class Stage3Strategy:
             "comm_buffers_peak": self.reducer.peak_comm_buffer_bytes,
             "gathered_params_peak": self.runtime.live_peak_bytes,
             "gathered_params_live": self.runtime.live_bytes,
+            **swap,
+            **self.state.offload_memory_bytes(),
         }
 
+    # -- residency of offloaded shards (offload_param) ------------------------------------------------
+    @contextlib.contextmanager
+    def resident_params(self, dirty: bool = False) -> Iterator[None]:
+        """Keep every bucket's shard resident for the block (checkpoint save / load).
+
+        ``dirty``: the block writes the shards (they are written back to NVMe / host when evicted);
+        a load that does not say so is covered by :meth:`after_checkpoint_load`, which marks them
+        dirty. Without ``offload_param`` it does nothing. Not a collective.
+        """
+        if self.swapper is None:
+            yield
+            return
+        self._resident_depth += 1
+        try:
+            with self.swapper.hold(self.buckets, dirty=dirty):
+                yield
+        finally:
+            self._resident_depth -= 1
+
+    @property
+    def checkpoint_needs_copy(self) -> bool:
+        """A save must copy the shards: offloaded ones are swapped out again after ``resident_params()``."""
+        return self.swapper is not None
+
+    def _hold_for_views(self) -> None:
+        if self.swapper is not None and not self._resident_depth and not self._view_held:
+            self._view_hold.enter_context(self.swapper.hold(self.buckets))
+            self._view_held = True
+
+    def _end_view_hold(self, dirty: bool = False) -> None:
+        if not self._view_held:
+            return
+        self._view_held = False
+        assert self.swapper is not None
+        if dirty:
+            for b in self.buckets:
+                self.swapper.mark_dirty(b)
+        self._view_hold.close()
+        self._view_hold = contextlib.ExitStack()
+
     def shard_views(self) -> list[ShardView]:
-        """Trainable buckets' shards, addressable by parameter name and offset (for checkpoints)."""
+        """Trainable buckets' shards, addressable by parameter name and offset (for checkpoints).
+
+        With ``offload_param`` the shards are made resident (see the module docstring)."""
+        self._hold_for_views()
         return self.state.shard_views()
 
     def frozen_shard_views(self) -> list[ShardView]:
         """Buckets the optimizer does not update (frozen parameters): weight shard only, no optimizer state;
         ``master`` is the 16-bit shard itself."""
+        self._hold_for_views()
         return [ShardView(b.layout, b.shard_start, b.shard_end, b.shard, b.shard, [])
                 for b in self.buckets if not b.trainable]
 
@@ -168,9 +249,11 @@ class Stage3Strategy:
     def on_shards_loaded(self) -> None:
         """Call after writing into the shards (checkpoint load): gathered copies are stale now."""
         self.runtime.release_all()
-        for b in self.buckets:
-            if b.master is not None:
-                b.shard.copy_(b.master)
+        with self.resident_params(dirty=True):
+            for b in self.buckets:
+                if b.master is not None:
+                    b.shard.copy_(b.master)
+        self._end_view_hold(dirty=True)
         self.runtime.gather_persistent()
 
     def after_checkpoint_load(self) -> None:
@@ -178,9 +261,14 @@ class Stage3Strategy:
         self.on_shards_loaded()
 
     def close(self) -> None:
-        """Remove every hook (the parameters stay partitioned)."""
+        """Remove every hook (the parameters stay partitioned). With ``offload_param`` the swap folder
+        is removed too, and with it the offloaded parameter values: the strategy is unusable after."""
         self.runtime.remove_hooks()
         self.reducer.remove_hooks()
+        self.state.close()  # NVMe swap files of offloaded optimizer states
+        if self.swapper is not None:
+            self._end_view_hold()
+            self.swapper.close()
 
 
 __all__ = ["Stage3Bucket", "Stage3Strategy"]
