@@ -78,6 +78,31 @@ def parity_case(stage: int, nvme_root: str, precision: str = "fp32", variants=tu
     return results
 
 
+def both_offloads_case(nvme_root: str, opt_device: str) -> dict:
+    """Stage 3 with ``offload_param: nvme`` (buffer_count 1) and ``offload_optimizer``: parity with
+    the plain run, and the parameter shards resident during each optimizer step."""
+    plain = run_engine(make_config(3, None))
+    cfg = make_config(3, offload_block(opt_device, 1.0, nvme_root))
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_root, "buffer_count": 1}
+    engine, batch = build(cfg)
+    swapper = engine.strategy.swapper
+    step_peaks: list[int] = []
+    real_step = engine.step
+
+    def step_with_peak() -> None:
+        swapper.resident_peak_bytes = swapper.resident_bytes()
+        real_step()
+        step_peaks.append(swapper.resident_peak_bytes)
+
+    engine.step = step_with_peak
+    losses, _ = zero3_cases._train(engine, batch, 4)
+    sizes = [e.nbytes for e in swapper.entries.values()]
+    out = {"plain": plain, "losses": losses, "weights": weights_of(engine), "step_peak": max(step_peaks),
+           "largest": max(sizes), "total": sum(sizes), "num_shards": len(sizes), "reads": swapper.num_reads}
+    engine.destroy()
+    return out
+
+
 # -- checkpoints ---------------------------------------------------------------------------------
 def _tree_digest(path: str) -> str:
     h = hashlib.sha256()

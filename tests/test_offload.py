@@ -82,6 +82,21 @@ def test_bf16_offload_matches_bf16_without(stage, tmp_path):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("opt_device", ["cpu", "nvme"])
+def test_stage3_with_parameter_and_optimizer_offload(opt_device, tmp_path):
+    """ZeRO-Infinity: both tiers on. The optimizer step swaps parameter shards in one bucket at a
+    time (the one updated, the next one read ahead, one idle), never the whole model."""
+    results = run_distributed(offload_cases.both_offloads_case, 2, str(tmp_path), opt_device, timeout=160)
+    for res in results:
+        assert rel_losses(res["losses"], res["plain"]["losses"]) < FP32_TOL
+        if res["weights"]:
+            assert max_rel_err(res["weights"], res["plain"]["weights"]) < FP32_TOL
+        assert res["num_shards"] >= 5 and res["reads"] > 0
+        assert res["step_peak"] <= 3 * res["largest"] < res["total"], res
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("stage,save,loads", [(2, "nvme", ["nvme", "none", "cpu"]), (2, "none", ["nvme"]),
                                               (3, "nvme", ["nvme", "none"])])
 def test_checkpoint_round_trip_across_offload_settings(stage, save, loads, tmp_path):

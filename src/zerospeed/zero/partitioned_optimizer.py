@@ -128,6 +128,9 @@ class ShardedOptimizerState:
         for gi, group in enumerate(optimizer.param_groups):
             group["params"] = [t for b, ts in zip(buckets, self._opt_tensors) if b.layout.group_index == gi for t in ts]
         self.offloaded = offloaded
+        #: stage 3 with ``offload_param``: keeps parameter shards resident while they are updated
+        #: (``hold(buckets, dirty=)`` / ``acquire`` / ``release`` / ``prefetch``); None otherwise
+        self.residency: Any = None
         self.offload: OffloadTier | None = None
         if offloaded:
             rank = comm.get_rank(dp_group) if sharded else 0
@@ -168,28 +171,29 @@ class ShardedOptimizerState:
         if max_norm > 0:
             factor *= min(1.0, max_norm / (norm + 1e-6))
         on_device = [i for i in range(len(self.buckets)) if i not in self.offloaded]
-        for i in on_device:
-            b, master, tensors = self.buckets[i], self.masters[i], self._opt_tensors[i]
-            grad = b.reduced_grad()
-            if grad.dtype == master.dtype:
-                if factor != 1.0:
-                    grad.mul_(factor)
-                master_grad = grad
-            else:
-                master_grad = grad.to(master.dtype).mul_(factor)
-            if self.sharded:
-                master.grad = master_grad
-            elif tensors[0] is b.params[0]:
-                pass  # stage 0 fp32: param.grad already views the (now scaled) buffer
-            else:
-                for t, g in zip(tensors, b.param_views_of(master_grad)):
-                    t.grad = g
-        if on_device:
-            self.optimizer.step()
-        if self.separate_master:  # the fp32 gradients were made for this step only
+        with self._resident([self.buckets[i] for i in on_device]):
             for i in on_device:
-                for t in self._opt_tensors[i]:
-                    t.grad = None
+                b, master, tensors = self.buckets[i], self.masters[i], self._opt_tensors[i]
+                grad = b.reduced_grad()
+                if grad.dtype == master.dtype:
+                    if factor != 1.0:
+                        grad.mul_(factor)
+                    master_grad = grad
+                else:
+                    master_grad = grad.to(master.dtype).mul_(factor)
+                if self.sharded:
+                    master.grad = master_grad
+                elif tensors[0] is b.params[0]:
+                    pass  # stage 0 fp32: param.grad already views the (now scaled) buffer
+                else:
+                    for t, g in zip(tensors, b.param_views_of(master_grad)):
+                        t.grad = g
+            if on_device:
+                self.optimizer.step()
+            if self.separate_master:  # the fp32 gradients were made for this step only
+                for i in on_device:
+                    for t in self._opt_tensors[i]:
+                        t.grad = None
         self._published = self._offloaded_step(factor)
         try:
             self._publish_params()
@@ -204,7 +208,7 @@ class ShardedOptimizerState:
         error: BaseException | None = None
         published: set[int] = set()
         try:
-            published = self.offload.step(factor)
+            published = self.offload.step(factor, self.residency)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the agreement
             error = exc
         if self.sharded and self.dp_world_size > 1:
@@ -219,6 +223,12 @@ class ShardedOptimizerState:
         if error is not None:
             raise error
         return published
+
+    def _resident(self, buckets: list[Any]) -> ContextManager[None]:
+        """Parameter shards of ``buckets`` in memory, and marked written, for the block."""
+        if self.residency is None or not buckets:
+            return nullcontext()
+        return self.residency.hold(buckets, dirty=True)
 
     def resident_for_checkpoint(self, write_back: bool) -> ContextManager[None]:
         """Make every optimizer state visible in ``optimizer.state`` for a checkpoint save

@@ -78,11 +78,16 @@ class SwapFolder:
     def __init__(self, nvme_path: str, kind: str, rank: int, key: str,
                  on_close: Callable[[], Any] | None = None) -> None:
         root = os.path.join(os.fspath(nvme_path), SWAP_DIR_NAME)
-        try:
-            os.makedirs(root, exist_ok=True)
-            self.path = tempfile.mkdtemp(prefix=f"{kind}_rank{rank}_{os.getpid()}_", dir=root)
-        except OSError as exc:
-            raise AIOError("mkdir", root, exc.errno, detail=f"cannot create the swap folder ({key})") from exc
+        for attempt in range(5):
+            try:
+                os.makedirs(root, exist_ok=True)
+                self.path = tempfile.mkdtemp(prefix=f"{kind}_rank{rank}_{os.getpid()}_", dir=root)
+                break
+            except FileNotFoundError as exc:  # another process removed the empty parent in between
+                if attempt == 4:
+                    raise AIOError("mkdir", root, exc.errno, detail=f"cannot create the swap folder ({key})") from exc
+            except OSError as exc:
+                raise AIOError("mkdir", root, exc.errno, detail=f"cannot create the swap folder ({key})") from exc
         self._finalizer = weakref.finalize(self, _remove_folder, self.path, on_close)
         multiprocessing.util.Finalize(None, self._finalizer, exitpriority=10)
 

@@ -138,11 +138,13 @@ class OffloadTier:
 
     # -- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, factor: float) -> set[int]:
+    def step(self, factor: float, residency: Any = None) -> set[int]:
         """Update every offloaded bucket with its reduced gradient times ``factor``.
 
         Returns the ids of the buckets whose parameter shard was already refreshed from the new
         master (a separate master on another device or dtype is copied back by the pipeline).
+        ``residency`` (stage 3 with ``offload_param``) swaps parameter shards in one sub-group at a
+        time: the next one is read while this one is updated, and each is released as written.
         """
         subgroups: list[SubGroup] = []
         published: set[int] = set()
@@ -177,20 +179,35 @@ class OffloadTier:
             adam_update([(sg.param, sg.grad, states["exp_avg"], states["exp_avg_sq"], states.get("max_exp_avg_sq"),
                           sg.step)], hp, pool=self._pool)
 
-        if self.swapper is None:
-            run_subgroup_pipeline(subgroups, lambda sg: kernel(sg, index[id(sg)], None))
-        else:
-            # the swap ring sets the pace (reads ahead, write-backs behind); the device copies of a
-            # sub-group happen around its update
-            def from_disk(i: int, states: dict[str, torch.Tensor]) -> None:
-                sg = subgroups[i]
-                if sg.device_grad is not None:
-                    sg.grad.copy_(sg.device_grad.reshape(-1))
-                kernel(sg, i, states)
-                if sg.device_param is not None:
-                    sg.device_param.view(-1).copy_(sg.param)
+        def one(i: int, states: dict[str, torch.Tensor] | None) -> None:
+            """Sub-group ``i`` with inline copies (NVMe, or shards that come and go)."""
+            sg = subgroups[i]
+            if sg.device_grad is not None:
+                sg.grad.copy_(sg.device_grad.reshape(-1))
+            kernel(sg, i, states)
+            if sg.device_param is not None:
+                sg.device_param.view(-1).copy_(sg.param)
 
-            self.swapper.run(range(len(subgroups)), from_disk)
+        if residency is not None:
+            def body(i: int, states: dict[str, torch.Tensor] | None) -> None:
+                bucket = self.slots[i].bucket
+                if i + 1 < len(self.slots):
+                    residency.prefetch([self.slots[i + 1].bucket])
+                residency.acquire(bucket)
+                try:
+                    one(i, states)
+                finally:
+                    residency.release(bucket, dirty=True)
+        else:
+            body = one
+        if self.swapper is not None:
+            # the swap ring sets the pace: reads ahead, write-backs behind the update
+            self.swapper.run(range(len(subgroups)), body)
+        elif residency is not None:
+            for i in range(len(subgroups)):
+                body(i, None)
+        else:  # device copies overlap the updates (CUDA streams on a GPU)
+            run_subgroup_pipeline(subgroups, lambda sg: kernel(sg, index[id(sg)], None))
         return published
 
     # -- checkpoints ------------------------------------------------------------------------------

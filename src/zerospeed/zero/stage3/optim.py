@@ -32,4 +32,5 @@ class Stage3OptimizerState(ShardedOptimizerState):
             published = getattr(self, "_published", set())
             for b, master in zip(self.buckets, self.masters):
                 if master is not b.shard and id(b) not in published:
-                    b.shard.copy_(master)
+                    with self._resident([b]):
+                        b.shard.copy_(master)

@@ -82,6 +82,7 @@ class Stage3Strategy:
         # after the optimizer state: it reads the shards to build its masters (mixed precision)
         self.swapper: ParamSwapper | None = build_param_swapper(
             self.buckets, getattr(options, "offload_param", None), getattr(options, "aio", None), dp_rank)
+        self.state.residency = self.swapper  # the step swaps shards in one bucket at a time
         self._resident_depth = 0  # open resident_params() blocks
         self._view_hold = contextlib.ExitStack()  # shards held since shard_views() (see the module docstring)
         self._view_held = False
@@ -106,14 +107,10 @@ class Stage3Strategy:
         if self.reducer.stray_backward or self.runtime.stray_backward:
             raise RuntimeError("gradients were produced by a backward pass that did not go through "
                                "engine.backward(loss); call engine.backward(loss) instead of loss.backward()")
-        if self.swapper is None:
-            result = self.state.step(loss_scale * self.options.prescale, max_norm, force_skip, norm_sq_hook)
-        else:
+        if self.swapper is not None:
             self._end_view_hold()
-            skipped: list[bool] = []  # dirty unless the step was skipped (an exception counts as dirty)
-            with self.swapper.hold(self.trainable, dirty=lambda: not (skipped and skipped[0])):
-                result = self.state.step(loss_scale * self.options.prescale, max_norm, force_skip, norm_sq_hook)
-                skipped.append(result.overflow)
+        # with offload_param the optimizer state swaps shards in bucket by bucket (state.residency)
+        result = self.state.step(loss_scale * self.options.prescale, max_norm, force_skip, norm_sq_hook)
         if not result.overflow:
             self.runtime.release_all()
             self.runtime.gather_persistent()  # persistent parameters are gathered from the new shards
