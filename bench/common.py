@@ -15,17 +15,23 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import resource
 import shlex
+import signal
 import statistics
+import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
 
 # Environment variables that change what a benchmark measures; recorded with the command.
 RELEVANT_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR",
@@ -179,6 +185,97 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     exe = os.path.relpath(sys.executable)
     exe = sys.executable if exe.startswith("..") else exe  # relative only inside the working dir
     return " ".join([*env, shlex.join([exe, *argv])])
+
+
+# --------------------------------------------------------------------------- launching workers
+
+
+@dataclass(frozen=True)
+class Launched:
+    """How a group of workers ended: exit status (124 on timeout), the output's last lines, and
+    the last exception line found in it (``"ValueError: ..."``), if any."""
+
+    returncode: int
+    output_tail: tuple[str, ...]
+    error: str | None
+
+
+# ``[rank0]: RuntimeError: msg`` / ``ValueError: msg`` / ``deepspeed.x.FooError: msg``; torchrun's own
+# summary exception (ChildFailedError) names no cause, so it is never taken as the error.
+_ERROR_LINE = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s*)?([\w.]*(?:Error|Exception|Interrupt)(?::\s.*|:?))$")
+
+
+# What a worker that dies in native code leaves instead (std::terminate, a signal).
+_NATIVE_CRASH = re.compile(r"^(terminate called .*|Segmentation fault.*|Fatal Python error: .*|"
+                           r"exitcode\s*: -\d+ .*\((SIG\w+)\))$")
+
+
+def last_error(lines: Iterable[str]) -> str | None:
+    """The last line of ``lines`` that reads like a raised exception (``SomeError: message``);
+    failing that, the native crash lines (``terminate called ...``, the signal torchrun reports)."""
+    found = None
+    crash: list[str] = []
+    for line in lines:
+        m = _ERROR_LINE.match(line.strip())
+        if m and "ChildFailedError" not in m.group(1):
+            found = m.group(1).strip()
+        c = _NATIVE_CRASH.match(line.strip())
+        if c:
+            text = c.group(2) or c.group(1)
+            if text not in crash:
+                crash.append(text)
+    return found or ("; ".join(crash) if crash else None)
+
+
+def launch_workers(
+    script: Path | str,
+    script_args: Sequence[str],
+    *,
+    num_procs: int,
+    python: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+    tail_lines: int = 200,
+) -> Launched:
+    """Run ``num_procs`` workers of ``script`` through the ``zerospeed`` launcher (torchrun).
+
+    Output (stdout and stderr together) is echoed as it comes and its last ``tail_lines`` lines
+    are kept, so a failing worker's exception can be reported. ``python`` is the interpreter
+    (default: this one); ``env`` the full environment (default: this one). On ``timeout_s`` the
+    whole process group is killed and the exit status is 124.
+    """
+    cmd = [python or sys.executable, "-m", "zerospeed.launcher.runner", "--num_procs", str(num_procs),
+           str(script), *script_args]
+    print(f"[bench] {shlex.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace", start_new_session=True)
+    timed_out = threading.Event()
+
+    def kill() -> None:
+        timed_out.set()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(timeout_s, kill) if timeout_s else None
+    if timer is not None:
+        timer.start()
+    tail: deque[str] = deque(maxlen=tail_lines)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            tail.append(line.rstrip("\n"))
+        code = proc.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if timed_out.is_set():
+        code = 124
+        tail.append(f"TimeoutError: workers killed after {timeout_s:g} s")
+    sys.stdout.flush()
+    return Launched(code, tuple(tail), last_error(tail))
 
 
 # --------------------------------------------------------------------------- result files

@@ -25,9 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from common import (  # noqa: E402
     RESULTS_DIR,
     format_bytes,
+    launch_workers,
     package_version,
     peak_rss_bytes,
     time_steps,
@@ -47,6 +49,8 @@ from common import (  # noqa: E402
 
 SYSTEMS = ("ddp", "fsdp2", "zerospeed", "deepspeed")
 StepFn = Callable[[int], float]  # step index -> loss of that step (a Python float)
+ConfigFn = Callable[[argparse.Namespace, int], dict[str, Any]]  # (args, world size) -> DeepSpeed config
+PHASES = ("forward", "backward", "step")
 
 
 # --------------------------------------------------------------------------- arguments
@@ -150,7 +154,8 @@ def run_ddp(args: argparse.Namespace, model, batches, device) -> StepFn:
     return step
 
 
-def run_zerospeed(args: argparse.Namespace, model, batches, device) -> StepFn:
+def run_zerospeed(args: argparse.Namespace, model, batches, device, config_fn: ConfigFn = ds_config,
+                  breakdown: bool = False) -> StepFn:
     """zerospeed through its DeepSpeed-compatible facade.
 
     The same script a DeepSpeed user runs, with the import changed.
@@ -159,39 +164,59 @@ def run_zerospeed(args: argparse.Namespace, model, batches, device) -> StepFn:
 
     import zerospeed
 
-    cfg = ds_config(args, dist.get_world_size())
+    cfg = config_fn(args, dist.get_world_size())
     engine, _opt, _loader, _sched = zerospeed.initialize(
         model=model, model_parameters=model.parameters(), config=cfg
     )
-    step = _engine_step_fn(engine, batches, device)
+    step = _engine_step_fn(engine, batches, device, breakdown)
     step.model_state_bytes = lambda: engine.memory_breakdown()["total"]  # type: ignore[attr-defined]
     return step
 
 
-def _engine_step_fn(engine: Any, batches: list[Any], device: Any) -> StepFn:
-    """One training step of a DeepSpeed-API engine (zerospeed's or DeepSpeed's: the same calls)."""
+def _engine_step_fn(engine: Any, batches: list[Any], device: Any, breakdown: bool = False) -> StepFn:
+    """One training step of a DeepSpeed-API engine (zerospeed's or DeepSpeed's: the same calls).
+
+    With ``breakdown`` the step also appends the seconds of its forward, backward and optimizer
+    step to ``step.phase_s[phase]`` (on a GPU at the price of a synchronisation after each).
+    """
+    phase_s: dict[str, list[float]] = {p: [] for p in PHASES}
+
+    def lap(phase: str, start: float) -> float:
+        if breakdown:
+            _sync(device)
+            now = time.perf_counter()
+            phase_s[phase].append(now - start)
+            return now
+        return start
 
     def step(i: int) -> float:
         x, y = batches[i]
+        t = time.perf_counter()
         loss = engine(x, y)
+        t = lap("forward", t)
         engine.backward(loss)
+        t = lap("backward", t)
         engine.step()
+        lap("step", t)
         _sync(device)
         return loss.item()
 
+    if breakdown:
+        step.phase_s = phase_s  # type: ignore[attr-defined]
     return step
 
 
-def run_deepspeed(args: argparse.Namespace, model, batches, device) -> StepFn:
+def run_deepspeed(args: argparse.Namespace, model, batches, device, config_fn: ConfigFn = ds_config,
+                  breakdown: bool = False) -> StepFn:
     """DeepSpeed itself, as a user would call it (needs the bench venv; DS_ACCELERATOR=cpu)."""
     import deepspeed
     import torch.distributed as dist
 
-    cfg = ds_config(args, dist.get_world_size())
+    cfg = config_fn(args, dist.get_world_size())
     engine, _opt, _loader, _sched = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=cfg
     )
-    return _engine_step_fn(engine, batches, device)
+    return _engine_step_fn(engine, batches, device, breakdown)
 
 
 def run_fsdp2(args: argparse.Namespace, model, batches, device) -> StepFn:
@@ -224,7 +249,10 @@ RUNNERS: dict[str, Callable[..., StepFn]] = {
 }
 
 
-def worker_main(args: argparse.Namespace) -> None:
+def worker_main(args: argparse.Namespace, config_fn: ConfigFn | None = None, breakdown: bool = False) -> None:
+    """One worker of system ``args.worker``: build, time ``args.steps`` steps, rank 0 writes
+    ``args.result``. ``config_fn`` (engine systems only) replaces :func:`ds_config`;
+    ``breakdown`` records the median forward / backward / optimizer-step seconds per rank."""
     import torch
     import torch.distributed as dist
 
@@ -246,17 +274,25 @@ def worker_main(args: argparse.Namespace) -> None:
     model, model_cfg, batches = _model_and_batches(args, rank, world_size, device)
     num_params = model.num_parameters()
     record: dict[str, Any]
+    engine_kw: dict[str, Any] = {}
+    if args.worker in ("zerospeed", "deepspeed"):
+        engine_kw = {"config_fn": config_fn or ds_config, "breakdown": breakdown}
     try:
-        step_fn = RUNNERS[args.worker](args, model, batches, device)
+        step_fn = RUNNERS[args.worker](args, model, batches, device, **engine_kw)
     except NotImplementedError as e:
         record = {"status": "not implemented", "reason": str(e)}
     else:
         losses: list[float] = []
         timing = time_steps(lambda i: losses.append(step_fn(i)), args.steps, args.warmup,
                             barrier=dist.barrier)
+        phase_s = getattr(step_fn, "phase_s", None)
         per_rank = [None] * world_size
-        dist.all_gather_object(per_rank, {"median_s": timing.median_s,
-                                          "peak_rss_bytes": peak_rss_bytes()})
+        dist.all_gather_object(per_rank, {
+            "median_s": timing.median_s,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "phase_median_s": {p: statistics.median(v[args.warmup:]) for p, v in phase_s.items()}
+            if phase_s else None,
+        })
         record = {
             "status": "ok",
             "num_params": num_params,
@@ -266,6 +302,8 @@ def worker_main(args: argparse.Namespace) -> None:
             "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in per_rank],
             "losses": losses,
         }
+        if phase_s:
+            record["phase_median_s_per_rank"] = [r["phase_median_s"] for r in per_rank]
         if hasattr(step_fn, "model_state_bytes"):
             record["model_state_bytes"] = step_fn.model_state_bytes()
     if rank == 0 and args.result:
@@ -276,19 +314,29 @@ def worker_main(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- driver side
 
 
-def launch(args: argparse.Namespace, system: str, result_path: Path) -> int:
-    """Run ``--num_procs`` workers for ``system`` via the zerospeed launcher; returns exit code."""
-    cmd = [sys.executable, "-m", "zerospeed.launcher.runner", "--num_procs", str(args.num_procs),
-           str(Path(__file__).resolve()), "--worker", system, "--result", str(result_path),
+def worker_args(args: argparse.Namespace, system: str, result_path: Path) -> list[str]:
+    """The arguments of one worker of ``system`` (those :func:`_model_and_batches` and the
+    runners read; a benchmark that reuses this worker adds its own)."""
+    cmd = ["--worker", system, "--result", str(result_path),
            "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--micro_batch", str(args.micro_batch), "--stage", str(args.stage),
            "--threads", str(args.threads), "--model", args.model]
     if args.ds_torch_adam:
         cmd.append("--ds_torch_adam")
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    return cmd
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """This environment with ``OMP_NUM_THREADS`` = ``threads`` and ``DS_ACCELERATOR`` set."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
-    print(f"[bench] {system}: {' '.join(cmd)}", flush=True)
-    return subprocess.run(cmd, env=env, cwd=REPO).returncode
+    return env
+
+
+def launch(args: argparse.Namespace, system: str, result_path: Path) -> int:
+    """Run ``--num_procs`` workers for ``system`` via the zerospeed launcher; returns exit code."""
+    return launch_workers(Path(__file__).resolve(), worker_args(args, system, result_path),
+                          num_procs=args.num_procs, env=worker_env(args.threads)).returncode
 
 
 def _has_cuda() -> bool:
