@@ -237,3 +237,12 @@ def test_hyper_params_follow_the_optimizer_class():
     assert hyper_params_of(adam, adam.param_groups[0]).adamw_mode is False
     hp = hyper_params_of(cpu, cpu.param_groups[0])
     assert (hp.adamw_mode, hp.bias_correction, hp.lr, hp.weight_decay) == (False, False, 0.1, 0.2)
+
+
+def test_swap_groups_are_consecutive_sub_groups_up_to_sub_group_size():
+    from zerospeed.zero.offload.swap import plan_groups
+
+    assert plan_groups([1024, 1024, 1024, 4096, 1024], 2048) == [[0, 1], [2], [3], [4]]
+    assert plan_groups([1024, 1024, 1024], 10**9) == [[0, 1, 2]]  # DeepSpeed's default: one tile
+    assert plan_groups([1024, 1024], 1) == [[0], [1]]
+    assert plan_groups([], 5) == []

@@ -136,7 +136,8 @@ class ShardedOptimizerState:
             rank = comm.get_rank(dp_group) if sharded else 0
             self.offload = OffloadTier(optimizer, offload_cfg, getattr(options, "aio", None), rank,
                                        [buckets[i] for i in sorted(offloaded)],
-                                       [self.masters[i] for i in sorted(offloaded)])
+                                       [self.masters[i] for i in sorted(offloaded)],
+                                       sub_group_size=int(getattr(options, "sub_group_size", 1_000_000_000)))
 
     # ------------------------------------------------------------------------------------------
     def grad_norm_sq_local(self) -> torch.Tensor:

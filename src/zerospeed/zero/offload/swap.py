@@ -6,11 +6,14 @@ amsgrad). Sub-group ``i`` (one offloaded bucket shard of ``numel_i`` fp32 elemen
 elements ``[offset_i, offset_i + aligned_i)`` of every file, where regions are rounded up to
 4096 bytes so each read and write is O_DIRECT-aligned.
 
-Memory is bounded by ``buffer_count`` swap buffers, each holding one sub-group's states
-(``buffer_count x max sub-group numel x states x 4`` bytes, all allocated once, 4096-aligned and
-pinned when a GPU is present). :meth:`NvmeStateSwapper.run` drives them as a ring: sub-group
-``i`` uses buffer ``i % buffer_count``; reads are issued ``lookahead`` sub-groups ahead of the
-update and a buffer is re-read only after its previous write-back finished.
+I/O is done per *swap group*: consecutive sub-groups whose regions add up to at most
+``sub_group_size`` elements (DeepSpeed's tile size; a larger sub-group is a group of its own), so
+a model of many small buckets (stage 3: one per module) costs one read and one write per state
+and group, not per bucket. Memory is bounded by ``min(buffer_count, groups)`` swap buffers, each
+holding one group's states (``x states x 4`` bytes, allocated once, 4096-aligned, pinned when a
+GPU is present). :meth:`NvmeStateSwapper.run` drives them as a ring: group ``g`` uses buffer
+``g % buffers``; reads are issued ``lookahead`` groups ahead of the update and a buffer is re-read
+only after its previous write-back finished.
 
 Failure handling: the folder and files come from :mod:`zerospeed.zero.offload.swapfiles`
 (reserved up front, so a full disk fails at start naming the path; checked against their inode
@@ -39,6 +42,22 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def plan_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive indices whose ``sizes`` add up to at most ``limit`` (a larger one alone)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if current and used + n > limit:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        groups.append(current)
+    return groups
+
+
 class NvmeStateSwapper:
     """Element-wise optimizer states of ``len(numels)`` sub-groups, kept in swap files.
 
@@ -47,7 +66,7 @@ class NvmeStateSwapper:
     """
 
     def __init__(self, nvme_path: str, keys: Sequence[str], numels: Sequence[int], aio_config: Any,
-                 buffer_count: int, rank: int, pin_memory: bool = False) -> None:
+                 buffer_count: int, rank: int, pin_memory: bool = False, group_numel: int = 1_000_000_000) -> None:
         if buffer_count < 1:
             raise ValueError("zero_optimization.offload_optimizer.buffer_count must be >= 1 for NVMe offload "
                              f"(one swap buffer per sub-group in flight), got {buffer_count}")
@@ -73,10 +92,12 @@ class NvmeStateSwapper:
             self.close()
             raise
         self.paths = {k: f.path for k, f in self.files.items()}
-        max_numel = max(self.aligned, default=_ALIGN_NUMEL)
-        self.buffer_count = buffer_count
+        self.groups = plan_groups(self.aligned, group_numel)
+        self.spans = [sum(self.aligned[i] for i in g) for g in self.groups]
+        max_numel = max(self.spans, default=_ALIGN_NUMEL)
+        self.buffer_count = max(1, min(buffer_count, len(self.groups)))
         self.buffers = [{k: self.handle.new_aligned_tensor(max_numel, torch.float32, pin_memory=pin_memory)
-                         for k in self.keys} for _ in range(buffer_count)]
+                         for k in self.keys} for _ in range(self.buffer_count)]
         self._writes: dict[int, list[Any]] = {}
 
     # -- facts ------------------------------------------------------------------------------------
@@ -94,48 +115,44 @@ class NvmeStateSwapper:
             f.check()
 
     # -- one pass over every sub-group ------------------------------------------------------------
-    def views(self, i: int) -> dict[str, torch.Tensor]:
-        """Sub-group ``i``'s states in its ring buffer (valid while it is being processed)."""
-        buf = self.buffers[i % self.buffer_count]
-        return {k: t.narrow(0, 0, self.numels[i]) for k, t in buf.items()}
-
-    def _io(self, op: str, i: int, buf: dict[str, torch.Tensor]) -> list[Any]:
+    def _io(self, op: str, g: int, buf: dict[str, torch.Tensor]) -> list[Any]:
         submit = self.handle.async_pread if op == "read" else self.handle.async_pwrite
-        offset = self.offsets[i] * _FP32
-        return [submit(buf[k].narrow(0, 0, self.aligned[i]), self.paths[k], offset) for k in self.keys]
+        offset = self.offsets[self.groups[g][0]] * _FP32
+        return [submit(buf[k].narrow(0, 0, self.spans[g]), self.paths[k], offset) for k in self.keys]
 
     def lookahead(self) -> int:
-        """How many sub-groups ahead reads are issued: a ring slot is re-read only after the
-        write-back of its previous sub-group, issued one update earlier, had that update to finish."""
+        """How many groups ahead reads are issued: a ring slot is re-read only after the
+        write-back of its previous group, issued one update earlier, had that update to finish."""
         return {1: 0, 2: 1}.get(self.buffer_count, self.buffer_count - 2)
 
-    def run(self, order: Sequence[int], update: Callable[[int, dict[str, torch.Tensor]], None]) -> None:
-        """For each sub-group in ``order``: read its states, ``update(i, states)``, write them back."""
+    def run(self, update: Callable[[int, dict[int, dict[str, torch.Tensor]]], None]) -> None:
+        """For each group ``g``: read its states, ``update(g, {sub-group: {state: view}})``, write back."""
         self.check_files()
         ahead = self.lookahead()
+        count = self.buffer_count
         reads: dict[int, list[Any]] = {}
-        slots: list[int] = list(order)
 
-        def issue_read(pos: int) -> None:
-            if pos >= len(slots) or pos in reads:
+        def issue_read(g: int) -> None:
+            if g >= len(self.groups) or g in reads:
                 return
-            prev = pos - self.buffer_count
-            for w in self._writes.pop(prev, []):  # the slot's previous occupant must be on disk
+            for w in self._writes.pop(g - count, []):  # the slot's previous occupant must be on disk
                 w.wait()
-            reads[pos] = self._io("read", slots[pos], self.buffers[pos % self.buffer_count])
+            reads[g] = self._io("read", g, self.buffers[g % count])
 
         failed = True
         try:
-            for pos in range(min(ahead, len(slots))):
-                issue_read(pos)
-            for pos, i in enumerate(slots):
-                issue_read(pos + ahead)
-                issue_read(pos)
-                for r in reads.pop(pos):
+            for g in range(min(ahead, len(self.groups))):
+                issue_read(g)
+            for g, members in enumerate(self.groups):
+                issue_read(g + ahead)
+                issue_read(g)
+                for r in reads.pop(g):
                     r.wait()
-                buf = self.buffers[pos % self.buffer_count]
-                update(i, {k: t.narrow(0, 0, self.numels[i]) for k, t in buf.items()})
-                self._writes[pos] = self._io("write", i, buf)
+                buf = self.buffers[g % count]
+                base = self.offsets[members[0]]
+                update(g, {i: {k: t.narrow(0, self.offsets[i] - base, self.numels[i]) for k, t in buf.items()}
+                           for i in members})
+                self._writes[g] = self._io("write", g, buf)
             failed = False
         finally:
             self._drain(raise_errors=not failed)
@@ -161,7 +178,7 @@ class NvmeStateSwapper:
     def write(self, i: int, states: dict[str, torch.Tensor | None]) -> None:
         """Replace sub-group ``i``'s states (a missing or ``None`` state is written as zeros)."""
         self.check_files()
-        buf = self.buffers[0]
+        buf = self.buffers[0]  # at least as long as any sub-group's region
         for k in self.keys:
             dst = buf[k].narrow(0, 0, self.aligned[i])
             dst.zero_()

@@ -19,19 +19,27 @@ Per offloaded bucket, on this rank:
   ``buffer_count`` swap buffers are in memory. The master stays in host memory (under fp32 on the
   CPU it *is* the model; swapping a 16-bit run's master is left to a later version).
 
-The step (:meth:`OffloadTier.step`) runs :mod:`zerospeed.ops.adam`'s fused CPU Adam kernel over
-the sub-groups through :func:`~zerospeed.ops.adam.run_subgroup_pipeline`: on a GPU the gradient
-of the next sub-group is copied to the host while this one is updated and the previous one's
-updated master is copied back (CUDA streams, pinned buffers); on the CPU the gradient is used in
-place when it is already fp32. With NVMe the reads of the next sub-groups and the write-back of
-the previous ones overlap the update too. Hyper-parameters are read from the user's optimizer
-param groups at every step, so lr schedulers keep working; the update is torch's Adam/AdamW
-arithmetic (``AdamW`` or ``decoupled_weight_decay`` -> decoupled decay).
+The step (:meth:`OffloadTier.step`) runs :mod:`zerospeed.ops.adam`'s fused CPU Adam kernel
+(torch's arithmetic, chunked over worker threads):
+
+* states in host memory: one sub-group per bucket through
+  :func:`~zerospeed.ops.adam.run_subgroup_pipeline`, so on a GPU the gradient of the next
+  sub-group is copied to the host while this one is updated and the previous one's new master is
+  copied back (CUDA streams, pinned buffers); on the CPU an fp32 gradient is used in place;
+* states on NVMe: per swap group (consecutive buckets up to ``sub_group_size`` elements, see
+  :mod:`~zerospeed.zero.offload.swap`), one kernel call per optimizer param group, while the next
+  groups are read and the previous ones written back.
+
+Hyper-parameters are read from the user's optimizer param groups at every step, so lr schedulers
+keep working; ``AdamW`` (or ``decoupled_weight_decay``) means decoupled decay. Accepted and without
+effect here: ``fast_init`` (swap files are always reserved with ``fallocate``, never written with
+zeros), ``pipeline_read`` / ``pipeline_write`` (reads and write-backs always overlap the update)
+and ``cpuadam_cores_perc`` (the kernel uses ``torch.get_num_threads()`` workers).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -40,6 +48,11 @@ import torch
 from zerospeed.ops.adam import AdamHyperParams, AdamThreadPool, SubGroup, adam_update, run_subgroup_pipeline
 from zerospeed.ops.adam.cpu_adam import CPUAdam
 from zerospeed.zero.offload.swap import NvmeStateSwapper
+
+
+def _usable_in_place(grad: torch.Tensor) -> bool:
+    """A gradient the CPU kernel can read (and scale) where it is: fp32 in host memory."""
+    return grad.device.type == "cpu" and grad.dtype == torch.float32
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -92,7 +105,7 @@ class OffloadTier:
     """Optimizer state and update of the offloaded buckets of one :class:`ShardedOptimizerState`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: Any, aio_config: Any, rank: int,
-                 buckets: Sequence[Any], masters: Sequence[torch.Tensor]) -> None:
+                 buckets: Sequence[Any], masters: Sequence[torch.Tensor], sub_group_size: int = 1_000_000_000) -> None:
         self.optimizer = optimizer
         self.config = config
         self.slots = [_Slot(b, m, i) for i, (b, m) in enumerate(zip(buckets, masters))]
@@ -103,7 +116,8 @@ class OffloadTier:
         self.steps: list[torch.Tensor] = []
         if config.device == "nvme":
             self.swapper = NvmeStateSwapper(config.nvme_path, self.keys, [s.master.numel() for s in self.slots],
-                                            aio_config, int(config.buffer_count), rank, pin_memory=self.pin)
+                                            aio_config, int(config.buffer_count), rank, pin_memory=self.pin,
+                                            group_numel=int(sub_group_size))
             self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.slots]
         self._grad_buffers: list[torch.Tensor] = []  # two host fp32 buffers, when gradients need a copy
         self._pool = AdamThreadPool.shared(max(1, torch.get_num_threads()))
@@ -142,73 +156,95 @@ class OffloadTier:
         """Update every offloaded bucket with its reduced gradient times ``factor``.
 
         Returns the ids of the buckets whose parameter shard was already refreshed from the new
-        master (a separate master on another device or dtype is copied back by the pipeline).
-        ``residency`` (stage 3 with ``offload_param``) swaps parameter shards in one sub-group at a
-        time: the next one is read while this one is updated, and each is released as written.
+        master (a separate master on another device or dtype is copied back here).
+        ``residency`` (stage 3 with ``offload_param``) swaps parameter shards in as they are
+        updated: the next group's are read while this one is updated, each released as written.
         """
+        published = {id(s.bucket) for s in self.slots if not same_memory(s.bucket.param_shard(), s.master)}
+        if self.swapper is not None:
+            groups = self.swapper.groups
+
+            def body(g: int, states: dict[int, dict[str, torch.Tensor]]) -> None:
+                after = groups[g + 1] if g + 1 < len(groups) else []
+                with self._shards_of(residency, groups[g], after):
+                    self._update(groups[g], factor, states)
+
+            self.swapper.run(body)  # the swap ring sets the pace: reads ahead, write-backs behind
+        elif residency is not None:
+            for i in range(len(self.slots)):
+                with self._shards_of(residency, [i], [i + 1] if i + 1 < len(self.slots) else []):
+                    self._update([i], factor, None)
+        else:
+            self._pipelined_step(factor)
+        return published
+
+    def _shards_of(self, residency: Any, members: list[int], after: list[int]) -> Any:
+        if residency is None:
+            return nullcontext()
+        residency.prefetch([self.slots[i].bucket for i in after])
+        return residency.hold([self.slots[i].bucket for i in members], dirty=True)
+
+    def _staging(self, numel: int) -> torch.Tensor:
+        """One host fp32 buffer for gradients that need a copy (grown to the largest group)."""
+        if not self._grad_buffers or self._grad_buffers[0].numel() < numel:
+            self._grad_buffers = [torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)]
+        return self._grad_buffers[0]
+
+    def _update(self, members: list[int], factor: float, states: dict[int, dict[str, torch.Tensor]] | None) -> None:
+        """Copy in the gradients of ``members``, update them (one kernel call per optimizer param
+        group) and copy the new masters out to separate parameter shards; copies are inline."""
+        copied = [i for i in members if not _usable_in_place(self.slots[i].bucket.reduced_grad())]
+        staging = self._staging(sum(self.slots[i].master.numel() for i in copied)) if copied else None
+        by_group: dict[int, list[Any]] = {}
+        offset = 0
+        for i in members:
+            slot = self.slots[i]
+            grad = slot.bucket.reduced_grad()
+            host_grad = grad
+            if i in copied:
+                assert staging is not None
+                host_grad = staging.narrow(0, offset, grad.numel())
+                offset += grad.numel()
+                host_grad.copy_(grad.reshape(-1))
+            if factor != 1.0:
+                host_grad.mul_(factor)
+            step = self._step_of(slot)
+            step += 1
+            st = states[i] if states is not None else self._cpu_state(slot)
+            by_group.setdefault(slot.bucket.layout.group_index, []).append(
+                (slot.master, host_grad, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"), step))
+        for gi, items in by_group.items():
+            adam_update(items, hyper_params_of(self.optimizer, self.optimizer.param_groups[gi]), pool=self._pool)
+        for i in members:
+            shard = self.slots[i].bucket.param_shard()
+            if not same_memory(shard, self.slots[i].master):
+                shard.view(-1).copy_(self.slots[i].master)
+
+    def _pipelined_step(self, factor: float) -> None:
+        """States in host memory: one sub-group per bucket through the d2h / update / h2d pipeline."""
         subgroups: list[SubGroup] = []
-        published: set[int] = set()
         for pos, slot in enumerate(self.slots):
             grad = slot.bucket.reduced_grad()
             shard = slot.bucket.param_shard()
-            in_place = grad.device.type == "cpu" and grad.dtype == torch.float32
-            host_grad = grad if in_place else self._host_grad(pos, grad.numel())
-            states = self._cpu_state(slot) if self.swapper is None else None
-            # NVMe: placeholder state views (the swap buffers are bound in update())
-            exp_avg = states["exp_avg"] if states else host_grad
-            exp_avg_sq = states["exp_avg_sq"] if states else host_grad
-            separate = not same_memory(shard, slot.master)
-            if separate:
-                published.add(id(slot.bucket))
-            subgroups.append(SubGroup(param=slot.master, grad=host_grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-                                      step=self._step_of(slot),
-                                      max_exp_avg_sq=states.get("max_exp_avg_sq") if states else None,
+            in_place = _usable_in_place(grad)
+            states = self._cpu_state(slot)
+            subgroups.append(SubGroup(param=slot.master, grad=grad if in_place else self._host_grad(pos, grad.numel()),
+                                      exp_avg=states["exp_avg"], exp_avg_sq=states["exp_avg_sq"],
+                                      step=states["step"], max_exp_avg_sq=states.get("max_exp_avg_sq"),
                                       device_grad=None if in_place else grad,
-                                      device_param=shard if separate else None))
+                                      device_param=None if same_memory(shard, slot.master) else shard))
         index = {id(sg): pos for pos, sg in enumerate(subgroups)}
-        groups = self.optimizer.param_groups
+        param_groups = self.optimizer.param_groups
 
-        def kernel(sg: SubGroup, pos: int, states: dict[str, torch.Tensor] | None) -> None:
-            slot = self.slots[pos]
-            hp = hyper_params_of(self.optimizer, groups[slot.bucket.layout.group_index])
+        def update(sg: SubGroup) -> None:
+            group = param_groups[self.slots[index[id(sg)]].bucket.layout.group_index]
             if factor != 1.0:
                 sg.grad.mul_(factor)
             sg.step += 1
-            if states is None:
-                states = {"exp_avg": sg.exp_avg, "exp_avg_sq": sg.exp_avg_sq, "max_exp_avg_sq": sg.max_exp_avg_sq}
-            adam_update([(sg.param, sg.grad, states["exp_avg"], states["exp_avg_sq"], states.get("max_exp_avg_sq"),
-                          sg.step)], hp, pool=self._pool)
+            adam_update([(sg.param, sg.grad, sg.exp_avg, sg.exp_avg_sq, sg.max_exp_avg_sq, sg.step)],
+                        hyper_params_of(self.optimizer, group), pool=self._pool)
 
-        def one(i: int, states: dict[str, torch.Tensor] | None) -> None:
-            """Sub-group ``i`` with inline copies (NVMe, or shards that come and go)."""
-            sg = subgroups[i]
-            if sg.device_grad is not None:
-                sg.grad.copy_(sg.device_grad.reshape(-1))
-            kernel(sg, i, states)
-            if sg.device_param is not None:
-                sg.device_param.view(-1).copy_(sg.param)
-
-        if residency is not None:
-            def body(i: int, states: dict[str, torch.Tensor] | None) -> None:
-                bucket = self.slots[i].bucket
-                if i + 1 < len(self.slots):
-                    residency.prefetch([self.slots[i + 1].bucket])
-                residency.acquire(bucket)
-                try:
-                    one(i, states)
-                finally:
-                    residency.release(bucket, dirty=True)
-        else:
-            body = one
-        if self.swapper is not None:
-            # the swap ring sets the pace: reads ahead, write-backs behind the update
-            self.swapper.run(range(len(subgroups)), body)
-        elif residency is not None:
-            for i in range(len(subgroups)):
-                body(i, None)
-        else:  # device copies overlap the updates (CUDA streams on a GPU)
-            run_subgroup_pipeline(subgroups, lambda sg: kernel(sg, index[id(sg)], None))
-        return published
+        run_subgroup_pipeline(subgroups, update)  # device copies overlap the updates (CUDA streams)
 
     # -- checkpoints ------------------------------------------------------------------------------
     @contextmanager
