@@ -61,10 +61,11 @@ Persistent buckets (``stage3_param_persistence_threshold``) are never swapped: t
 is resident anyway. Gradient shards and optimizer states are not this module's business
 (``offload_optimizer``).
 
-Limitation: the optimizer step is one call over every trainable bucket
-(:class:`~zerospeed.zero.partitioned_optimizer.ShardedOptimizerState`), so during it every
-trainable shard is resident at once (the peak is the rank's whole parameter shard); afterwards the
-bounds hold again. Stepping bucket by bucket (``sub_group_size``) would lift that.
+The optimizer step swaps shards in as it updates them
+(:attr:`ShardedOptimizerState.residency <zerospeed.zero.partitioned_optimizer.ShardedOptimizerState>`
+is this swapper): with ``offload_optimizer`` one swap group (``sub_group_size``) at a time, the
+next group's shards read ahead; buckets left on the device optimizer (``ratio`` < 1, or no
+optimizer offload) are held together around the torch optimizer's step.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ Composed from small parts (each module says more):
   between uses.
 
 Parameter offload: a bucket's shard is resident while its all-gather reads it (the bucket sees to
-that), during the optimizer step (every trainable shard, held by :meth:`Stage3Strategy.step` and
-written back afterwards), and inside :meth:`Stage3Strategy.resident_params` (checkpoints). Since
+that), while the optimizer step updates it (the optimizer state swaps shards in group by group,
+see :mod:`~zerospeed.zero.stage3.param_offload`), and inside :meth:`Stage3Strategy.resident_params` (checkpoints). Since
 the checkpoint code reads the shards through :meth:`~Stage3Strategy.shard_views`, a call to
 ``shard_views()`` / ``frozen_shard_views()`` outside ``resident_params()`` also makes every shard
 resident and keeps it so until the next forward, step, backward, checkpoint-load refresh or
