@@ -308,6 +308,9 @@ def worker_main(args: argparse.Namespace, config_fn: ConfigFn | None = None, bre
             record["model_state_bytes"] = step_fn.model_state_bytes()
     if rank == 0 and args.result:
         Path(args.result).write_text(json.dumps(record))
+    # tear down together: a rank that destroys its gloo group while a peer is still working on it
+    # was seen aborting at exit ("terminate called without an active exception"), both systems alike
+    dist.barrier()
     dist.destroy_process_group()
 
 
