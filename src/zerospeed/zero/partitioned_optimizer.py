@@ -41,7 +41,7 @@ import torch.distributed as dist
 from zerospeed import comm
 from zerospeed.zero.flat_bucket import FlatBucket
 from zerospeed.zero.layout import BucketLayout
-from zerospeed.zero.offload.tier import OffloadTier, choose_offloaded
+from zerospeed.zero.offload.tier import OffloadTier, choose_offloaded, same_memory
 
 #: Optimizers whose update is element-wise, so running them on flat shards equals running them
 #: on whole parameters.
@@ -64,12 +64,6 @@ def optimizer_group_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer
     if optimizer.state:
         raise ValueError("the optimizer already has state; pass a freshly built optimizer to initialize()")
     return group_of
-
-
-def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` and ``b`` are the same elements (a flat bucket's ``param_shard()`` is a new
-    view at every call, so identity says nothing)."""
-    return a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
 
 
 @dataclass(frozen=True)

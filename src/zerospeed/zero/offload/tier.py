@@ -56,6 +56,8 @@ def _usable_in_place(grad: torch.Tensor) -> bool:
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` are the same elements (a flat bucket's ``param_shard()`` is a new
+    view at every call, so identity says nothing)."""
     return a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
 
 
