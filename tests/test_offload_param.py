@@ -24,9 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
 import offload_cases
+import zero3_cases
 from zerospeed.testing import run_distributed
 
 GLOBAL_BATCH = 8
@@ -34,20 +34,12 @@ STEPS = 3
 FP32_TOL = 1e-5
 
 
-class Stack(nn.Module):
+class Stack(zero3_cases.Chain):
     """Several linears with odd sizes: one ZeRO-3 bucket each (persistence threshold 0)."""
 
     def __init__(self, sizes: tuple[int, ...] = (7, 13, 11, 9, 5, 3)) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])])
+        super().__init__(sizes)
         self.layers[1].requires_grad_(False)  # a frozen bucket is swapped too
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = torch.tanh(x)
-        return F.mse_loss(x.float(), y.float())
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
