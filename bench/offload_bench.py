@@ -42,7 +42,9 @@ import ddp_vs_zerospeed as dvz  # noqa: E402
 from common import RESULTS_DIR, format_bytes, launch_workers, package_version, write_results  # noqa: E402
 
 SYSTEMS = ("zerospeed", "deepspeed")
-DEVICES = ("none", "cpu", "nvme")
+DEVICES = ("none", "cpu", "nvme", "infinity")
+#: ``infinity``: ZeRO-Infinity, optimizer states *and* (stage 3 only) parameters on NVMe
+NVME_DEVICES = ("nvme", "infinity")
 # DeepSpeed's ``aio`` defaults (runtime/swap_tensor/constants.py), written out so both systems
 # read the same block; zerospeed takes ``intra_op_parallelism`` as its ``thread_count``.
 AIO_DEFAULTS = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
@@ -68,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS))
     p.add_argument("--stages", default="2,3", help="comma-separated ZeRO stages (1-3)")
     p.add_argument("--devices", default=",".join(DEVICES),
-                   help="comma-separated offload_optimizer devices; none = the no-offload baseline")
+                   help="comma-separated offload_optimizer devices; none = the no-offload baseline; "
+                        "infinity = optimizer states and (stage 3) parameters on NVMe")
     p.add_argument("--num_procs", type=int, default=2, help="data-parallel processes")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
@@ -102,10 +105,12 @@ def offload_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     """``ddp_vs_zerospeed``'s config at ``args.stage`` plus ``offload_optimizer`` (and ``aio``)."""
     cfg = dvz.ds_config(args, world_size)
     if args.offload != "none":
-        offload: dict[str, Any] = {"device": args.offload}
-        if args.offload == "nvme":
+        offload: dict[str, Any] = {"device": "cpu" if args.offload == "cpu" else "nvme"}
+        if args.offload in NVME_DEVICES:
             offload["nvme_path"] = args.nvme_path
         cfg["zero_optimization"]["offload_optimizer"] = offload
+        if args.offload == "infinity":
+            cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": args.nvme_path}
         cfg["aio"] = dict(AIO_DEFAULTS)
     return cfg
 
@@ -171,7 +176,7 @@ def run_one(args: argparse.Namespace, system: str, python: str, env: dict[str, s
     result_path.unlink(missing_ok=True)
     extra = ["--offload", args.offload]
     nvme_path = watch = None
-    if args.offload == "nvme":
+    if args.offload in NVME_DEVICES:
         nvme_path = tempfile.mkdtemp(prefix=f"zs-offload-{name}-", dir=args.nvme_dir)
         extra += ["--nvme_path", nvme_path]
         watch = _DirWatch(nvme_path)
@@ -264,6 +269,8 @@ def driver_main(args: argparse.Namespace) -> None:
                 for device in devices:
                     for system in systems if round_index % 2 == 0 else systems[::-1]:
                         key = (system, stage, device)
+                        if device == "infinity" and stage != 3:
+                            continue  # parameters are partitioned (and so offloadable) at stage 3 only
                         if pythons[system] is None:
                             records[key] = {"status": "skipped",
                                             "reason": "deepspeed not installed (use make bench-env)"}
@@ -308,7 +315,7 @@ def driver_main(args: argparse.Namespace) -> None:
         if key in trouble:
             notes.append(f"{system} ZeRO-{stage} offload={device} failed or crashed in {len(trouble[key])} of "
                          f"{args.rounds} round(s): " + "; ".join(trouble[key]))
-        if rec.get("status") == "ok" and device == "nvme" and rec.get("nvme_bytes") == 0:
+        if rec.get("status") == "ok" and device in NVME_DEVICES and rec.get("nvme_bytes") == 0:
             notes.append(f"{system} ZeRO-{stage} offload=nvme wrote nothing under nvme_path: its optimizer "
                          "state was not swapped to disk")
     if args.no_write:

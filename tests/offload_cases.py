@@ -83,7 +83,8 @@ def both_offloads_case(nvme_root: str, opt_device: str) -> dict:
     the plain run, and the parameter shards resident during each optimizer step."""
     plain = run_engine(make_config(3, None))
     cfg = make_config(3, offload_block(opt_device, 1.0, nvme_root))
-    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_root, "buffer_count": 1}
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_root, "buffer_count": 1,
+                                                 "max_in_cpu": 1}  # cache nothing idle
     cfg["zero_optimization"]["sub_group_size"] = 1  # one bucket per swap group: the step's unit of residency
     engine, batch = build(cfg)
     swapper = engine.strategy.swapper

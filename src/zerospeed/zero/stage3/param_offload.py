@@ -37,17 +37,19 @@ Invariants, for a managed bucket ``b`` with entry ``e``:
   resident and ``e.dirty`` => the shard is newer than the backing store (written back on eviction);
 * ``e.users > 0`` => resident and never evicted; users are the bucket's in-flight all-gather, a
   ``write_back_shard``, the optimizer step and checkpoint holds;
-* the idle resident shards (``users == 0``) are at most ``buffer_count`` (the LRU order decides
-  which stay) and, with NVMe, all resident managed elements stay within ``max_in_cpu`` as far as
-  evicting idle shards can achieve it; shards in use are never counted against either bound.
-  Read-ahead (:meth:`prefetch`) may exceed the bound by the buckets the stage-3 prefetcher starts
-  at once (bounded by ``stage3_prefetch_bucket_size``) until they are used.
+* with NVMe, idle resident shards (``users == 0``) are a cache of at most ``max_in_cpu`` resident
+  managed elements in all (DeepSpeed's meaning: parameter elements kept in CPU memory), least
+  recently used evicted first; with ``device: cpu`` (a model on an accelerator) at most
+  ``buffer_count`` idle device copies stay. Shards in use are never counted against the bound.
+  Read-ahead (:meth:`prefetch`) may exceed it by the buckets the stage-3 prefetcher starts at
+  once (bounded by ``stage3_prefetch_bucket_size``) until they are used.
 
 ``buffer_size`` (elements) bounds one swapped shard: a managed bucket whose shard is larger fails
 at construction with a :class:`~zerospeed.config.ConfigError` naming
 ``zero_optimization.offload_param.buffer_size``, the bucket and its parameters (as DeepSpeed
-refuses a parameter larger than its swap buffers). ``max_in_cpu`` (elements) only matters with
-NVMe, as in DeepSpeed; it caps the swapped-in elements held in host memory (see above).
+refuses a parameter larger than its swap buffers). With the defaults (``max_in_cpu`` 1e9) a model
+that fits stays in host memory after its first read and NVMe is only its backing store, as in
+DeepSpeed; a smaller ``max_in_cpu`` trades reads for memory.
 
 Errors: a swap file that disappeared or was replaced (another inode) while in use raises an
 :class:`~zerospeed.ops.aio.AIOError` naming its path before any read or write touches it, so a
@@ -295,9 +297,11 @@ class ParamSwapper:
         num_idle = len(idle)
         resident_numel = sum(e.numel for e in self.entries.values() if e.resident)
         for e in idle:
-            over_count = num_idle > self.buffer_count
-            over_cpu = self.device_kind == "nvme" and resident_numel > self.max_in_cpu
-            if not (over_count or over_cpu):
+            if self.device_kind == "nvme":  # DeepSpeed's max_in_cpu: the host-memory cache of parameters
+                over = resident_numel > self.max_in_cpu
+            else:  # host-backed shards of a device model: staging copies, buffer_count of them idle
+                over = num_idle > self.buffer_count
+            if not over:
                 break
             victims.append(e)
             num_idle -= 1
