@@ -1,7 +1,6 @@
 """Engine behaviour beyond parity: fp16 overflow handling, collective counts, memory accounting,
 lr scheduling on sharded groups, and the errors of the public entry points."""
 
-import math
 
 import pytest
 import torch
