@@ -36,3 +36,22 @@ def test_errors_name_the_argument(kwargs, word):
     args = dict(num_params=10, dp_world_size=2, stage=1, precision="bf16", optimizer="adam") | kwargs
     with pytest.raises(ValueError, match=word):
         estimate_model_state_bytes(**args)
+
+
+def test_offloaded_bytes_move_between_tiers_and_sum_up():
+    from zerospeed.zero.memory import estimate_offloaded_bytes
+
+    psi, n = 10**9, 8
+    none = estimate_offloaded_bytes(psi, n, 3, "bf16")
+    assert (none.device, none.host, none.nvme) == (estimate_model_state_bytes(psi, n, 3, "bf16").total, 0.0, 0.0)
+    cpu = estimate_offloaded_bytes(psi, n, 2, "bf16", offload_optimizer="cpu")
+    assert cpu.device == 2 * psi + 2 * psi / n  # 16-bit params (stage 2: full) + gradient shard
+    assert cpu.host == 12 * psi / n and cpu.nvme == 0  # fp32 master + Adam moments
+    infinity = estimate_offloaded_bytes(psi, n, 3, "bf16", offload_optimizer="nvme", offload_param="nvme")
+    assert (infinity.device, infinity.host, infinity.nvme) == (2 * psi / n, 4 * psi / n, 8 * psi / n + 2 * psi / n)
+    fp32 = estimate_offloaded_bytes(psi, n, 1, "fp32", offload_optimizer="cpu")
+    assert fp32.host == 12 * psi / n  # on an accelerator the fp32 master is a separate host copy
+    with pytest.raises(ValueError, match="offload_param needs ZeRO stage 3"):
+        estimate_offloaded_bytes(psi, n, 2, offload_param="cpu")
+    with pytest.raises(ValueError, match="offload_optimizer must be one of"):
+        estimate_offloaded_bytes(psi, n, 2, offload_optimizer="gpu")

@@ -64,3 +64,60 @@ def estimate_model_state_bytes(num_params: int, dp_world_size: int, stage: int, 
     grads = width * psi / (n if stage >= 2 else 1)
     optim = k * psi / (n if stage >= 1 else 1)
     return ModelStateBytes(params, grads, optim)
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    """Bytes per rank of model state by where it lives: the training device, host memory, NVMe."""
+
+    device: float
+    host: float
+    nvme: float
+
+    @property
+    def total(self) -> float:
+        return self.device + self.host + self.nvme
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def estimate_offloaded_bytes(num_params: int, dp_world_size: int, stage: int, precision: str = "bf16",
+                             optimizer: str = "adam", offload_optimizer: str = "none",
+                             offload_param: str = "none") -> TierBytes:
+    """Where :func:`estimate_model_state_bytes`'s bytes live per rank under zerospeed's offload.
+
+    With ``offload_optimizer`` the fp32 master goes to host memory (on an accelerator it is always
+    a separate host copy; counted as 4 bytes per element of the shard) and the optimizer's moments
+    to host memory (``cpu``) or NVMe (``nvme``; zerospeed keeps the master itself in host memory).
+    ``offload_param`` (stage 3) moves the 16/32-bit parameter shards to host memory or NVMe (the
+    ``max_in_cpu`` cache is not modelled). Gradients stay on the device. Swap buffers are not
+    counted (``buffer_count`` x sub-group, see :mod:`zerospeed.zero.offload`).
+
+    >>> t = estimate_offloaded_bytes(10**9, 8, 3, "bf16", offload_optimizer="nvme")
+    >>> (t.device, t.host, t.nvme)  # 2Ψ/N params + 2Ψ/N grads; 4Ψ/N master; 8Ψ/N moments
+    (500000000.0, 500000000.0, 1000000000.0)
+    """
+    for name, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if value not in OFFLOAD_DEVICES:
+            raise ValueError(f"{name} must be one of {', '.join(OFFLOAD_DEVICES)}, got {value!r}")
+    if offload_optimizer != "none" and stage < 1:
+        raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3")
+    if offload_param != "none" and stage != 3:
+        raise ValueError("offload_param needs ZeRO stage 3")
+    base = estimate_model_state_bytes(num_params, dp_world_size, stage, precision, optimizer)
+    where = {"device": 0.0, "host": 0.0, "nvme": 0.0}
+    tier = {"none": "device", "cpu": "host", "nvme": "nvme"}
+    where[tier[offload_param]] += base.params
+    where["device"] += base.grads
+    if offload_optimizer == "none":
+        where["device"] += base.optimizer_states
+    else:
+        master = 4.0 * num_params / dp_world_size  # stage >= 1: the master is sharded
+        moments = OPTIMIZER_STATE_BYTES[optimizer.lower()] * float(num_params) / dp_world_size
+        where["host"] += master
+        where[tier[offload_optimizer]] += moments
+    return TierBytes(**where)
