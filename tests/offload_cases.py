@@ -117,12 +117,13 @@ def _tree_digest(path: str) -> str:
     return h.hexdigest()
 
 
-def checkpoint_case(stage: int, nvme_root: str, ckpt_dir: str, save_offload: str, load_offloads: list[str]) -> dict:
+def checkpoint_case(stage: int, nvme_root: str, ckpt_dir: str, save_offload: str, load_offloads: list[str],
+                    precision: str = "fp32") -> dict:
     """Train 2 steps with ``save_offload`` ("none"/"cpu"/"nvme"), save, train 2 more (the truth);
     then for each of ``load_offloads`` a fresh engine loads the checkpoint and trains the same 2."""
 
     def cfg_for(kind: str) -> dict:
-        return make_config(stage, None if kind == "none" else offload_block(kind, 1.0, nvme_root))
+        return make_config(stage, None if kind == "none" else offload_block(kind, 1.0, nvme_root), precision)
 
     engine, batch = build(cfg_for(save_offload))
     zero3_cases._train(engine, batch, 2)
@@ -160,6 +161,23 @@ def read_only_dir(tmp_path) -> str:
     import pytest
 
     pytest.skip("no directory here refuses writes to this user (root on a fully writable system)")
+
+
+def gathered_edit_case(nvme_root: str, offload: bool) -> dict:
+    """bf16 ZeRO-3: a ``GatheredParameters`` edit on rank 0 between steps must reach the fp32 master
+    (swapped to NVMe with offload), so the next steps continue from the edited weight."""
+    from zerospeed import zero
+
+    cfg = make_config(3, offload_block("nvme", 1.0, nvme_root) if offload else None, "bf16")
+    engine, batch = build(cfg)
+    zero3_cases._train(engine, batch, 1)
+    with zero.GatheredParameters([engine.module.mid.weight], modifier_rank=0), torch.no_grad():
+        if dist.get_rank() == 0:
+            engine.module.mid.weight.fill_(0.25)
+    losses, _ = zero3_cases._train(engine, batch, 2, first=1)
+    out = {"losses": losses, "weights": weights_of(engine), "master_params": engine.memory_breakdown()["master_params"]}
+    engine.destroy()
+    return out
 
 
 # -- failures ------------------------------------------------------------------------------------

@@ -70,15 +70,40 @@ def test_offload_matches_run_without_offload(stage, world, tmp_path):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_bf16_offload_matches_bf16_without(stage, tmp_path):
-    variants = [("cpu", 1.0), ("nvme", 0.5)]
+    """bf16 has a separate fp32 master: in host memory with cpu offload, swapped to NVMe with nvme."""
+    variants = [("cpu", 1.0), ("nvme", 1.0), ("nvme", 0.5)]
     results = run_distributed(offload_cases.parity_case, 2, stage, str(tmp_path), "bf16", variants, timeout=160)
     for res in results:
+        full_masters = res["none"]["memory"]["master_params"]
+        assert full_masters > 0
         for device, ratio in variants:
             got = res[f"{device}-{ratio}"]
             assert rel_losses(got["losses"], res["none"]["losses"]) < FP32_TOL
             if got["weights"]:
                 assert max_rel_err(got["weights"], res["none"]["weights"]) < FP32_TOL
-            assert got["memory"]["master_params"] > 0  # a separate fp32 master, in host memory
+            masters = got["memory"]["master_params"]
+            if device == "cpu":
+                assert masters == full_masters
+            elif ratio == 1.0:
+                assert masters == 0 and got["swap_files"] == ["exp_avg.swp", "exp_avg_sq.swp", "master.swp"]
+            else:
+                assert 0 < masters < full_masters  # the buckets left on the device optimizer keep theirs
+
+
+@pytest.mark.timeout(120)
+def test_gathered_parameters_edit_reaches_a_master_swapped_to_nvme(tmp_path):
+    results = run_distributed(_edits, 2, str(tmp_path), timeout=100)
+    for res in results:
+        plain, swapped = res
+        assert swapped["master_params"] == 0 < plain["master_params"]
+        assert rel_losses(swapped["losses"], plain["losses"]) < FP32_TOL
+        if plain["weights"]:
+            assert max_rel_err(swapped["weights"], plain["weights"]) < FP32_TOL
+            assert (plain["weights"]["mid.weight"] - 0.25).abs().max() < 0.05  # the edit stuck (2 small steps)
+
+
+def _edits(nvme_root: str) -> list[dict]:
+    return [offload_cases.gathered_edit_case(nvme_root, False), offload_cases.gathered_edit_case(nvme_root, True)]
 
 
 @pytest.mark.timeout(180)
@@ -97,12 +122,15 @@ def test_stage3_with_parameter_and_optimizer_offload(opt_device, tmp_path):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("stage,save,loads", [(2, "nvme", ["nvme", "none", "cpu"]), (2, "none", ["nvme"]),
-                                              (3, "nvme", ["nvme", "none"])])
-def test_checkpoint_round_trip_across_offload_settings(stage, save, loads, tmp_path):
+@pytest.mark.parametrize("stage,save,loads,precision", [(2, "nvme", ["nvme", "none", "cpu"], "fp32"),
+                                                        (2, "none", ["nvme"], "fp32"),
+                                                        (3, "nvme", ["nvme", "none"], "fp32"),
+                                                        (2, "nvme", ["nvme", "none"], "bf16"),
+                                                        (3, "none", ["nvme"], "bf16")])
+def test_checkpoint_round_trip_across_offload_settings(stage, save, loads, precision, tmp_path):
     (tmp_path / "nvme").mkdir()
     results = run_distributed(offload_cases.checkpoint_case, 2, stage, str(tmp_path / "nvme"),
-                              str(tmp_path / "ckpt"), save, loads, timeout=160)
+                              str(tmp_path / "ckpt"), save, loads, precision, timeout=160)
     for res in results:
         for kind in loads:
             got = res["loaded"][kind]

@@ -149,7 +149,8 @@ def _config_json(engine: Any) -> Any:
 def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) -> _Snapshot:
     rank, world = engine.dp_rank, engine.dp_world_size
     # shards swapped out again after the block must be copied while they are in memory
-    copy = copy or bool(getattr(engine.strategy, "checkpoint_needs_copy", False))
+    copy = copy or bool(getattr(engine.strategy, "checkpoint_needs_copy", False)) \
+        or bool(getattr(getattr(engine.strategy, "state", None), "checkpoint_needs_copy", False))
     with resident_for_checkpoint(engine.strategy, write_back=False):
         views = all_views(engine.strategy)
         shards = collect_shards(views, engine.optimizer, rank, world, copy=copy)

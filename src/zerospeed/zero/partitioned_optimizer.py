@@ -230,6 +230,11 @@ class ShardedOptimizerState:
         (``write_back=False``) or load (``write_back=True``: keep what the load put there)."""
         return self.offload.resident_state(write_back) if self.offload is not None else nullcontext()
 
+    @property
+    def checkpoint_needs_copy(self) -> bool:
+        """A save must copy the masters: swapped to NVMe, they are freed again after the save's block."""
+        return self.offload is not None and self.offload.swap_master
+
     def offload_memory_bytes(self) -> dict[str, int]:
         return self.offload.memory_bytes() if self.offload is not None else {}
 
@@ -262,5 +267,6 @@ class ShardedOptimizerState:
         return total
 
     def master_bytes(self) -> int:
-        return sum(m.numel() * m.element_size() for b, m in zip(self.buckets, self.masters)
+        # a master swapped to NVMe keeps its shape with its storage freed: count what is resident
+        return sum(m.untyped_storage().nbytes() for b, m in zip(self.buckets, self.masters)
                    if not same_memory(m, b.param_shard()))

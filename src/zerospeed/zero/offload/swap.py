@@ -190,6 +190,17 @@ class NvmeStateSwapper:
                 dst.narrow(0, 0, self.numels[i]).copy_(src.reshape(-1))
             self.handle.sync_pwrite(dst, self.paths[k], self.offsets[i] * _FP32)
 
+    def write_key(self, i: int, key: str, values: torch.Tensor) -> None:
+        """Replace one state of sub-group ``i`` (e.g. its master after a ``GatheredParameters`` edit)."""
+        self.check_files()
+        if values.numel() != self.numels[i]:
+            raise ValueError(f"{key!r} of sub-group {i} has {values.numel()} elements, expected {self.numels[i]}")
+        dst = self.buffers[0][key].narrow(0, 0, self.aligned[i])
+        if self.aligned[i] > self.numels[i]:  # the tail of the aligned region is written too: keep it as on disk
+            self.handle.sync_pread(dst, self.paths[key], self.offsets[i] * _FP32)
+        dst.narrow(0, 0, self.numels[i]).copy_(values.reshape(-1))
+        self.handle.sync_pwrite(dst, self.paths[key], self.offsets[i] * _FP32)
+
     def close(self) -> None:
         """Stop the I/O threads and delete the swap folder (idempotent)."""
         self._folder.close()

@@ -15,9 +15,13 @@ Per offloaded bucket, on this rank:
   (``max_exp_avg_sq`` with amsgrad) as flat fp32 host tensors, torch's layout, so checkpoints
   and inspection see an ordinary Adam state;
 * ``device: nvme`` - the element-wise states live in swap files
-  (:class:`~zerospeed.zero.offload.swap.NvmeStateSwapper`); only ``step`` and the
-  ``buffer_count`` swap buffers are in memory. The master stays in host memory (under fp32 on the
-  CPU it *is* the model; swapping a 16-bit run's master is left to a later version).
+  (:class:`~zerospeed.zero.offload.swap.NvmeStateSwapper`); only ``step`` and the swap buffers
+  are in memory. A separate fp32 master (16-bit model, or a model on an accelerator) is swapped
+  too, as ZeRO-Infinity does: its tensor keeps its shape with its storage freed, is updated in
+  the swap buffer and copied into the parameter shard from there, and comes back into memory only
+  for a checkpoint (:meth:`OffloadTier.resident_state`). Stage 3's ``GatheredParameters`` edits
+  reach it through :meth:`OffloadTier.overwrite_master`. When the model is fp32 on the CPU the
+  master *is* the parameter shard (the model itself) and stays.
 
 The step (:meth:`OffloadTier.step`) runs :mod:`zerospeed.ops.adam`'s fused CPU Adam kernel
 (torch's arithmetic, chunked over worker threads):
@@ -48,6 +52,17 @@ import torch
 from zerospeed.ops.adam import AdamHyperParams, AdamThreadPool, SubGroup, adam_update, run_subgroup_pipeline
 from zerospeed.ops.adam.cpu_adam import CPUAdam
 from zerospeed.zero.offload.swap import NvmeStateSwapper
+
+
+def _free(t: torch.Tensor) -> None:
+    """Release ``t``'s memory, keeping the tensor object (and every reference to it)."""
+    t.untyped_storage().resize_(0)
+
+
+def _restore(t: torch.Tensor, values: torch.Tensor) -> None:
+    """Give a freed ``t`` its memory back and fill it with ``values``."""
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+    t.copy_(values.reshape(t.shape))
 
 
 def _usable_in_place(grad: torch.Tensor) -> bool:
@@ -116,11 +131,20 @@ class OffloadTier:
         self.pin = bool(config.pin_memory) and torch.cuda.is_available()
         self.swapper: NvmeStateSwapper | None = None
         self.steps: list[torch.Tensor] = []
+        #: NVMe with separate fp32 masters (16-bit model, or a model on an accelerator): the masters
+        #: are swapped too, under the key "master"; ``slot.master`` keeps its shape, storage freed
+        self.swap_master = config.device == "nvme" and bool(self.slots) and all(
+            not same_memory(s.bucket.param_shard(), s.master) for s in self.slots)
         if config.device == "nvme":
-            self.swapper = NvmeStateSwapper(config.nvme_path, self.keys, [s.master.numel() for s in self.slots],
+            keys = (["master"] if self.swap_master else []) + self.keys
+            self.swapper = NvmeStateSwapper(config.nvme_path, keys, [s.master.numel() for s in self.slots],
                                             aio_config, int(config.buffer_count), rank, pin_memory=self.pin,
                                             group_numel=int(sub_group_size))
             self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.slots]
+            if self.swap_master:
+                for slot in self.slots:
+                    self.swapper.write(slot.index, {"master": slot.master})
+                    _free(slot.master)
         self._grad_buffers: list[torch.Tensor] = []  # two host fp32 buffers, when gradients need a copy
         self._pool = AdamThreadPool.shared(max(1, torch.get_num_threads()))
 
@@ -214,13 +238,25 @@ class OffloadTier:
             step += 1
             st = states[i] if states is not None else self._cpu_state(slot)
             by_group.setdefault(slot.bucket.layout.group_index, []).append(
-                (slot.master, host_grad, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"), step))
+                (self._master_of(i, states), host_grad, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"),
+                 step))
         for gi, items in by_group.items():
             adam_update(items, hyper_params_of(self.optimizer, self.optimizer.param_groups[gi]), pool=self._pool)
         for i in members:
             shard = self.slots[i].bucket.param_shard()
             if not same_memory(shard, self.slots[i].master):
-                shard.view(-1).copy_(self.slots[i].master)
+                shard.view(-1).copy_(self._master_of(i, states))
+
+    def _master_of(self, i: int, states: dict[int, dict[str, torch.Tensor]] | None) -> torch.Tensor:
+        """Sub-group ``i``'s fp32 master: in the swap buffer when masters are swapped, else resident."""
+        return states[i]["master"] if self.swap_master and states is not None else self.slots[i].master
+
+    def overwrite_master(self, bucket: Any) -> None:
+        """Stage 3's ``master_sink``: a ``GatheredParameters`` edit changed ``bucket``'s shard; the
+        swapped master takes the new values (as a resident master would by ``copy_``)."""
+        assert self.swapper is not None
+        slot = next(s for s in self.slots if s.bucket is bucket)
+        self.swapper.write_key(slot.index, "master", bucket.param_shard().detach().to(torch.float32))
 
     def _pipelined_step(self, factor: float) -> None:
         """States in host memory: one sub-group per bucket through the d2h / update / h2d pipeline."""
@@ -263,6 +299,9 @@ class OffloadTier:
             return
         for slot in self.slots:
             state = self.swapper.read(slot.index)
+            master = state.pop("master", None)
+            if master is not None:  # back into the master tensor the checkpoint code sees
+                _restore(slot.master, master)
             state["step"] = self.steps[slot.index].clone()
             self.optimizer.state[slot.master] = state
         try:
@@ -271,9 +310,14 @@ class OffloadTier:
             for slot in self.slots:
                 state = self.optimizer.state.pop(slot.master, None) or {}
                 if write_back:
-                    self.swapper.write(slot.index, {k: state.get(k) for k in self.keys})
+                    values = {k: state.get(k) for k in self.keys}
+                    if self.swap_master:
+                        values["master"] = slot.master
+                    self.swapper.write(slot.index, values)
                     step = state.get("step", 0)
                     self.steps[slot.index].fill_(float(step))
+                if self.swap_master:
+                    _free(slot.master)
 
     # -- accounting and lifecycle -----------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:

@@ -77,6 +77,9 @@ class Stage3Bucket:
                 self.shard.narrow(0, piece.shard_start, piece.numel).copy_(src)
         self.grad_shard = torch.zeros_like(self.shard) if trainable else None
         self.master: torch.Tensor | None = None
+        #: when the fp32 master is swapped to NVMe (``master`` is None then): called with the bucket
+        #: after ``write_back_shard`` changed the shard, to overwrite the master where it lives
+        self.master_sink: Any = None
 
         self._full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
         self._full_nbytes = self._full.untyped_storage().nbytes()
@@ -242,6 +245,8 @@ class Stage3Bucket:
                 self.shard.copy_(full.narrow(0, self.shard_start, self.shard_end - self.shard_start))
                 if self.master is not None:
                     self.master.copy_(self.shard)
+                elif self.master_sink is not None:
+                    self.master_sink(self)
         finally:
             if self.swapper is not None:
                 self.swapper.release(self, dirty=True)

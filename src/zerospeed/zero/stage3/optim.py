@@ -26,6 +26,10 @@ class Stage3OptimizerState(ShardedOptimizerState):
                          options=options)
         for b, master in zip(buckets, self.masters):
             b.master = None if master is b.shard else master
+        if self.offload is not None and self.offload.swap_master:  # masters on NVMe: edits go there
+            for slot in self.offload.slots:
+                slot.bucket.master = None
+                slot.bucket.master_sink = self.offload.overwrite_master
 
     def _publish_params(self) -> None:
         with torch.no_grad():
