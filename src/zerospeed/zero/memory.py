@@ -88,18 +88,18 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 def estimate_offloaded_bytes(num_params: int, dp_world_size: int, stage: int, precision: str = "bf16",
                              optimizer: str = "adam", offload_optimizer: str = "none",
                              offload_param: str = "none") -> TierBytes:
-    """Where :func:`estimate_model_state_bytes`'s bytes live per rank under zerospeed's offload.
+    """Where :func:`estimate_model_state_bytes`'s bytes live per rank under zerospeed's offload,
+    for a model trained on an accelerator.
 
-    With ``offload_optimizer`` the fp32 master goes to host memory (on an accelerator it is always
-    a separate host copy; counted as 4 bytes per element of the shard) and the optimizer's moments
-    to host memory (``cpu``) or NVMe (``nvme``; zerospeed keeps the master itself in host memory).
-    ``offload_param`` (stage 3) moves the 16/32-bit parameter shards to host memory or NVMe (the
-    ``max_in_cpu`` cache is not modelled). Gradients stay on the device. Swap buffers are not
-    counted (``buffer_count`` x sub-group, see :mod:`zerospeed.zero.offload`).
+    With ``offload_optimizer`` the fp32 master (always a separate copy of the device shard then;
+    4 bytes per element of the shard) and the optimizer's moments go to host memory (``cpu``) or to
+    NVMe (``nvme``). ``offload_param`` (stage 3) moves the 16/32-bit parameter shards to host
+    memory or NVMe (the ``max_in_cpu`` cache is not modelled). Gradients stay on the device. Swap
+    buffers are not counted (``buffer_count`` x sub-group, see :mod:`zerospeed.zero.offload`).
 
     >>> t = estimate_offloaded_bytes(10**9, 8, 3, "bf16", offload_optimizer="nvme")
-    >>> (t.device, t.host, t.nvme)  # 2Ψ/N params + 2Ψ/N grads; 4Ψ/N master; 8Ψ/N moments
-    (500000000.0, 500000000.0, 1000000000.0)
+    >>> (t.device, t.host, t.nvme)  # 2Ψ/N params + 2Ψ/N grads; nothing; 4Ψ/N master + 8Ψ/N moments
+    (500000000.0, 0.0, 1500000000.0)
     """
     for name, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
         if value not in OFFLOAD_DEVICES:
@@ -118,6 +118,5 @@ def estimate_offloaded_bytes(num_params: int, dp_world_size: int, stage: int, pr
     else:
         master = 4.0 * num_params / dp_world_size  # stage >= 1: the master is sharded
         moments = OPTIMIZER_STATE_BYTES[optimizer.lower()] * float(num_params) / dp_world_size
-        where["host"] += master
-        where[tier[offload_optimizer]] += moments
+        where[tier[offload_optimizer]] += master + moments
     return TierBytes(**where)
