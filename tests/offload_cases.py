@@ -78,11 +78,11 @@ def parity_case(stage: int, nvme_root: str, precision: str = "fp32", variants=tu
     return results
 
 
-def both_offloads_case(nvme_root: str, opt_device: str) -> dict:
+def both_offloads_case(nvme_root: str, opt_device: str, precision: str = "fp32") -> dict:
     """Stage 3 with ``offload_param: nvme`` (buffer_count 1) and ``offload_optimizer``: parity with
     the plain run, and the parameter shards resident during each optimizer step."""
-    plain = run_engine(make_config(3, None))
-    cfg = make_config(3, offload_block(opt_device, 1.0, nvme_root))
+    plain = run_engine(make_config(3, None, precision))
+    cfg = make_config(3, offload_block(opt_device, 1.0, nvme_root), precision)
     cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_root, "buffer_count": 1,
                                                  "max_in_cpu": 1}  # cache nothing idle
     cfg["zero_optimization"]["sub_group_size"] = 1  # one bucket per swap group: the step's unit of residency
@@ -100,6 +100,7 @@ def both_offloads_case(nvme_root: str, opt_device: str) -> dict:
     losses, _ = zero3_cases._train(engine, batch, 4)
     sizes = [e.nbytes for e in swapper.entries.values()]
     out = {"plain": plain, "losses": losses, "weights": weights_of(engine), "step_peak": max(step_peaks),
+           "master_params": engine.memory_breakdown()["master_params"],
            "largest": max(sizes), "total": sum(sizes), "num_shards": len(sizes), "reads": swapper.num_reads}
     engine.destroy()
     return out

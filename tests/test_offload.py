@@ -107,12 +107,16 @@ def _edits(nvme_root: str) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("opt_device", ["cpu", "nvme"])
-def test_stage3_with_parameter_and_optimizer_offload(opt_device, tmp_path):
+@pytest.mark.parametrize("opt_device,precision", [("cpu", "fp32"), ("nvme", "fp32"), ("nvme", "bf16")])
+def test_stage3_with_parameter_and_optimizer_offload(opt_device, precision, tmp_path):
     """ZeRO-Infinity: both tiers on. The optimizer step swaps parameter shards in one bucket at a
-    time (the one updated, the next one read ahead, one idle), never the whole model."""
-    results = run_distributed(offload_cases.both_offloads_case, 2, str(tmp_path), opt_device, timeout=160)
+    time (the one updated, the next one read ahead, one idle), never the whole model; under bf16
+    the fp32 masters are on NVMe too."""
+    results = run_distributed(offload_cases.both_offloads_case, 2, str(tmp_path), opt_device, precision,
+                              timeout=160)
     for res in results:
+        if precision == "bf16":
+            assert res["master_params"] == 0 < res["plain"]["memory"]["master_params"]
         assert rel_losses(res["losses"], res["plain"]["losses"]) < FP32_TOL
         if res["weights"]:
             assert max_rel_err(res["weights"], res["plain"]["weights"]) < FP32_TOL
