@@ -189,11 +189,7 @@ class ShardedOptimizerState:
                 for i in on_device:
                     for t in self._opt_tensors[i]:
                         t.grad = None
-        self._published = self._offloaded_step(factor)
-        try:
-            self._publish_params()
-        finally:
-            self._published = set()
+        self._publish_params(skip=self._offloaded_step(factor))
         return StepResult(norm, False)
 
     def _offloaded_step(self, factor: float) -> set[int]:
@@ -243,12 +239,13 @@ class ShardedOptimizerState:
         if self.offload is not None:
             self.offload.close()
 
-    def _publish_params(self) -> None:
+    def _publish_params(self, skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        """Refresh the 16-bit shards from the masters (except buckets in ``skip``: ids of those the
+        offload tier already refreshed) and, when sharded, all-gather every bucket."""
         works = []
-        published = getattr(self, "_published", set())
         for b, master in zip(self.buckets, self.masters):
             shard = b.param_shard()
-            if id(b) not in published and not same_memory(master, shard):
+            if id(b) not in skip and not same_memory(master, shard):
                 shard.copy_(master)
             if self.sharded:
                 works.append(comm.all_gather(b.param_buffer, shard, group=self.dp_group, async_op=True))

@@ -145,7 +145,7 @@ class OffloadTier:
                 for slot in self.slots:
                     self.swapper.write(slot.index, {"master": slot.master})
                     _free(slot.master)
-        self._grad_buffers: list[torch.Tensor] = []  # two host fp32 buffers, when gradients need a copy
+        self._grad_buffers: list[torch.Tensor] = []  # host fp32 staging for gradients that need a copy
         self._pool = AdamThreadPool.shared(max(1, torch.get_num_threads()))
 
     # -- state ------------------------------------------------------------------------------------
@@ -163,18 +163,14 @@ class OffloadTier:
             state["step"] = torch.tensor(float(step if step is not None else 0), dtype=torch.float32)
         return state
 
-    def _step_of(self, slot: _Slot) -> torch.Tensor:
-        return self.steps[slot.index] if self.swapper is not None else self._cpu_state(slot)["step"]
-
-    def _host_grad(self, pos: int, numel: int) -> torch.Tensor:
-        while len(self._grad_buffers) < 2:
+    def _staging(self, k: int, numel: int) -> torch.Tensor:
+        """Host fp32 buffer ``k`` for gradients that need a copy (a 16-bit or device gradient),
+        grown to ``numel`` elements on demand; its first ``numel`` elements."""
+        while len(self._grad_buffers) <= k:
             self._grad_buffers.append(torch.empty(0, dtype=torch.float32))
-        buf = self._grad_buffers[pos % 2]
-        if buf.numel() < numel:
-            buf = torch.empty(max(numel, max(s.master.numel() for s in self.slots)), dtype=torch.float32,
-                              pin_memory=self.pin)
-            self._grad_buffers[pos % 2] = buf
-        return buf.narrow(0, 0, numel)
+        if self._grad_buffers[k].numel() < numel:
+            self._grad_buffers[k] = torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
+        return self._grad_buffers[k].narrow(0, 0, numel)
 
     # -- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -210,17 +206,11 @@ class OffloadTier:
         residency.prefetch([self.slots[i].bucket for i in after])
         return residency.hold([self.slots[i].bucket for i in members], dirty=True)
 
-    def _staging(self, numel: int) -> torch.Tensor:
-        """One host fp32 buffer for gradients that need a copy (grown to the largest group)."""
-        if not self._grad_buffers or self._grad_buffers[0].numel() < numel:
-            self._grad_buffers = [torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)]
-        return self._grad_buffers[0]
-
     def _update(self, members: list[int], factor: float, states: dict[int, dict[str, torch.Tensor]] | None) -> None:
         """Copy in the gradients of ``members``, update them (one kernel call per optimizer param
         group) and copy the new masters out to separate parameter shards; copies are inline."""
         copied = [i for i in members if not _usable_in_place(self.slots[i].bucket.reduced_grad())]
-        staging = self._staging(sum(self.slots[i].master.numel() for i in copied)) if copied else None
+        staging = self._staging(0, sum(self.slots[i].master.numel() for i in copied)) if copied else None
         by_group: dict[int, list[Any]] = {}
         offset = 0
         for i in members:
@@ -234,9 +224,9 @@ class OffloadTier:
                 host_grad.copy_(grad.reshape(-1))
             if factor != 1.0:
                 host_grad.mul_(factor)
-            step = self._step_of(slot)
-            step += 1
             st = states[i] if states is not None else self._cpu_state(slot)
+            step = self.steps[slot.index] if self.swapper is not None else st["step"]
+            step += 1
             by_group.setdefault(slot.bucket.layout.group_index, []).append(
                 (self._master_of(i, states), host_grad, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"),
                  step))
@@ -261,12 +251,15 @@ class OffloadTier:
     def _pipelined_step(self, factor: float) -> None:
         """States in host memory: one sub-group per bucket through the d2h / update / h2d pipeline."""
         subgroups: list[SubGroup] = []
+        biggest = max(s.master.numel() for s in self.slots)
         for pos, slot in enumerate(self.slots):
             grad = slot.bucket.reduced_grad()
             shard = slot.bucket.param_shard()
             in_place = _usable_in_place(grad)
             states = self._cpu_state(slot)
-            subgroups.append(SubGroup(param=slot.master, grad=grad if in_place else self._host_grad(pos, grad.numel()),
+            # two staging buffers alternate: the copy of the next sub-group lands while this one is updated
+            host_grad = grad if in_place else self._staging(pos % 2, biggest).narrow(0, 0, grad.numel())
+            subgroups.append(SubGroup(param=slot.master, grad=host_grad,
                                       exp_avg=states["exp_avg"], exp_avg_sq=states["exp_avg_sq"],
                                       step=states["step"], max_exp_avg_sq=states.get("max_exp_avg_sq"),
                                       device_grad=None if in_place else grad,

@@ -31,10 +31,9 @@ class Stage3OptimizerState(ShardedOptimizerState):
                 slot.bucket.master = None
                 slot.bucket.master_sink = self.offload.overwrite_master
 
-    def _publish_params(self) -> None:
+    def _publish_params(self, skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         with torch.no_grad():
-            published = getattr(self, "_published", set())
             for b, master in zip(self.buckets, self.masters):
-                if master is not b.shard and id(b) not in published:
+                if master is not b.shard and id(b) not in skip:
                     with self._resident([b]):
                         b.shard.copy_(master)
