@@ -73,19 +73,7 @@ def build(cfg: dict):
 
 
 def train(engine, steps: int, first: int = 0, after_step=None) -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in range(first, first + steps):
-        x, y = batch(step)
-        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
-        engine.backward(loss)
-        engine.step()
-        if after_step is not None:
-            after_step(engine)
-        t = loss.detach().float().reshape(1)
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
+    return zero3_cases._train(engine, batch, steps, first, after_step)[0]
 
 
 def swap_dirs(nvme_path: str) -> list[str]:

@@ -149,9 +149,10 @@ def reference_zoo(gas: int, steps: int = STEPS) -> dict:
             "eval": eval_loss}
 
 
-def _train(engine, batch_fn, steps: int, first: int = 0) -> tuple[list[float], list[dict]]:
+def _train(engine, batch_fn, steps: int, first: int = 0, after_step=None) -> tuple[list[float], list[dict]]:
     """Train ``steps`` steps on this rank's slice of each global batch; per step: the mean loss over
-    ranks, and the counter's snapshot plus ``traffic`` (``COUNTER.traffic_elements()``)."""
+    ranks, and the counter's snapshot plus ``traffic`` (``COUNTER.traffic_elements()``).
+    ``after_step(engine)`` runs after each optimizer step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     gas = engine.gradient_accumulation_steps()
     losses, comms = [], []
@@ -166,6 +167,8 @@ def _train(engine, batch_fn, steps: int, first: int = 0) -> tuple[list[float], l
             engine.step()
             total += loss.detach().float() / gas
         comms.append({"ops": comm.COUNTER.snapshot(), "traffic": comm.COUNTER.traffic_elements()})
+        if after_step is not None:
+            after_step(engine)
         dist.all_reduce(total)
         losses.append(total.item() / world)
     return losses, comms
