@@ -1,0 +1,88 @@
+"""The contract between the inference engine and everything that drives it (pipeline(), the HTTP
+server, benchmarks): request parameters, per-step outputs and engine statistics.
+
+Only plain data lives here, so the server and the engine can be built and tested apart.
+
+The engine (``zerospeed.inference.engine.InferenceEngine``) offers, on the rank that schedules:
+
+* ``add_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None``;
+  raises :class:`RequestError` naming the bad field (empty prompt, prompt longer than the context,
+  ``max_new_tokens`` that cannot fit, invalid sampling values, duplicate id) and changes nothing.
+* ``abort(request_id: str) -> bool``: cancels a waiting or running request and frees its KV blocks
+  at once; True when the id was known.
+* ``step() -> list[RequestOutput]``: one ragged forward (decodes first, prompt chunks fill the token
+  budget), then sampling; one output per request that produced a token or finished in this step.
+* ``has_unfinished() -> bool`` and ``stats() -> EngineStats``.
+* ``tokenizer`` (a ``tokenizers.Tokenizer``-backed object with ``encode``/``decode``),
+  ``eos_token_ids``, ``max_model_len`` and ``model_name``.
+
+``step()`` is not thread-safe: one thread owns the engine and calls it in a loop; other threads hand
+it work through a queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; ``field`` names the offending request field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings (HF / MII names). Greedy unless ``do_sample``; a
+    ``temperature`` of 0 is greedy too. ``seed`` makes sampling reproducible whatever else runs in
+    the same batch. ``stop`` strings end generation (the stop string is not returned);
+    ``stop_token_ids`` likewise, and EOS unless ``ignore_eos``. ``logprobs``: how many top
+    alternatives to return per generated token (None: none, 0: only the chosen token's)."""
+
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one ``step()`` produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    new_logprobs: list[float] | None = None
+    error: str | None = None  # set when the request failed inside the engine (it is then finished)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /metrics and for tests that check that every block came back."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0
+    block_size: int = 0
+    kv_cache_bytes: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
