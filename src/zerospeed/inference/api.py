@@ -86,3 +86,14 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_preemptions: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+
+
+# Construction (implemented in zerospeed.inference.engine; listed here so the server can rely on it):
+#
+#   build_engine(model_dir: str, *, dtype="fp32", block_size=16, num_blocks=None,
+#                kv_cache_memory=None, max_num_seqs=256, max_model_len=None,
+#                max_num_batched_tokens=512, tensor_parallel=1) -> InferenceEngine
+#
+# With tensor_parallel > 1 it is called on every rank of a torchrun world: rank 0 gets the engine
+# to drive; on the other ranks the caller runs ``engine.run_worker_loop()``, which follows rank 0's
+# broadcast batches and returns when rank 0 calls ``engine.shutdown()``.
