@@ -225,7 +225,6 @@ def test_documented_removed_keys_are_in_the_table() -> None:
 
 
 NOT_YET_CASES = [
-    ("tensor_parallel", {"autotp_size": 4}, {"autotp_size": 0}),
     ("compile", {"deepcompile": True}, {"deepcompile": False}),
     ("data_efficiency", {"enabled": True}, {"enabled": False, "data_routing": {"x": 1}}),
     ("autotuning", {"enabled": True}, {"enabled": False, "arg_mappings": {"gas ": "--gas"}}),

@@ -20,7 +20,7 @@ with the search tool:
 
 Not-yet-supported features (``NOT_YET``) are DeepSpeed keys whose feature zerospeed has not built.
 Decision: such a key is refused only when it would turn the feature *on*; a section that is present
-but off (``"enabled": false``, ``autotp_size`` 0/1, ``sequence_parallel_size`` 1, ``false``/``null``
+but off (``"enabled": false``, ``sequence_parallel_size`` 1, ``false``/``null``
 flags) is accepted and dropped, because it asks for nothing zerospeed lacks.
 """
 
@@ -68,14 +68,6 @@ def _at_most_one(value: Any) -> bool:
     return _falsy(value) or (is_number and value <= 1)
 
 
-def _tensor_parallel_off(value: Any) -> bool:
-    if not isinstance(value, dict):
-        return _falsy(value)
-    tp = value.get("tp", value.get("tensor_parallel", {}))
-    tp_size = tp.get("tp_size", 1) if isinstance(tp, dict) else tp
-    return _at_most_one(value.get("autotp_size", 0)) and _at_most_one(tp_size)
-
-
 def _compile_off(value: Any) -> bool:
     if isinstance(value, dict):
         return _falsy(value.get("deepcompile", False))
@@ -90,7 +82,6 @@ def _timers_off(value: Any) -> bool:
 
 #: (dotted key path, "is this value off?", short note). Order = order of reporting.
 NOT_YET: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("tensor_parallel", _tensor_parallel_off, "tensor parallelism (AutoTP)"),
     ("sequence_parallel_size", _at_most_one, "sequence parallelism"),
     ("compile", _compile_off, "DeepCompile"),
     ("torch_autocast", _enabled_off, "torch autocast mixed precision"),

@@ -49,6 +49,7 @@ from .sections import (
     TensorBoardConfig,
     WandbConfig,
 )
+from .tensor_parallel import TensorParallelConfig
 from .zero import AioConfig, ZeroConfig
 
 Precision = Literal["fp32", "fp16", "bf16"]
@@ -104,6 +105,7 @@ class ZeroSpeedConfig(Section):
         default_factory=ActivationCheckpointingConfig
     )
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)

@@ -87,6 +87,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                    training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn)
     dp_world_size = comm.get_world_size()
     cfg = load_config(raw, dp_world_size=dp_world_size)
+    if cfg.tensor_parallel.enabled:  # training under TP is wired in the next change (issue #11)
+        raise ConfigError("tensor_parallel.autotp_size", "tensor-parallel training is not wired into initialize yet")
     device = comm.device_for_backend()
     model.to(device)
     groups = param_groups_of(model, model_parameters)
