@@ -27,6 +27,7 @@ from torch import nn
 
 from zerospeed import comm
 from zerospeed.config import ConfigError, ZeroSpeedConfig
+from zerospeed.monitor import Monitor, StepEvents
 from zerospeed.runtime.loss_scaler import build_loss_scaler
 from zerospeed.zero.factory import BUILT_STAGES, build_strategy
 from zerospeed.zero.offload import check_offload
@@ -103,6 +104,8 @@ class ZeroSpeedEngine(nn.Module):
         self.last_step_comms: dict[str, dict[str, int]] = {}
         self._comms_mark = comm.COUNTER.snapshot()
         self._comms_generation = comm.COUNTER.generation
+        self.monitor = Monitor(config)  # tensorboard / csv_monitor / wandb writers (rank 0)
+        self._step_events = StepEvents(self.monitor, dp_group)
 
     # -- DeepSpeed-compatible accessors -----------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -137,6 +140,7 @@ class ZeroSpeedEngine(nn.Module):
         t0 = time.perf_counter()
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_floats(args, self.compute_dtype), _cast_floats(kwargs, self.compute_dtype)
+        self._step_events.on_forward(args, kwargs)
         out = self.module(*args, **kwargs)
         self._timers["forward"] += time.perf_counter() - t0
         return out
@@ -148,6 +152,7 @@ class ZeroSpeedEngine(nn.Module):
         if not loss.requires_grad:
             raise ValueError("engine.backward: the loss does not require grad (was it computed under torch.no_grad()?)")
         t0 = time.perf_counter()
+        self._step_events.on_backward(loss)
         scale = self.loss_scaler.scale
         if scale_wrt_gas:
             scale /= self.config.gradient_accumulation_steps
@@ -175,6 +180,7 @@ class ZeroSpeedEngine(nn.Module):
             self.strategy.zero_grad()
             self.global_steps += 1
             self.global_samples += self.config.train_batch_size
+            self._step_events.on_step(self)
             self._account_comms()
             self._report()
         self.micro_steps += 1
@@ -238,6 +244,7 @@ class ZeroSpeedEngine(nn.Module):
         for an asynchronous checkpoint save, removes the strategy's hooks and deletes NVMe swap files.
         The engine cannot train afterwards."""
         self.wait_for_checkpoint()
+        self.monitor.close()
         close = getattr(self.strategy, "close", None)
         if callable(close):
             close()
