@@ -6,7 +6,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-multihost bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ demo: $(STAMP)
 	$(BIN)/zerospeed --num_procs 2 examples/train_gpt.py --config examples/configs/gpt_zero2.json
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not multihost" tests
+
+# Multi-host and fault-tolerance tests (network namespaces need root; they skip, saying so, without it)
+test-multihost: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m multihost tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

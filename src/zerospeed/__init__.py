@@ -14,12 +14,14 @@ __version__ = "0.1.0"
 _LAZY = {
     "initialize": ("zerospeed.runtime.initialize", "initialize"),
     "init_distributed": ("zerospeed.comm.dist", "init_distributed"),
+    "shutdown": ("zerospeed.comm.lifecycle", "shutdown"),
     "ZeroSpeedEngine": ("zerospeed.runtime.engine", "ZeroSpeedEngine"),
     "load_config": ("zerospeed.config", "load_config"),
     "ConfigError": ("zerospeed.config.errors", "ConfigError"),
 }
 
-__all__ = ["ConfigError", "ZeroSpeedEngine", "__version__", "init_distributed", "initialize", "load_config"]
+__all__ = ["ConfigError", "ZeroSpeedEngine", "__version__", "init_distributed", "initialize", "load_config",
+           "shutdown"]
 
 
 def __getattr__(name: str) -> Any:

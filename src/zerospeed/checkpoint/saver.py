@@ -38,6 +38,7 @@ import torch.distributed as dist
 import zerospeed
 from zerospeed import comm
 from zerospeed.checkpoint import publish
+from zerospeed.comm import lifecycle
 from zerospeed.checkpoint.errors import CheckpointSaveError
 from zerospeed.checkpoint.index import INDEX_FILE, build_index, rank_file
 from zerospeed.checkpoint.jsonstate import capture_rng, encode
@@ -270,6 +271,18 @@ def wait(engine: Any) -> SaveStats | None:
     if pending.error is not None:
         raise pending.error
     return pending.stats
+
+
+def wait_all() -> None:
+    """Block until every engine's asynchronous save is published (run before the process group's teardown)."""
+    for engine in list(_PENDING.keys()):
+        try:
+            wait(engine)
+        except Exception as e:  # noqa: BLE001 - at exit: report, keep tearing down
+            logger.error("zerospeed: asynchronous checkpoint save failed: %s", e)
+
+
+lifecycle.add_before_teardown(wait_all)
 
 
 def pending(engine: Any) -> bool:

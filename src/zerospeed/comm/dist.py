@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerospeed.comm import lifecycle
+
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
@@ -72,6 +74,7 @@ def init_distributed(
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(**kwargs)
+    lifecycle.register_created_group()  # orderly teardown at exit (zerospeed.shutdown)
     if verbose and dist.get_rank() == 0:
         print(f"zerospeed: initialised {backend} with world size {dist.get_world_size()}", flush=True)
 
