@@ -85,7 +85,7 @@ def train(engine, first_step: int, num_steps: int) -> list[float]:
 
 
 def weights(engine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    return {k: v.detach().float().clone() for k, v in engine.module.state_dict(keep_vars=True).items()}
 
 
 def shard_state(engine) -> dict:

@@ -184,7 +184,7 @@ def test_unknown_keys_name_path_and_nearest_key(config: dict, path: str, hint: s
         (cfg(pipeline={"partition": "best"}), "pipeline.partition", ("'best'", "'uniform'")),
         (cfg(pipeline={"schedule": "interleaved_1f1b"}), "pipeline.virtual_stages", (">= 2",)),
         (cfg(comms_logger={"prof_ops": "all_reduce"}), "comms_logger.prof_ops", ("JSON list",)),
-        (cfg(gradient_predivide_factor=0), "gradient_predivide_factor", ("> 0",)),
+        (cfg(gradient_predivide_factor=0), "gradient_predivide_factor", ("out of range", "reciprocal")),
         (cfg(optimizer={"type": "Adam", "params": [1]}), "optimizer.params", ("JSON object",)),
         (cfg(optimizer={"params": {}}), "optimizer.type", ("missing",)),
         (cfg(gradient_allreduce_op="max"), "gradient_allreduce_op", ("'max'", "'mean', 'sum'")),

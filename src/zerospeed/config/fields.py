@@ -97,6 +97,27 @@ def _fraction(low_open: bool) -> Any:
     return BeforeValidator(check)
 
 
+#: largest finite float32: a loss scale, or a reciprocal, beyond it is infinite in fp32 arithmetic
+FP32_MAX = 3.4028234663852886e38
+
+
+def bounded(kind: Any, low: float | None, high: float | None, why: str, low_open: bool = False) -> Any:
+    """A validator for numbers of ``kind`` (``to_int`` / float) in ``[low, high]`` (``(low, high]`` when
+    ``low_open``); ``why`` says what goes wrong outside (the error's last words)."""
+    convert = to_int if kind is int else _to_float
+
+    def check(value: Any) -> Any:
+        number = convert(value)
+        too_low = low is not None and (number <= low if low_open else number < low)
+        if too_low or (high is not None and number > high):
+            lo = "" if low is None else f"{'>' if low_open else '>='} {low:g}"
+            hi = "" if high is None else f"<= {high:g}"
+            raise fail(f"{value!r} is out of range; must be {' and '.join(x for x in (lo, hi) if x)} ({why})")
+        return number
+
+    return BeforeValidator(check)
+
+
 Int = Annotated[int, BeforeValidator(to_int)]
 NonNegInt = Annotated[int, BeforeValidator(_at_least(0, to_int))]
 PosInt = Annotated[int, BeforeValidator(_at_least(1, to_int))]

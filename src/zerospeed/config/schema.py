@@ -24,12 +24,12 @@ from pydantic import AliasChoices, Field, PrivateAttr, ValidationInfo, model_val
 
 from .batch import GAS, MBS, TBS, resolve_batch
 from .fields import (
+    FP32_MAX,
     Bool,
     DType,
-    Int,
+    bounded,
     NonNegFloat,
     NonNegInt,
-    PosFloat,
     PosInt,
     Section,
     fail,
@@ -79,9 +79,10 @@ class ZeroSpeedConfig(Section):
     steps_per_print: NonNegInt = 10
     wall_clock_breakdown: Bool = False
     memory_breakdown: Bool = False
-    seed: Int | None = None
+    seed: Annotated[int, bounded(int, -(2 ** 63), 2 ** 64 - 1, "the range torch.manual_seed accepts")] | None = None
     prescale_gradients: Bool = False
-    gradient_predivide_factor: PosFloat = 1.0
+    gradient_predivide_factor: Annotated[float, bounded(float, 1.0 / FP32_MAX, FP32_MAX, "gradients are scaled by "
+                                                        "its reciprocal, which must be finite in fp32")] = 1.0
     gradient_allreduce_op: Annotated[
         Literal["mean", "sum"], one_of("mean", "sum", case_insensitive=True)
     ] = "mean"

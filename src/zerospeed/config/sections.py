@@ -29,7 +29,9 @@ from .fields import (
     NonNegInt,
     PosInt,
     Section,
+    FP32_MAX,
     Str,
+    bounded,
     to_int,
     fail,
     one_of,
@@ -42,14 +44,24 @@ class FP16Config(Section):
 
     enabled: Bool = False
     auto_cast: Bool = False
-    loss_scale: NonNegFloat = 0.0
+    loss_scale: Annotated[float, bounded(float, 0.0, FP32_MAX, "a larger scale is infinite in fp32")] = 0.0
     """Static loss scale; 0 means dynamic loss scaling."""
-    initial_scale_power: NonNegInt = 16
+    initial_scale_power: Annotated[int, bounded(int, 0, 127, "2**128 and above overflow fp32: every step would "
+                                                              "overflow")] = 16
     loss_scale_window: PosInt = 1000
     hysteresis: PosInt = 2
     consecutive_hysteresis: Bool = False
-    min_loss_scale: NonNegFloat = 1.0
+    min_loss_scale: Annotated[float, bounded(float, 0.0, FP32_MAX, "a scale of 0 zeroes every gradient; a larger "
+                                                                   "one is infinite in fp32", low_open=True)] = 1.0
     fp16_master_weights_and_grads: Bool = False
+
+    @model_validator(mode="after")
+    def _min_below_initial(self) -> FP16Config:
+        if self.loss_scale == 0 and self.min_loss_scale > 2.0 ** self.initial_scale_power:
+            raise fail(f"{self.min_loss_scale:g} is above the initial dynamic scale 2**initial_scale_power = "
+                       f"{2.0 ** self.initial_scale_power:g}; lower it or raise initial_scale_power",
+                       key="min_loss_scale")
+        return self
 
 
 class BF16Config(Section):

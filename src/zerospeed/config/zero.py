@@ -33,7 +33,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, model_validator
 
-from .fields import Bool, Fraction, NonNegFloat, NonNegInt, PosFraction, PosInt, Section, Str, fail, one_of
+import threading
+
+from .fields import Bool, NonNegFloat, NonNegInt, PosFraction, PosInt, Section, Str, bounded, fail, one_of
 
 OffloadDevice = Annotated[
     Literal["none", "cpu", "nvme"], one_of("none", "cpu", "nvme", case_insensitive=True)
@@ -69,14 +71,16 @@ class OffloadOptimizerConfig(_Offload):
     pipeline_read: Bool = False
     pipeline_write: Bool = False
     convert_grad_on_cpu: Bool = True
-    cpuadam_cores_perc: Fraction = 0.8
+    cpuadam_cores_perc: Annotated[float, bounded(float, 0.0, 1.0, "a share of the CPU cores; 0 leaves none to the "
+                                                                  "optimizer", low_open=True)] = 0.8
 
 
 class OffloadParamConfig(_Offload):
     """``zero_optimization.offload_param``: stage-3 parameters on CPU or NVMe."""
 
     buffer_count: NonNegInt = 5
-    buffer_size: NonNegInt = 100_000_000
+    buffer_size: PosInt = 100_000_000
+    """Elements of one swap buffer; a shard larger than it cannot be offloaded, so 0 offloads nothing."""
     max_in_cpu: NonNegInt = 1_000_000_000
 
 
@@ -100,7 +104,8 @@ class ZeroConfig(Section):
     elastic_checkpoint: Bool = False
     offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: OffloadParamConfig | None = None
-    sub_group_size: NonNegInt = 1_000_000_000
+    sub_group_size: PosInt = 1_000_000_000
+    """Elements the optimizer updates at once; 0 would make sub-groups of no elements."""
     stage3_prefetch_bucket_size: NonNegInt = Field(
         50_000_000, validation_alias=_alias("stage3_prefetch_bucket_size", "prefetch_bucket_size")
     )
@@ -130,7 +135,8 @@ class ZeroConfig(Section):
             "stage3_gather_fp16_weights_on_model_save",
         ),
     )
-    stage3_collective_timeout_s: NonNegFloat = 600.0
+    stage3_collective_timeout_s: Annotated[float, bounded(float, 0.0, threading.TIMEOUT_MAX,
+                                                          "the longest wait the platform can time")] = 600.0
     """zerospeed extension (not a DeepSpeed key): seconds a ZeRO-3 parameter gather or gradient
     reduce-scatter waits for its peers before failing with a report of which rank is at which module
     (control flow that differs between ranks, a dead peer) instead of hanging; 0 waits forever."""

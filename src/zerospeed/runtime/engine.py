@@ -29,6 +29,7 @@ from zerospeed import comm
 from zerospeed.config import ConfigError, ZeroSpeedConfig
 from zerospeed.monitor import Monitor, StepEvents
 from zerospeed.runtime.loss_scaler import build_loss_scaler
+from zerospeed.runtime.precision_cast import cast_to_compute_dtype
 from zerospeed.zero.factory import BUILT_STAGES, build_strategy
 from zerospeed.zero.offload import check_offload
 from zerospeed.zero.strategy import StageOptions
@@ -78,7 +79,7 @@ class ZeroSpeedEngine(nn.Module):
         self.dp_rank = comm.get_rank(dp_group)
         self.compute_dtype = DTYPES[config.precision]
         if self.compute_dtype != torch.float32:
-            model.to(self.compute_dtype)
+            cast_to_compute_dtype(model, self.compute_dtype)  # parameters, not fp32 tables such as RoPE's
         comm_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else None
         prescale = 1.0
         if config.prescale_gradients:
@@ -106,6 +107,23 @@ class ZeroSpeedEngine(nn.Module):
         self._comms_generation = comm.COUNTER.generation
         self.monitor = Monitor(config)  # tensorboard / csv_monitor / wandb writers (rank 0)
         self._step_events = StepEvents(self.monitor, dp_group)
+
+    def __getattr__(self, name: str) -> Any:
+        """Unknown attributes come from the wrapped module (``engine.generate``, ``engine.device``...),
+        as in DeepSpeed; the engine's own names (``config`` is the engine's configuration, as in
+        DeepSpeed: the model's is ``engine.module.config``) win. Built on ``nn.Module.__getattr__``
+        so the engine's own submodules, parameters and buffers resolve first."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(f"'{type(self).__name__}' object and its module "
+                                     f"'{type(module).__name__}' have no attribute '{name}'") from None
 
     # -- DeepSpeed-compatible accessors -----------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -238,6 +256,15 @@ class ZeroSpeedEngine(nn.Module):
         if self.dp_rank != 0:
             return {}
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the consolidated 16-bit (compute-dtype) weights to ``save_dir/save_filename`` on rank 0
+        (``*.safetensors`` or a ``torch.save`` file). A collective: every rank calls it. At stage 3 it
+        saves only with ``stage3_gather_16bit_weights_on_model_save`` (else returns False, as DeepSpeed)."""
+        from zerospeed.runtime.model_save import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
         """Release what the engine holds outside the model (DeepSpeed's ``engine.destroy()``): waits

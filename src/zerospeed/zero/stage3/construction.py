@@ -34,7 +34,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
 
 from zerospeed import comm
 from zerospeed.zero.layout import plan_buckets
-from zerospeed.zero.stage3 import registry
+from zerospeed.zero.stage3 import registry, state_dict_guard
 from zerospeed.zero.stage3.bucket import Stage3Bucket
 from zerospeed.zero.stage3.hooks import BucketGatherer
 from zerospeed.zero.stage3.watchdog import Watchdog
@@ -117,6 +117,8 @@ class ConstructionPartitioner:
             by_dtype.setdefault(target, []).append((n, p))
         for dtype, members in by_dtype.items():
             self._make_bucket(module, dtype, members)
+        if by_dtype:
+            state_dict_guard.guard(module)
 
     def _make_bucket(self, module: nn.Module, dtype: torch.dtype, members: list[tuple[str, nn.Parameter]]) -> None:
         layout = plan_buckets([(n, tuple(p.shape), 0) for n, p in members], 1 << 62, self.world_size)[0]

@@ -47,6 +47,7 @@ from zerospeed.zero.stage3.grads import Stage3GradReducer
 from zerospeed.zero.stage3.hooks import BucketGatherer, Stage3Knobs, Stage3Runtime
 from zerospeed.zero.stage3.optim import Stage3OptimizerState
 from zerospeed.zero.stage3.param_offload import ParamSwapper, build_param_swapper
+from zerospeed.zero.stage3 import state_dict_guard
 from zerospeed.zero.stage3.planner import PlannerOptions, build_buckets
 from zerospeed.zero.stage3.watchdog import Watchdog
 
@@ -88,6 +89,7 @@ class Stage3Strategy:
         self._view_held = False
         self.runtime.on_begin_pass = self._end_view_hold
         self.runtime.gather_persistent()
+        state_dict_guard.guard_tree(module)  # module.state_dict() refuses to return placeholders
 
     # -- the strategy interface -------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
@@ -239,8 +241,8 @@ class Stage3Strategy:
         if not on_rank0:
             return {}
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
-        for key, value in self.module.state_dict().items():
-            out[key] = full.get(key, value)
+        for key, value in self.module.state_dict(keep_vars=True).items():  # keep_vars: no placeholder check
+            out[key] = full[key] if key in full else value.detach()
         return out
 
     def on_shards_loaded(self) -> None:

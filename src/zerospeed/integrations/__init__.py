@@ -1,0 +1,1 @@
+"""Integrations with other libraries (HuggingFace transformers: :mod:`zerospeed.integrations.transformers`)."""
