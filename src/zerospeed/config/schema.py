@@ -51,6 +51,7 @@ from .sections import (
 )
 from .tensor_parallel import TensorParallelConfig
 from .zero import AioConfig, ZeroConfig
+from .flops_profiler import FlopsProfilerConfig
 
 Precision = Literal["fp32", "fp16", "bf16"]
 
@@ -113,6 +114,7 @@ class ZeroSpeedConfig(Section):
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
     _dp_world_size: int = PrivateAttr(default=1)

@@ -28,6 +28,7 @@ from torch import nn
 from zerospeed import comm
 from zerospeed.config import ConfigError, ZeroSpeedConfig
 from zerospeed.monitor import Monitor, StepEvents
+from zerospeed.profiling.engine_hook import EngineFlopsProfiler
 from zerospeed.runtime.loss_scaler import build_loss_scaler
 from zerospeed.runtime.precision_cast import cast_to_compute_dtype
 from zerospeed.zero.factory import BUILT_STAGES, build_strategy
@@ -107,6 +108,7 @@ class ZeroSpeedEngine(nn.Module):
         self._comms_generation = comm.COUNTER.generation
         self.monitor = Monitor(config)  # tensorboard / csv_monitor / wandb writers (rank 0)
         self._step_events = StepEvents(self.monitor, dp_group)
+        self._flops_hook = EngineFlopsProfiler(config.flops_profiler, self)  # profiles step profile_step
 
     def __getattr__(self, name: str) -> Any:
         """Unknown attributes come from the wrapped module (``engine.generate``, ``engine.device``...),
@@ -159,6 +161,7 @@ class ZeroSpeedEngine(nn.Module):
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_floats(args, self.compute_dtype), _cast_floats(kwargs, self.compute_dtype)
         self._step_events.on_forward(args, kwargs)
+        self._flops_hook.on_forward()
         out = self.module(*args, **kwargs)
         self._timers["forward"] += time.perf_counter() - t0
         return out
@@ -198,6 +201,7 @@ class ZeroSpeedEngine(nn.Module):
             self.strategy.zero_grad()
             self.global_steps += 1
             self.global_samples += self.config.train_batch_size
+            self._flops_hook.on_step()
             self._step_events.on_step(self)
             self._account_comms()
             self._report()
@@ -275,6 +279,11 @@ class ZeroSpeedEngine(nn.Module):
         close = getattr(self.strategy, "close", None)
         if callable(close):
             close()
+
+    @property
+    def flops_profiler(self) -> Any:
+        """The :class:`~zerospeed.profiling.FlopsProfiler` of the ``flops_profiler`` section (None when off)."""
+        return self._flops_hook.profiler
 
     def wall_clock(self) -> dict[str, float]:
         return dict(self._timers)
