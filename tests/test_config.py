@@ -230,7 +230,6 @@ NOT_YET_CASES = [
     ("autotuning", {"enabled": True}, {"enabled": False, "arg_mappings": {"gas ": "--gas"}}),
     ("torch_autocast", {"enabled": True, "dtype": "bfloat16"}, {"enabled": False}),
     ("sequence_parallel_size", 2, 1),
-    ("flops_profiler", {"enabled": True}, {"enabled": False, "profile_step": 1}),
     ("hybrid_engine", {"enabled": True}, {"enabled": False}),
     ("zero_optimization.zenflow", {"topk_ratio": 0.1}, None),
     ("zero_optimization.zero_quantized_weights", True, False),
