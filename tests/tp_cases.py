@@ -1,6 +1,7 @@
 """Per-rank bodies of the tensor-parallel tests (importable by name for run_distributed)."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -58,3 +59,146 @@ def mesh_from_mpu() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     assert comm.get_mesh() is mesh
     comm.reset_mesh()
     return mesh.degrees, (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
+
+
+# -- models ------------------------------------------------------------------------------------------
+def hf_model(kind: str, tp: int, seed: int = 0) -> torch.nn.Module:
+    """A tiny random-init HuggingFace model (never downloaded), the same on every rank."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if kind == "llama":  # GQA: 2 query heads per KV head; odd vocabulary (padded LM head)
+        heads = 8 if tp == 4 else 4
+        cfg = tf.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=64,
+                             tie_word_embeddings=False)
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "gpt2":  # Conv1D, fused c_attn, tied embedding
+        cfg = tf.GPT2Config(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+        model = tf.GPT2LMHeadModel(cfg)
+    elif kind == "neox":
+        cfg = tf.GPTNeoXConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=False)
+        model = tf.GPTNeoXForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    return model.eval()
+
+
+class CustomNet(torch.nn.Module):
+    """No ModuleList, no usual names: driven only by partition_config. ``fused`` packs 3 projections."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.inp = torch.nn.Linear(8, 16)
+        self.fused = torch.nn.Linear(16, 3 * 24)
+        self.back = torch.nn.Linear(24, 16)
+        self.out = torch.nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b, c = self.fused(torch.tanh(self.inp(x))).chunk(3, dim=-1)
+        return self.out(self.back(a * torch.sigmoid(b) + c))
+
+
+CUSTOM_SPECS = {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r"^fused$"], "partition_type": "column", "shape": [3, -1]},
+    {"patterns": [r"^back\.weight$"], "partition_type": "row"}]}
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def forward_parity(kinds: list[str]) -> dict[str, Any]:
+    """Logits of the split model against the unsharded one; greedy generation with a KV cache."""
+    from zerospeed.module_inject import auto_tp, tp_param_splits
+
+    tp = dist.get_world_size()
+    mesh = comm.build_mesh(tp=tp)
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        torch.manual_seed(100)
+        if kind == "custom":
+            model = CustomNet()
+            x = torch.randn(3, 4, 8)
+            with torch.no_grad():
+                ref = model(x)
+            full_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+            auto_tp(model, mesh.tp_group, partition_config=CUSTOM_SPECS)
+            with torch.no_grad():
+                got = model(x)
+            out[kind] = {"err": _rel_err(got, ref), "types": {n: type(m).__name__ for n, m in model.named_children()}}
+        else:
+            model = hf_model(kind, tp)
+            ids = torch.randint(0, model.config.vocab_size, (2, 7))
+            with torch.no_grad():
+                ref = model(ids).logits
+                ref_gen = model.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+            full_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+            auto_tp(model, mesh.tp_group)
+            comm.COUNTER.reset()
+            with torch.no_grad():
+                got = model(ids).logits
+            reduces = comm.COUNTER.count("all_reduce")
+            with torch.no_grad():
+                gen = model.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+            # training-mode forward + backward run through the autograd functions
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            out[kind] = {"err": _rel_err(got, ref), "gen_equal": torch.equal(gen, ref_gen), "all_reduces": reduces,
+                         "loss": float(loss)}
+        splits = tp_param_splits(model)
+        local = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+        out[kind]["sharded_bytes"] = sum(local[n] for n in splits if n in local)
+        out[kind]["sharded_full_bytes"] = sum(full_bytes[n] for n in splits if n in local)
+        out[kind]["padded_full_bytes"] = sum(math.prod(s.view[:s.dim] + (s.total,) + s.view[s.dim + 1:]) * 4
+                                             for n, s in splits.items() if n in local)
+        out[kind]["num_sharded"] = len([n for n in splits if n in local])
+    comm.reset_mesh()
+    return out
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc_a = torch.nn.Linear(4, 8)
+        self.fc_b = torch.nn.Linear(8, 4)
+
+
+def bad_inputs() -> dict[str, str]:
+    """Each bad input's one-line error (run at tp=2)."""
+    import transformers as tf
+
+    from zerospeed.config import ConfigError
+    from zerospeed.module_inject import TPError, auto_tp
+
+    mesh = comm.build_mesh(tp=dist.get_world_size())
+    out: dict[str, str] = {}
+
+    def err(key: str, fn: Any) -> None:
+        try:
+            fn()
+            out[key] = "no error"
+        except (TPError, ConfigError, ValueError) as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+
+    def llama(**kw: Any) -> Any:
+        base = dict(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=12)
+        base.update(kw)
+        torch.manual_seed(0)
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**base))
+
+    err("kv_heads", lambda: auto_tp(llama(num_key_value_heads=1), mesh.tp_group))
+    err("heads", lambda: auto_tp(llama(num_attention_heads=3, num_key_value_heads=3), mesh.tp_group))
+    err("mlp", lambda: auto_tp(llama(intermediate_size=63), mesh.tp_group))
+    err("no_blocks", lambda: auto_tp(_TwoLayers(), mesh.tp_group))
+    err("preset", lambda: auto_tp(llama(), mesh.tp_group, partition_config={"preset_model": "gpt5"}))
+    err("regex", lambda: auto_tp(llama(), mesh.tp_group, partition_config={
+        "layer_specs": [{"patterns": [r".*\.o_proj$", r".*\.nonexistent$"], "partition_type": "row"}]}))
+    torch.manual_seed(dist.get_rank())  # a different model on each rank
+    err("differ", lambda: auto_tp(_TwoLayers(), mesh.tp_group, partition_config={
+        "use_default_specs": False, "layer_specs": [{"patterns": ["fc_a"]}, {"patterns": ["fc_b"], "partition_type": "row"}]}))
+    comm.reset_mesh()
+    return out

@@ -18,16 +18,17 @@ _LAZY = {
     "ZeroSpeedEngine": ("zerospeed.runtime.engine", "ZeroSpeedEngine"),
     "load_config": ("zerospeed.config", "load_config"),
     "ConfigError": ("zerospeed.config.errors", "ConfigError"),
+    "tp_model_init": ("zerospeed.module_inject", "tp_model_init"),
 }
 
 __all__ = ["ConfigError", "ZeroSpeedEngine", "__version__", "init_distributed", "initialize", "load_config",
-           "shutdown"]
+           "shutdown", "tp_model_init"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
-    if name in ("zero", "pipe", "comm", "ops", "runtime", "config", "testing"):
+    if name in ("zero", "pipe", "comm", "ops", "runtime", "config", "testing", "module_inject"):
         return importlib.import_module(f"zerospeed.{name}")
     raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")

@@ -159,3 +159,32 @@ class TensorParallelConfig(Section):
     @property
     def enabled(self) -> bool:
         return self.size > 1
+
+
+def parse_tensor_parallel(section: Any) -> TensorParallelConfig:
+    """A ``tensor_parallel`` section given outside a full config (``auto_tp(partition_config=...)``).
+
+    Accepts a :class:`TensorParallelConfig`, a :class:`PartitionConfig` (wrapped), or a dict that is
+    either a whole ``tensor_parallel`` section or just its ``partition_config`` (it has
+    ``layer_specs``). Errors are :class:`ConfigError` naming ``tensor_parallel.<key>``.
+    """
+    from pydantic import ValidationError
+
+    from .errors import ConfigError
+    from .loader import translate_validation_error
+
+    if section is None:
+        return TensorParallelConfig()
+    if isinstance(section, TensorParallelConfig):
+        return section
+    if isinstance(section, PartitionConfig):
+        return TensorParallelConfig(partition_config=section)
+    if not isinstance(section, dict):
+        raise ConfigError("tensor_parallel.partition_config", f"{type(section).__name__} is not a JSON object")
+    if "layer_specs" in section or "use_default_specs" in section or "lm_head_patterns" in section:
+        section = {"partition_config": section}
+    try:
+        return TensorParallelConfig.model_validate(section)
+    except ValidationError as exc:
+        err = translate_validation_error(exc)
+        raise ConfigError(f"tensor_parallel.{err.key_path}".rstrip("."), err.problem) from None

@@ -1,0 +1,92 @@
+"""The three tensor-parallel communication patterns, as autograd functions over the tp group.
+
+* :func:`copy_to_tp` -- forward identity, backward all-reduce (input of a column-parallel layer:
+  each rank's input gradient is only its shard's contribution).
+* :func:`reduce_from_tp` -- forward all-reduce, backward identity (output of a row-parallel layer).
+* :func:`gather_from_tp` -- forward all-gather along the last dimension, backward the local slice
+  (output of the vocabulary-parallel LM head).
+
+Every collective goes through :mod:`zerospeed.comm` (counted). When autograd is off
+(``torch.no_grad()`` / inference mode) or the input does not require grad, the collective is
+called directly, with no ``autograd.Function`` in the way: inference pays for the communication
+and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+
+
+def _tracking(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    x = x.contiguous()
+    comm.all_reduce(x, group=group)
+    return x
+
+
+def _gather_last(x: torch.Tensor, group: Any, tp_size: int) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((tp_size, *x.shape))
+    comm.all_gather(out, x, group=group)
+    return torch.cat(out.unbind(0), dim=-1)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return _all_reduce(x.clone() if x._base is not None else x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, tp_size: int, tp_rank: int) -> torch.Tensor:
+        ctx.local, ctx.rank = x.shape[-1], tp_rank
+        return _gather_last(x, group, tp_size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return grad.narrow(-1, ctx.rank * ctx.local, ctx.local).contiguous(), None, None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Any, tp_size: int) -> torch.Tensor:
+    if tp_size == 1 or not _tracking(x):
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Any, tp_size: int) -> torch.Tensor:
+    if tp_size == 1:
+        return x
+    if not _tracking(x):
+        return _all_reduce(x, group)
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group: Any, tp_size: int, tp_rank: int) -> torch.Tensor:
+    if tp_size == 1:
+        return x
+    if not _tracking(x):
+        return _gather_last(x, group, tp_size)
+    return _GatherFromTP.apply(x, group, tp_size, tp_rank)
