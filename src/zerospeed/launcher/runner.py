@@ -36,12 +36,12 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from zerospeed.launcher import multinode, network
 from zerospeed.launcher.hostfile import (
     HostEntry,
     LaunchError,
     filter_hosts,
     find_node_rank,
-    local_host_names,
     parse_hostfile,
     uniform_slots,
 )
@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run user_script as an executable, not with python")
     p.add_argument("--dry_run", action="store_true",
                    help="print the torchrun command instead of running it")
+    multinode.add_arguments(p)
     p.add_argument("user_script", metavar="user_script", nargs="?", default=None,
                    help="training script (or module with --module)")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -179,7 +180,7 @@ def _hostfile_plan(
         # the static rendezvous needs our rank; with c10d it only serves to pick our device slots
         try:
             node_rank = find_node_rank(
-                hosts, local_host_names() if local_names is None else local_names, source
+                hosts, network.local_names_for(hosts) if local_names is None else local_names, source
             )
         except LaunchError:
             if args.rdzv_endpoint is None:
@@ -265,6 +266,7 @@ def build_plan(
                  "--node_rank", str(node_rank or 0),
                  "--master_addr", master_addr or "127.0.0.1",
                  "--master_port", str(args.master_port or DEFAULT_MASTER_PORT)]
+    argv += multinode.torchrun_flags(args)
     if args.module:
         argv.append("--module")
     if args.no_python:
@@ -309,6 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         print(plan.command_line())
         return 0
+    try:
+        plan.env.update(multinode.prepare(args, plan.torchrun_argv, plan.env))
+    except LaunchError as e:
+        print(f"zerospeed: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     os.environ.update(plan.env)
     return run_torchrun(plan.torchrun_argv)
 
