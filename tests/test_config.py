@@ -219,7 +219,7 @@ def test_removed_keys(path: str) -> None:
 
 
 def test_documented_removed_keys_are_in_the_table() -> None:
-    for key in ("compression_training", "amp", "sparse_attention", "elasticity",
+    for key in ("amp", "sparse_attention", "elasticity",
                 "progressive_layer_drop", "curriculum_learning", "eigenvalue", "quantize_training"):
         assert key in REMOVED_KEYS  # fmt: skip
 

@@ -73,7 +73,7 @@ EXPECTED = {
     "training__gan__gan_deepspeed_config.json": ("parses", None),
     "inference__sglang__ds_offload_cpu.json": ("parses", None),
     "inference__sglang__ds_offload_nvme_aio.json": ("parses", None),
-    "compression__bert__config__ds_config_W1A8_Qgroup64_fp16.json": ("removed", "compression_training"),
+    "compression__bert__config__ds_config_W1A8_Qgroup64_fp16.json": ("parses", None),
     "training__bing_bert__deepspeed_bsz4k_progressive_layer_drop_config_seq128.json":
         ("removed", "progressive_layer_drop"),
     "training__bing_bert__deepspeed_bsz64k_lamb_config_seq128.json": ("removed", "sparse_attention"),
@@ -123,3 +123,34 @@ def test_pipeline_example_values() -> None:
     assert c.optimizer.params["betas"] == [0.9, 0.999]
     c8 = load_config(c, dp_world_size=8)
     assert c8.gradient_accumulation_steps == 4
+
+
+COMPRESSION_FILES = [f for f in FILES if f.name.startswith("compression__")]
+
+
+@pytest.mark.skipif(not COMPRESSION_FILES, reason=f"no DeepSpeed compression configs at {DS_CONFIGS}")
+def test_every_compression_config_parses() -> None:
+    """The 14 compression configs (12 with a compression_training section) parse into typed objects."""
+    sections = 0
+    for path in COMPRESSION_FILES:
+        dp, err = _outcome(path)
+        assert err is None, f"{path.name}: {err}"
+        section = load_config(path, dp_world_size=dp).compression_training
+        sections += section is not None
+        if section is not None:
+            assert section.any_enabled, path.name
+    assert len(COMPRESSION_FILES) == 14 and sections == 12
+
+
+@pytest.mark.skipif(not COMPRESSION_FILES, reason=f"no DeepSpeed compression configs at {DS_CONFIGS}")
+def test_compression_example_values() -> None:
+    c = load_config(DS_CONFIGS / "compression__bert__config__ZeroQuant__ds_config_W48A8_Qgroup48_lkd_fp32.json")
+    wq = c.compression_training.weight_quantization
+    assert wq.shared_parameters.quantize_groups == 48 and wq.shared_parameters.rounding == "nearest"
+    assert [(g.params.start_bits, g.params.target_bits) for g in wq.different_groups.values()] == [(8, 8), (4, 4)]
+    assert wq.different_groups["wq2"].modules == ["intermediate", r"layer.\w+.output.dense"]
+    hp = c.compression_training.head_pruning
+    assert hp.shared_parameters.num_heads == 12 and hp.different_groups["rp1"].related_modules == [
+        ["self.query", "self.key", "self.value"]]
+    lr = c.compression_training.layer_reduction
+    assert not lr.enabled and lr.teacher_layer == [2, 4, 6, 8, 10]

@@ -12,6 +12,8 @@ with the search tool:
   elasticity, graph_harvesting, curriculum_learning (legacy top-level form), progressive_layer_drop;
   ``_REMOVED_ZERO_CONFIG_KEYS`` = mics_shard_size, mics_hierarchical_params_gather,
   zeropp_loco_param.  Tracking issue deepspeedai/DeepSpeed#8489.
+* ``compression_training`` is on that list but zerospeed rebuilds it
+  (:mod:`zerospeed.config.compression`, :mod:`zerospeed.compression`), so it is not refused here.
 * DeepSpeed release v0.19.8 notes: "Deprecate leftovers of compression library" (#8535, which also
   rejects ``eigenvalue`` next to ``quantize_training``), "Deprecate loco zero++" (#8534),
   "Deprecate sparse_gradients" (#8504), "Deprecate APEX amp" (#8564), "Deprecate legacy curriculum
@@ -35,7 +37,6 @@ NOT_YET_PROBLEM = "not supported by zerospeed yet"
 
 #: dotted key path -> short hint shown after the problem (may be empty).
 REMOVED_KEYS: dict[str, str] = {
-    "compression_training": "",
     "amp": "use 'fp16' or 'bf16' instead of Apex AMP",
     "quantize_training": "",
     "eigenvalue": "",

@@ -50,6 +50,7 @@ from .sections import (
     WandbConfig,
 )
 from .tensor_parallel import TensorParallelConfig
+from .compression import CompressionConfig
 from .zero import AioConfig, ZeroConfig
 from .flops_profiler import FlopsProfilerConfig
 
@@ -115,6 +116,7 @@ class ZeroSpeedConfig(Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    compression_training: CompressionConfig | None = None
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
     _dp_world_size: int = PrivateAttr(default=1)

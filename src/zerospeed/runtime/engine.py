@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerospeed import comm
+from zerospeed.compression.scheduler import compression_scheduler_for
 from zerospeed.config import ConfigError, ZeroSpeedConfig
 from zerospeed.monitor import Monitor, StepEvents
 from zerospeed.profiling.engine_hook import EngineFlopsProfiler
@@ -96,6 +97,7 @@ class ZeroSpeedEngine(nn.Module):
         check_offload(options, optimizer)
         self.strategy = build_strategy(model, optimizer, options, zcfg, dp_group, self.dp_rank, self.dp_world_size)
         self.loss_scaler = build_loss_scaler(config.precision, config.fp16)
+        self.compression_scheduler = compression_scheduler_for(model, config)  # None without compression_training
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -199,6 +201,8 @@ class ZeroSpeedEngine(nn.Module):
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.strategy.zero_grad()
+            if self.compression_scheduler is not None:
+                self.compression_scheduler.step(self.dp_group)
             self.global_steps += 1
             self.global_samples += self.config.train_batch_size
             self._flops_hook.on_step()

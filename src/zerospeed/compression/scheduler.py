@@ -1,0 +1,90 @@
+"""``CompressionScheduler``: the global step counter that drives every compressed layer's schedule.
+
+The engine calls :meth:`step` once per optimizer step (see ``runtime/engine.py``); a user training
+without the engine calls it after ``optimizer.step()``.  Before the first step the layers are set for
+step 0, so ``schedule_offset: 0`` compresses from the first forward.
+
+Data-parallel replication: state that depends on the data (static activation ranges, snip_momentum
+scores) differs between ranks, so :meth:`step` averages it over ``dp_group`` (through
+:mod:`zerospeed.comm`, one all-reduce of one flat tensor) before the next masks are computed.  Masks
+themselves are computed from the full (ZeRO-3: gathered) weight, identical on every rank.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerospeed import comm
+
+from .layers import CompressedLayer
+
+_SCHEDULERS: "weakref.WeakKeyDictionary[nn.Module, CompressionScheduler]" = weakref.WeakKeyDictionary()
+
+
+class CompressionScheduler:
+    def __init__(self, model: nn.Module, layers: dict[str, CompressedLayer]) -> None:
+        self.layers = layers
+        self.training_steps = 0
+        self._apply()
+        _SCHEDULERS[model] = self
+
+    def _apply(self) -> None:
+        for layer in self.layers.values():
+            layer.set_step(self.training_steps)
+
+    def _rank_local_state(self) -> list[torch.Tensor]:
+        found: list[torch.Tensor] = []
+        for layer in self.layers.values():
+            for name in ("act_low", "act_high", "sparse_snip_score"):
+                buf = getattr(layer, name, None)
+                if isinstance(buf, torch.Tensor):
+                    found.append(buf)
+        return found
+
+    def step(self, dp_group: Any = None) -> None:
+        """Advance one optimizer step: average rank-local state over ``dp_group``, then re-schedule."""
+        self.training_steps += 1
+        tensors = self._rank_local_state()
+        if tensors and comm.is_initialized() and comm.get_world_size(dp_group) > 1:
+            flat = torch.cat([t.reshape(-1).float() for t in tensors])
+            comm.all_reduce(flat, group=dp_group)
+            flat /= comm.get_world_size(dp_group)
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+        self._apply()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"training_steps": self.training_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.training_steps = int(state["training_steps"])
+        self._apply()
+
+
+def scheduler_of(model: nn.Module) -> CompressionScheduler | None:
+    """The scheduler :func:`~zerospeed.compression.init_compression` attached to ``model``, if any."""
+    return _SCHEDULERS.get(model)
+
+
+def compression_scheduler_for(model: nn.Module, config: Any) -> CompressionScheduler | None:
+    """The engine's hook: the scheduler of ``model`` when ``config`` enables compression_training.
+
+    Raises if the config enables compression but :func:`init_compression` was not applied, because
+    training the uncompressed model would silently ignore the section.
+    """
+    section = getattr(config, "compression_training", None)
+    if section is None or not section.any_enabled:
+        return None
+    found = scheduler_of(model)
+    if found is None:
+        from zerospeed.config import ConfigError
+
+        raise ConfigError("compression_training", "is enabled but the model was not compressed: call "
+                          "zerospeed.compression.init_compression(model, config) before initialize()")
+    return found
