@@ -106,6 +106,7 @@ class CompressedLayer(nn.Module):
             raise TypeError(f"{name}: {type(module).__name__} cannot be compressed")
         self.kind = kind
         self.name = name
+        self.__dict__["original"] = module  # not a submodule: redundancy_clean reuses it as the final layer
         self.weight = module.weight
         self.bias = getattr(module, "bias", None)
         self.ctor: dict[str, Any] = {}

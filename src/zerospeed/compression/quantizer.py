@@ -13,7 +13,7 @@ integer code ``q`` and its scale reproduce the value as ``(q - zero) * scale``:
   Both are symmetric whatever ``quantization_type`` says (decision: an asymmetric 1-2 bit grid wastes
   a level and no XTC result uses it).
 
-Fake quantization passes gradients straight through (``w + (dq(q(w)) - w).detach()``).  Stochastic
+Fake quantization passes gradients straight through (``dq(q(w)) + (w - w.detach())``, exact in the forward).  Stochastic
 rounding adds uniform noise in ``[0, 1)`` before flooring.
 
 Packing stores codes in the smallest container of 1, 2, 4, 8 or 16 bits that holds ``bits``
@@ -89,7 +89,7 @@ def fake_quantize(w: torch.Tensor, bits: int, num_groups: int, symmetric: bool =
     """``w`` rounded to the ``bits``-bit grid, with a straight-through gradient."""
     q, scale, zero = quantize(w, bits, num_groups, symmetric, stochastic)
     dq = dequantize(q, scale, zero, num_groups).to(w.dtype)
-    return w + (dq - w).detach()
+    return dq + (w - w.detach())  # exactly dq forward, identity gradient to w
 
 
 def fake_quantize_activation(x: torch.Tensor, bits: int, symmetric: bool,
@@ -109,7 +109,7 @@ def fake_quantize_activation(x: torch.Tensor, bits: int, symmetric: bool,
         scale = ((high - low) / qmax).clamp_min(1e-12)
         zero = torch.round(-low / scale)
         dq = ((torch.round(xf / scale) + zero).clamp(0, qmax) - zero) * scale
-    return x + (dq.to(x.dtype) - x).detach()
+    return dq.to(x.dtype) + (x - x.detach())
 
 
 def pack(q: torch.Tensor, bits: int, zero_offset: bool) -> torch.Tensor:

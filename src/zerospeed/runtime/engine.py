@@ -304,9 +304,12 @@ class ZeroSpeedEngine(nn.Module):
                         load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
         from zerospeed.runtime.checkpointing import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        loaded = load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                                 load_optimizer_states=load_optimizer_states,
+                                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        if self.compression_scheduler is not None:  # the schedule follows the restored step count
+            self.compression_scheduler.load_state_dict({"training_steps": self.global_steps})
+        return loaded
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save (``checkpoint.async_save``) has been published."""

@@ -1,0 +1,106 @@
+"""Tiny models and configs shared by the compression tests."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+from gpt_model import GPT, GPTConfig  # noqa: E402
+
+DS_CONFIGS = Path(__file__).parents[1].parent / "shared" / "ds_configs"
+TINY_GPT = GPTConfig(vocab_size=64, n_layer=4, n_head=4, d_model=32, seq_len=16)
+
+
+def tiny_gpt(seed: int = 0, cfg: GPTConfig = TINY_GPT) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def batch(step: int, size: int = 4, cfg: GPTConfig = TINY_GPT) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, cfg.vocab_size, (size, cfg.seq_len), generator=g)
+
+
+def group(params: dict, modules: list[str], related: list[list[str]] | None = None) -> dict:
+    out = {"params": params, "modules": modules}
+    if related is not None:
+        out["related_modules"] = related
+    return out
+
+
+def wq(bits: int, modules: list[str], start: int | None = None, period: int = 0, groups: int = 1,
+       offset: int = 0, qtype: str = "symmetric", rounding: str = "nearest") -> dict:
+    return {"shared_parameters": {"enabled": True, "schedule_offset": offset, "quantize_groups": groups,
+                                  "quantization_type": qtype, "rounding": rounding},
+            "different_groups": {"wq1": group({"start_bits": start or bits, "target_bits": bits,
+                                               "quantization_period": period}, modules)}}
+
+
+def aq(bits: int, modules: list[str], calibration: str = "dynamic", qtype: str = "symmetric") -> dict:
+    return {"shared_parameters": {"enabled": True, "range_calibration": calibration, "quantization_type": qtype},
+            "different_groups": {"aq1": group({"bits": bits}, modules)}}
+
+
+def prune(ratio: float, modules: list[str], method: str = "l1", offset: int = 0,
+          related: list[list[str]] | None = None, **shared) -> dict:
+    return {"shared_parameters": {"enabled": True, "schedule_offset": offset, "method": method, **shared},
+            "different_groups": {"p1": group({"dense_ratio": ratio}, modules, related)}}
+
+
+def ds(compression: dict, **extra) -> dict:
+    cfg = {"train_batch_size": 4, "steps_per_print": 0, "compression_training": compression,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}}
+    cfg.update(extra)
+    return cfg
+
+
+class Block(nn.Module):
+    """A ResNet basic block with the names the cifar channel-pruning config expects."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(out)))
+
+
+class TinyResNet(nn.Module):
+    def __init__(self, channels: int = 8, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.layer1 = nn.Sequential(Block(channels), Block(channels))
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer1(torch.relu(self.bn1(self.conv1(x))))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+def tiny_bert(num_layers: int = 12, seed: int = 0) -> nn.Module:
+    """Random-init HF BERT classifier whose shapes all the DeepSpeedExamples group counts (1, 48, 64) divide."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=64, hidden_size=48, num_hidden_layers=num_layers, num_attention_heads=12,
+                     intermediate_size=96, max_position_embeddings=32, type_vocab_size=2, num_labels=2,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(cfg).eval()
+
+
+def tiny_gpt2(seed: int = 0) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg).eval()

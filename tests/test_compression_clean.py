@@ -1,0 +1,252 @@
+"""redundancy_clean, QuantizedLinear kernels, post-training quantize, safetensors round trip, real configs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from compression_cases import DS_CONFIGS, TinyResNet, aq, batch, ds, prune, tiny_bert, tiny_gpt, tiny_gpt2, wq
+
+from zerospeed.compression import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    init_compression,
+    load_compressed,
+    model_bytes,
+    quantize,
+    redundancy_clean,
+    save_compressed,
+    scheduler_of,
+)
+from zerospeed.compression.quantized import INT_MM
+
+#: cleaned vs simulated outputs: same codes and scales, only the float summation order differs
+TOL = 1e-5
+#: deep models with int8 activations: a last-bit difference can move one activation to the next int8
+#: code, which later layers carry on
+DEEP_TOL = 3e-4
+
+
+def _train(model: torch.nn.Module, steps: int = 3, inputs=None) -> None:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    for step in range(steps):
+        x = batch(step) if inputs is None else inputs(step)
+        out = model(x, x) if inputs is None else model(x)
+        out = getattr(out, "logits", out)
+        loss = out if out.dim() == 0 else out.float().pow(2).mean()
+        loss.backward(), opt.step(), opt.zero_grad()
+        scheduler_of(model).step()
+
+
+def _clean_matches(model, cfg, x, call=lambda m, x: m(x), tol: float = TOL) -> torch.nn.Module:
+    model.eval()
+    with torch.no_grad():
+        simulated = call(model, x)
+    redundancy_clean(model, cfg)
+    with torch.no_grad():
+        cleaned = call(model, x)
+    scale = simulated.abs().max()
+    assert ((cleaned - simulated).abs().max() / scale).item() < tol
+    return model
+
+
+@pytest.mark.parametrize("wbits,abits,groups", [(8, 8, 4), (8, 0, 1), (4, 8, 16), (4, 0, 4), (2, 0, 4), (1, 8, 1),
+                                                (12, 0, 4)])
+def test_cleaned_equals_simulated_quantization(wbits: int, abits: int, groups: int) -> None:
+    comp = {"weight_quantization": wq(wbits, ["blocks"], groups=groups)}
+    if abits:
+        comp["activation_quantization"] = aq(abits, ["blocks"])
+    cfg = ds(comp)
+    model = init_compression(tiny_gpt(), cfg)
+    _train(model)
+    _clean_matches(model, cfg, batch(9))
+    fc = model.blocks[0].mlp.fc
+    assert isinstance(fc, QuantizedLinear) and fc.bits == wbits
+    container = {8: 8, 4: 4, 2: 2, 1: 1, 12: 16}[wbits]
+    assert fc.qweight.numel() * fc.qweight.element_size() == 128 * 32 * container // 8
+    assert fc.scale.numel() == 128 * 32 // (128 * 32 // groups)
+    expected = "int_mm" if abits == 8 and INT_MM and wbits <= 8 else "rowscale" if wbits <= 8 and not abits else "dequant"
+    assert fc.kernel == expected
+
+
+def test_cleaned_model_is_smaller_in_bytes() -> None:
+    cfg = ds({"weight_quantization": wq(4, ["blocks"], groups=4)})
+    dense = tiny_gpt()
+    model = init_compression(tiny_gpt(), cfg)
+    redundancy_clean(model, cfg)
+    block_params = sum(p.numel() for n, p in dense.named_parameters() if n.startswith("blocks") and n.endswith("weight")
+                       and p.dim() == 2)
+    # 4-bit codes: every 2-D block weight shrinks from 4 bytes to half a byte (+ 16 bytes of scales each)
+    saved = model_bytes(dense) - model_bytes(model)
+    assert saved == block_params * 4 - block_params // 2 - 16 * 4 * 4
+
+
+def test_row_and_sparse_pruning_shrink_and_match() -> None:
+    cfg = ds({"weight_quantization": wq(8, ["blocks"], groups=4), "activation_quantization": aq(8, ["blocks"]),
+              "sparse_pruning": prune(0.5, ["attn.qkv"]),
+              "row_pruning": prune(0.5, ["mlp.fc"], related=[["mlp.proj"]])})
+    model = init_compression(tiny_gpt(), cfg)
+    _train(model)
+    _clean_matches(model, cfg, batch(9))
+    mlp = model.blocks[2].mlp
+    assert (mlp.fc.out_features, mlp.fc.in_features) == (64, 32)
+    assert (mlp.proj.out_features, mlp.proj.in_features) == (32, 64)
+    qkv = model.blocks[0].attn.qkv
+    assert int((qkv.codes() == 0).sum()) >= 96 * 32 // 2  # the sparse half is zero codes
+
+
+def test_topk_row_pruning_unquantized_becomes_smaller_linear() -> None:
+    cfg = ds({"row_pruning": prune(0.25, ["mlp.fc"], method="topk", related=[["mlp.proj"]])})
+    model = init_compression(tiny_gpt(), cfg)
+    _train(model)
+    _clean_matches(model, cfg, batch(9))
+    fc, proj = model.blocks[1].mlp.fc, model.blocks[1].mlp.proj
+    assert type(fc) is torch.nn.Linear and fc.weight.shape == (32, 32) and fc.bias.shape == (32,)
+    assert proj.weight.shape == (32, 32)
+    assert "blocks.1.mlp.fc.row_mask_scores" not in model.state_dict()
+
+
+def test_head_pruning_on_hf_bert_removes_heads() -> None:
+    cfg = ds({"head_pruning": prune(0.5, ["attention.output.dense"], num_heads=12,
+                                    related=[["self.query", "self.key", "self.value"]]),
+              "weight_quantization": wq(8, ["attention.self", "attention.output.dense"], groups=48)})
+    model = init_compression(tiny_bert(num_layers=2), cfg)
+    ids = torch.randint(0, 64, (2, 10))
+    _train(model, inputs=lambda s: torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(s)))
+    _clean_matches(model, cfg, ids, call=lambda m, x: m(input_ids=x).logits)
+    attn = model.bert.encoder.layer[0].attention
+    assert attn.self.query.out_features == 24 and attn.output.dense.in_features == 24
+    assert attn.self.num_attention_heads == 6 and attn.self.all_head_size == 24
+
+
+def test_channel_pruning_resnet_shrinks_conv_and_batchnorm() -> None:
+    cfg = ds({"channel_pruning": prune(0.5, ["layer....conv1"], related=[["layer....conv2", "layer....bn1"]])})
+    model = init_compression(TinyResNet(), cfg)
+    _train(model, inputs=lambda s: torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(s)))
+    _clean_matches(model, cfg, torch.randn(2, 3, 8, 8))
+    block = model.layer1[1]
+    assert block.conv1.weight.shape == (4, 8, 3, 3) and block.conv1.out_channels == 4
+    assert block.bn1.num_features == 4 and block.bn1.running_mean.shape == (4,)
+    assert block.conv2.weight.shape == (8, 4, 3, 3) and block.conv2.in_channels == 4
+
+
+def test_safetensors_round_trip_of_cleaned_model(tmp_path) -> None:
+    lr = {"enabled": True, "keep_number_layer": 2, "module_name_prefix": "blocks", "teacher_layer": [0, 3]}
+    cfg = ds({"weight_quantization": wq(4, ["blocks"], groups=4), "activation_quantization": aq(8, ["mlp"]),
+              "row_pruning": prune(0.5, ["mlp.fc"], related=[["mlp.proj"]]), "layer_reduction": lr})
+    model = init_compression(tiny_gpt(), cfg)
+    _train(model)
+    redundancy_clean(model, cfg)
+    model.eval()
+    path = tmp_path / "cleaned.safetensors"
+    save_compressed(model, path)
+    assert path.stat().st_size < model_bytes(tiny_gpt()) * 0.4
+    loaded = load_compressed(tiny_gpt(seed=5), path).eval()
+    assert len(loaded.blocks) == 2
+    with torch.no_grad():
+        assert torch.equal(loaded(batch(3)), model(batch(3)))
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["zerospeed.compression"])
+    assert meta["modules"]["blocks.0.mlp.fc"]["bits"] == 4
+    with pytest.raises(ValueError, match="not written by zerospeed"):
+        from safetensors.torch import save_file
+
+        save_file({"a": torch.zeros(1)}, str(tmp_path / "plain.safetensors"))
+        load_compressed(tiny_gpt(), tmp_path / "plain.safetensors")
+
+
+@pytest.mark.parametrize("bits,group_size", [(8, None), (4, None), (4, 16)])
+def test_post_training_quantize(bits: int, group_size: int | None, tmp_path) -> None:
+    dense = tiny_gpt()
+    model = tiny_gpt()
+    quantize(model, bits=bits, group_size=group_size, modules=["blocks"])
+    x = batch(0)
+    with torch.no_grad():
+        rel = ((model(x) - dense(x)).abs().max() / dense(x).abs().max()).item()
+    assert rel < {8: 0.01, 4: 0.1}[bits]
+    fc = model.blocks[0].mlp.fc
+    assert fc.qweight.numel() * fc.qweight.element_size() == 128 * 32 * bits // 8
+    assert fc.kernel == ("rowscale" if group_size is None else "dequant")
+    save_compressed(model, tmp_path / "q.safetensors")
+    loaded = load_compressed(tiny_gpt(seed=3), tmp_path / "q.safetensors")
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_quantize_errors_and_hf_conv1d() -> None:
+    with pytest.raises(ValueError, match="bits=3 is not supported; use 8 or 4"):
+        quantize(tiny_gpt(), bits=3)
+    with pytest.raises(ValueError, match="group_size 7 does not divide"):
+        quantize(tiny_gpt(), bits=4, group_size=7)
+    with pytest.raises(ValueError, match="no Linear layer matches"):
+        quantize(tiny_gpt(), bits=8, modules=["nothing"])
+    gpt2 = tiny_gpt2()
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        ref = gpt2(input_ids=ids).logits
+        quantize(gpt2, bits=8, modules=["h\\."])
+        out = gpt2(input_ids=ids).logits
+    assert isinstance(gpt2.transformer.h[0].attn.c_attn, QuantizedLinear)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 0.01
+
+
+def test_quantized_embedding() -> None:
+    cfg = ds({"weight_quantization": wq(8, ["tok_emb"], groups=64)})
+    from gpt_model import GPTConfig
+
+    model = init_compression(tiny_gpt(cfg=GPTConfig(vocab_size=64, n_layer=1, n_head=4, d_model=32, seq_len=16,
+                                                    tie_embeddings=False)), cfg)
+    _clean_matches(model, cfg, batch(1))
+    assert isinstance(model.tok_emb, QuantizedEmbedding) and model.tok_emb.qweight.dtype == torch.int8
+
+
+REAL = sorted(DS_CONFIGS.glob("compression__*.json")) if DS_CONFIGS.is_dir() else []
+
+
+def _real(name: str) -> list:
+    return [p for p in REAL if name in p.name and "compression_training" in json.loads(p.read_text())]
+
+
+@pytest.mark.skipif(not REAL, reason=f"no DeepSpeed compression configs at {DS_CONFIGS}")
+@pytest.mark.parametrize("path", _real("__bert__"), ids=lambda p: p.name)
+def test_real_bert_configs_train_and_clean(path) -> None:
+    """Every BERT compression config from DeepSpeedExamples on a random-init 12-layer HF BERT."""
+    raw = json.loads(path.read_text())
+    teacher = tiny_bert()
+    model = tiny_bert()
+    init_compression(model, raw, teacher_model=None)
+    lr = raw["compression_training"]["layer_reduction"]
+    assert len(model.bert.encoder.layer) == (lr["keep_number_layer"] if lr["enabled"] else 12)
+    assert scheduler_of(model).layers or lr["enabled"]
+    gen = torch.Generator().manual_seed(0)
+    _train(model, steps=2, inputs=lambda s: torch.randint(0, 64, (2, 8), generator=gen)) if scheduler_of(model).layers \
+        else None
+    del teacher
+    ids = torch.randint(0, 64, (2, 8), generator=gen)
+    _clean_matches(model, raw, ids, call=lambda m, x: m(input_ids=x).logits, tol=DEEP_TOL)
+
+
+@pytest.mark.skipif(not REAL, reason=f"no DeepSpeed compression configs at {DS_CONFIGS}")
+@pytest.mark.parametrize("path", _real("__gpt2__"), ids=lambda p: p.name)
+def test_real_gpt2_configs_train_and_clean(path) -> None:
+    raw = json.loads(path.read_text())
+    model = init_compression(tiny_gpt2(), raw)
+    assert isinstance(model.transformer.h[0].mlp.c_fc, torch.nn.Module)
+    ids = torch.randint(0, 64, (2, 12))
+    gen = torch.Generator().manual_seed(0)
+    _train(model, steps=2, inputs=lambda s: torch.randint(0, 64, (2, 12), generator=gen))
+    _clean_matches(model, raw, ids, call=lambda m, x: m(input_ids=x).logits, tol=DEEP_TOL)
+    c_fc = model.transformer.h[0].mlp.c_fc
+    assert isinstance(c_fc, QuantizedLinear) and c_fc.act_bits == 8 and c_fc.out_features == 256
+
+
+@pytest.mark.skipif(not REAL, reason=f"no DeepSpeed compression configs at {DS_CONFIGS}")
+def test_real_cifar_channel_config() -> None:
+    raw = json.loads((DS_CONFIGS / "compression__cifar__config__ds_config_channel_prune.json").read_text())
+    model = init_compression(TinyResNet(), raw)
+    _train(model, steps=2, inputs=lambda s: torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(s)))
+    _clean_matches(model, raw, torch.randn(2, 3, 8, 8))
+    assert model.layer1[0].conv1.out_channels == 4
