@@ -19,16 +19,25 @@ _LAZY = {
     "load_config": ("zerospeed.config", "load_config"),
     "ConfigError": ("zerospeed.config.errors", "ConfigError"),
     "tp_model_init": ("zerospeed.module_inject", "tp_model_init"),
+    # DeepSpeed's top-level names (issue 20: scripts switch by changing the import)
+    "add_config_arguments": ("zerospeed.arguments", "add_config_arguments"),
+    "DeepSpeedEngine": ("zerospeed.runtime.engine", "ZeroSpeedEngine"),
+    "PipelineModule": ("zerospeed.pipe", "PipelineModule"),
+    "log_dist": ("zerospeed.utils", "log_dist"),
+    "logger": ("zerospeed.utils", "logger"),
+    "get_accelerator": ("zerospeed.accelerator", "get_accelerator"),
 }
 
-__all__ = ["ConfigError", "ZeroSpeedEngine", "__version__", "init_distributed", "initialize", "load_config",
-           "shutdown", "tp_model_init"]
+__all__ = ["ConfigError", "DeepSpeedEngine", "PipelineModule", "ZeroSpeedEngine", "__version__", "add_config_arguments",
+           "get_accelerator", "init_distributed", "initialize", "load_config", "log_dist", "logger", "shutdown",
+           "tp_model_init"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
-    if name in ("zero", "pipe", "comm", "ops", "runtime", "config", "testing", "module_inject"):
+    if name in ("zero", "pipe", "comm", "ops", "runtime", "config", "testing", "module_inject", "accelerator", "utils",
+                "moe"):
         return importlib.import_module(f"zerospeed.{name}")
     raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")

@@ -79,15 +79,18 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: dist.Process
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
+def reduce_scatter(output: torch.Tensor, input: Any, op: Any = ReduceOp.SUM,
                    group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
     """Reduce ``input`` (numel = world * output.numel) over the group; rank r gets chunk r.
 
     ``input`` is scratch: its contents are unspecified afterwards (on gloo it holds the full sum).
+    ``input`` may also be a list of ``world`` tensors (torch's / DeepSpeed's list form; not clobbered).
     ``output`` may be this rank's own chunk of ``input`` (an in-place reduce-scatter): on gloo that
     costs no copy at all; on the native path a temporary keeps the collective's buffers apart.
     """
     world = _world(group)
+    if isinstance(input, (list, tuple)):
+        return _reduce_scatter_list(output, list(input), op, group, async_op)
     if world == 1:
         COUNTER.record("reduce_scatter", input.numel(), input.element_size(), wire_numel=0)
         output.copy_(input.view_as(output))
@@ -119,10 +122,15 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
+def all_gather(output: Any, input: torch.Tensor, group: dist.ProcessGroup | None = None,
                async_op: bool = False) -> Any:
-    """Concatenate every rank's ``input`` into ``output`` (numel = world * input.numel)."""
+    """Concatenate every rank's ``input`` into ``output`` (numel = world * input.numel).
+
+    ``output`` may also be a list of ``world`` tensors (torch's / DeepSpeed's list form).
+    """
     world = _world(group)
+    if isinstance(output, (list, tuple)):
+        return _all_gather_list(list(output), input, group, async_op)
     if world == 1:
         COUNTER.record("all_gather", output.numel(), output.element_size(), wire_numel=0)
         if output.data_ptr() != input.data_ptr():
@@ -181,3 +189,73 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+# -- DeepSpeed's names (``deepspeed.comm``) -------------------------------------------------------------
+def _all_gather_list(outputs: list[torch.Tensor], input: torch.Tensor, group: dist.ProcessGroup | None,
+                     async_op: bool) -> Any:
+    world = _world(group)
+    if len(outputs) != world:
+        raise ValueError(f"all_gather: got {len(outputs)} output tensors for a group of {world} ranks")
+    COUNTER.record("all_gather", input.numel() * world, input.element_size(), wire_numel=0 if world == 1 else None)
+    if world == 1:
+        outputs[0].copy_(input)
+        return _DoneWork() if async_op else None
+    return dist.all_gather(outputs, input, group=group, async_op=async_op)
+
+
+def _reduce_scatter_list(output: torch.Tensor, inputs: list[torch.Tensor], op: Any,
+                         group: dist.ProcessGroup | None, async_op: bool) -> Any:
+    world = _world(group)
+    if len(inputs) != world:
+        raise ValueError(f"reduce_scatter: got {len(inputs)} input tensors for a group of {world} ranks")
+    flat = torch.cat([t.reshape(-1) for t in inputs])  # scratch: the caller's list is left as it was
+    return reduce_scatter(output, flat, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                           group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """DeepSpeed / torch name of :func:`all_gather` (concatenation along the first dimension)."""
+    if output_tensor.numel() != input_tensor.numel() * _world(group):
+        raise ValueError(f"all_gather_into_tensor: output has {output_tensor.numel()} elements, expected "
+                         f"{input_tensor.numel()} x {_world(group)} ranks")
+    return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: Any = ReduceOp.SUM,
+                          group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """DeepSpeed / torch name of :func:`reduce_scatter`; unlike zerospeed's internal form, the
+    caller's ``input_tensor`` is left unchanged (torch's contract)."""
+    if input_tensor.numel() != output_tensor.numel() * _world(group):
+        raise ValueError(f"reduce_scatter_tensor: input has {input_tensor.numel()} elements, expected "
+                         f"{output_tensor.numel()} x {_world(group)} ranks")
+    return reduce_scatter(output_tensor, input_tensor.clone(), op=op, group=group, async_op=async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group: dist.ProcessGroup | None = None,
+                      async_op: bool = False) -> Any:
+    """Scatter ``input``'s chunks to every rank and gather theirs into ``output`` (torch's semantics)."""
+    single = _world(group) == 1
+    COUNTER.record("all_to_all", input.numel(), input.element_size(), wire_numel=0 if single else None)
+    if single:
+        output.copy_(input)
+        return _DoneWork() if async_op else None
+    return dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
+                                  input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: dist.ProcessGroup | None = None,
+           async_op: bool = False) -> Any:
+    """Reduce ``tensor`` onto global rank ``dst``."""
+    single = _world(group) == 1
+    COUNTER.record("reduce", tensor.numel(), tensor.element_size(), wire_numel=0 if single else None)
+    if single:
+        return _DoneWork() if async_op else None
+    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+
+
+def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: dist.ProcessGroup | None = None,
+                         async_op: bool = False) -> Any:
+    """DeepSpeed's name for the all-reduce used by tensor-parallel inference (same collective)."""
+    return all_reduce(tensor, op=op, group=group, async_op=async_op)

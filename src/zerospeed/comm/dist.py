@@ -100,3 +100,40 @@ def device_for_backend() -> torch.device:
     if is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# -- DeepSpeed's group helpers (``deepspeed.comm``) -----------------------------------------------------
+def is_available() -> bool:
+    return dist.is_available()
+
+
+def get_backend(group: dist.ProcessGroup | None = None) -> str | None:
+    return dist.get_backend(group) if is_initialized() else None
+
+
+def new_group(ranks: list[int] | None = None, **kwargs: Any) -> dist.ProcessGroup | None:
+    """A process group over global ``ranks`` (every rank must call it, as in torch)."""
+    if not is_initialized():
+        raise RuntimeError("new_group: call zerospeed.init_distributed() (or initialize) first")
+    world = dist.get_world_size()
+    bad = [r for r in (ranks or []) if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"new_group: ranks {bad} are outside the world of {world}")
+    return dist.new_group(ranks=ranks, **kwargs)
+
+
+def get_global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    if group is None or not is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def get_all_ranks_from_group(group: dist.ProcessGroup | None = None) -> list[int]:
+    if group is None or not is_initialized():
+        return list(range(get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+    if is_initialized():
+        dist.destroy_process_group(group)

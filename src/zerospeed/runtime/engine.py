@@ -30,8 +30,10 @@ from zerospeed.compression.scheduler import compression_scheduler_for
 from zerospeed.config import ConfigError, ZeroSpeedConfig
 from zerospeed.monitor import Monitor, StepEvents
 from zerospeed.profiling.engine_hook import EngineFlopsProfiler
+from zerospeed.runtime.engine_api import DeepSpeedEngineAPI
 from zerospeed.runtime.loss_scaler import build_loss_scaler
 from zerospeed.runtime.precision_cast import cast_to_compute_dtype
+from zerospeed.runtime.torch_backward import TorchBackwardHooks
 from zerospeed.zero.factory import BUILT_STAGES, build_strategy
 from zerospeed.zero.offload import check_offload
 from zerospeed.zero.strategy import StageOptions
@@ -57,7 +59,7 @@ def _enabled(section: Any) -> Any:
     return section if section is not None and section.enabled else None
 
 
-class ZeroSpeedEngine(nn.Module):
+class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
     def __init__(self, model: nn.Module, config: ZeroSpeedConfig, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any = None, dp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
@@ -103,6 +105,8 @@ class ZeroSpeedEngine(nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._grad_norm: float | None = None
+        self._last_step_applied = False
+        self._torch_backward = TorchBackwardHooks(self)  # loss.backward() support
         self._in_backward_window = False
         self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.last_step_comms: dict[str, dict[str, int]] = {}
@@ -164,7 +168,7 @@ class ZeroSpeedEngine(nn.Module):
             args, kwargs = _cast_floats(args, self.compute_dtype), _cast_floats(kwargs, self.compute_dtype)
         self._step_events.on_forward(args, kwargs)
         self._flops_hook.on_forward()
-        out = self.module(*args, **kwargs)
+        out = self._torch_backward.attach(self.module(*args, **kwargs))
         self._timers["forward"] += time.perf_counter() - t0
         return out
 
@@ -180,9 +184,11 @@ class ZeroSpeedEngine(nn.Module):
         if scale_wrt_gas:
             scale /= self.config.gradient_accumulation_steps
         self.strategy.begin_backward(self.is_gradient_accumulation_boundary())
+        self._torch_backward.engine_backward_active = True
         try:
             (loss.float() * scale).backward(retain_graph=retain_graph)
         finally:
+            self._torch_backward.engine_backward_active = False
             self.strategy.end_backward()
         self._timers["backward"] += time.perf_counter() - t0
         return loss
@@ -192,6 +198,7 @@ class ZeroSpeedEngine(nn.Module):
         if self.is_gradient_accumulation_boundary():
             result = self.strategy.step(self.loss_scaler.scale, self.config.gradient_clipping)
             self._grad_norm = result.grad_norm
+            self._last_step_applied = not result.overflow
             self.loss_scaler.update(result.overflow)
             if result.overflow:
                 self.skipped_steps += 1

@@ -74,7 +74,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise ValueError("initialize: mpu / mesh_param (model parallelism) are not supported yet; pass None")
     raw = config if config is not None else config_params
     if raw is None and args is not None:
-        raw = getattr(args, "deepspeed_config", None)
+        from zerospeed.arguments import config_path_from_args
+
+        raw = config_path_from_args(args)
     if raw is None:
         raise ConfigError("", "no config: pass initialize(config=<dict or path to a DeepSpeed JSON file>)")
     comm.init_distributed(distributed_port=distributed_port)

@@ -89,8 +89,9 @@ class DataParallelStrategy:
     def step(self, loss_scale: float, max_norm: float, force_skip: bool = False,
              norm_sq_hook: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepResult:
         if self.reducer.stray_backward:
-            raise RuntimeError("gradients were produced by a backward pass that did not go through "
-                               "engine.backward(loss); call engine.backward(loss) instead of loss.backward()")
+            raise RuntimeError("gradients were produced by a backward pass that started neither in "
+                               "engine.backward(loss) nor from the engine's output (was the model called directly "
+                               "instead of engine(...)?); call engine.backward(loss) on the engine's output")
         # gradients were multiplied by `prescale` before the reduction; the step divides it out again
         return self.state.step(loss_scale * self.options.prescale, max_norm, force_skip, norm_sq_hook)
 

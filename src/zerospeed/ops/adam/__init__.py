@@ -4,10 +4,12 @@
   Adam/AdamW semantics, run as chunks of torch's fused CPU kernel on a worker pool.
 * :class:`SubGroup` + :func:`run_subgroup_pipeline` - the offload pipeline (d2h of the next
   sub-group / CPU update / h2d of the previous), driven by ``CPUAdam.step_subgroups``.
+* :class:`FusedAdam` - DeepSpeed's GPU Adam name: torch's Adam with DeepSpeed's defaults.
 * :func:`adam_update` / :class:`AdamHyperParams` - the bare update over flat buffers.
 """
 
 from zerospeed.ops.adam.cpu_adam import DEFAULT_SUB_GROUP_SIZE, CPUAdam, DeepSpeedCPUAdam
+from zerospeed.ops.adam.fused_adam import FusedAdam
 from zerospeed.ops.adam.kernel import (
     DEFAULT_CHUNK_NUMEL,
     AdamHyperParams,
@@ -31,6 +33,7 @@ __all__ = [
     "DEFAULT_CHUNK_NUMEL",
     "DEFAULT_SUB_GROUP_SIZE",
     "DeepSpeedCPUAdam",
+    "FusedAdam",
     "SubGroup",
     "SyncCopies",
     "adam_update",

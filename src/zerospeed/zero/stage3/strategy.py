@@ -107,8 +107,9 @@ class Stage3Strategy:
     def step(self, loss_scale: float, max_norm: float, force_skip: bool = False,
              norm_sq_hook: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepResult:
         if self.reducer.stray_backward or self.runtime.stray_backward:
-            raise RuntimeError("gradients were produced by a backward pass that did not go through "
-                               "engine.backward(loss); call engine.backward(loss) instead of loss.backward()")
+            raise RuntimeError("gradients were produced by a backward pass that started neither in "
+                               "engine.backward(loss) nor from the engine's output (was the model called directly "
+                               "instead of engine(...)?); call engine.backward(loss) on the engine's output")
         if self.swapper is not None:
             self._end_view_hold()
         # with offload_param the optimizer state swaps shards in bucket by bucket (state.residency)

@@ -1,0 +1,167 @@
+"""Rank functions for the DeepSpeed-compatibility tests (issue 20), run through run_distributed."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_cases import TinyNet, config, global_batch, make_model
+
+
+class LogitsNet(TinyNet):
+    """TinyNet returning the (non-scalar) prediction; the loss is computed outside the engine."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+def _train(cfg: dict, torch_style: bool, logits: bool, steps: int = 3, user_scale: bool = False) -> dict:
+    import torch.distributed as dist
+
+    import zerospeed
+
+    torch.manual_seed(1234)
+    model = LogitsNet() if logits else make_model()
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gas = engine.gradient_accumulation_steps()
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step)
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        for xm, ym in zip(xs.chunk(gas), ys.chunk(gas)):
+            if logits:
+                loss = nn.functional.mse_loss(engine(xm).float(), ym)
+            else:
+                loss = engine(xm, ym)
+            if not torch_style:
+                engine.backward(loss)
+            elif user_scale:
+                engine.scale(loss).backward()
+            else:
+                loss.backward()
+            engine.step()
+            losses.append(loss.item())
+    weights = {n: p.detach().float().clone() for n, p in engine.consolidated_state_dict().items()}
+    norm = engine.get_global_grad_norm()
+    engine.destroy()
+    return {"losses": losses, "weights": weights, "norm": norm}
+
+
+def backward_parity(cases: list[tuple[int, str, bool, bool]]) -> list[dict]:
+    """For each (stage, precision, logits, user_scale): engine.backward run vs loss.backward run."""
+    out = []
+    for stage, precision, logits, user_scale in cases:
+        cfg = config(stage, 2, precision, bucket=40)
+        if precision == "fp16":
+            cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        a = _train(cfg, torch_style=False, logits=logits)
+        b = _train(cfg, torch_style=True, logits=logits, user_scale=user_scale)
+        out.append({"case": (stage, precision, logits, user_scale), "a": a, "b": b})
+    return out
+
+
+def fp16_logits_refused() -> str:
+    cfg = config(0, 2, "fp16")
+    try:
+        _train(cfg, torch_style=True, logits=True, steps=1)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def engine_api_probe() -> dict:
+    """Build a world-1... or world-N engine and read DeepSpeed's engine members."""
+    import zerospeed
+    from zerospeed.runtime.engine_api import LACKS, DeepSpeedEngineAPI
+    from zerospeed.runtime.engine import ZeroSpeedEngine
+
+    model = make_model()
+    cfg = config(2, 2, "bf16", scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 2}})
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    out = {
+        "device": str(engine.device), "local_rank": engine.local_rank, "global_rank": engine.global_rank,
+        "world_size": engine.world_size, "fp16": engine.fp16_enabled(), "bf16": engine.bfloat16_enabled(),
+        "stage": engine.zero_optimization_stage(), "zero": engine.zero_optimization(),
+        "partition_grads": engine.zero_optimization_partition_gradients(),
+        "partition_weights": engine.zero_optimization_partition_weights(),
+        "batch_info": engine.get_batch_info(), "optimizer_name": engine.optimizer_name(),
+        "scheduler_name": engine.scheduler_name(), "clip": engine.gradient_clipping(),
+        "comm_dtype": str(engine.communication_data_type), "mom": engine.get_mom(),
+        "data_parallel_rank": engine.get_data_parallel_rank(), "flops": engine.flops_profiler_enabled(),
+    }
+    x, y = global_batch(0)
+    assert engine.get_global_grad_norm() is None
+    for xm, ym in zip(x[:4].chunk(2), y[:4].chunk(2)):
+        engine.backward(engine(xm, ym))
+        engine.step()
+    out["grad_norm"] = engine.get_global_grad_norm()
+    out["applied"] = engine.was_step_applied()
+    engine.set_train_batch_size(4 * engine.world_size * 4)
+    out["batch_after_set"] = engine.get_batch_info()
+    try:
+        engine.set_train_batch_size(3)
+    except ValueError as e:
+        out["bad_batch"] = str(e)
+    errors = {}
+    for name in LACKS:
+        if getattr(ZeroSpeedEngine, name) is not getattr(DeepSpeedEngineAPI, name):
+            continue  # implemented by the engine itself meanwhile (e.g. save_16bit_model, issue 19)
+        try:
+            getattr(engine, name)()
+        except NotImplementedError as e:
+            errors[name] = str(e)
+    out["lack_errors"] = errors
+    out["lack_checked"] = len(errors)
+    state = engine.module_state_dict()
+    out["state_keys"] = sorted(state)
+    engine.destroy()
+    return out
+
+
+def comm_names_probe() -> dict:
+    """DeepSpeed's comm names at world 2: values and counting."""
+    import zerospeed.comm as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.COUNTER.reset()
+    out: dict = {"rank": rank, "world": world, "local_rank": dist.get_local_rank(),
+                 "initialized": dist.is_initialized(), "backend": dist.get_backend()}
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    out["all_reduce"] = t.item()
+    b = torch.tensor([float(rank + 10)])
+    dist.broadcast(b, src=1)
+    out["broadcast"] = b.item()
+    g = torch.zeros(2 * world)
+    dist.all_gather_into_tensor(g, torch.full((2,), float(rank)))
+    out["all_gather_into_tensor"] = g.tolist()
+    lst = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(lst, torch.tensor([float(rank * 3)]))
+    out["all_gather_list"] = [x.item() for x in lst]
+    inp = torch.arange(2.0 * world) + rank
+    keep = inp.clone()
+    o = torch.zeros(2)
+    dist.reduce_scatter_tensor(o, inp)
+    out["reduce_scatter_tensor"] = o.tolist()
+    out["input_untouched"] = bool(torch.equal(inp, keep))
+    a2a = torch.zeros(world)
+    dist.all_to_all_single(a2a, torch.arange(float(world)) + 10 * rank)
+    out["all_to_all_single"] = a2a.tolist()
+    group = dist.new_group([0, 1])
+    t2 = torch.ones(1)
+    dist.all_reduce(t2, group=group)
+    out["group_sum"] = t2.item()
+    out["global_rank_of_1"] = dist.get_global_rank(group, 1)
+    dist.barrier()
+    snap = dist.COUNTER.snapshot()
+    out["counted"] = {op: s["count"] for op, s in snap.items()}
+    return out
+
+
+def accelerator_probe() -> dict:
+    from zerospeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    return {"name": acc.device_name(), "current": acc.current_device(), "count": acc.device_count(),
+            "backend": acc.communication_backend_name()}
