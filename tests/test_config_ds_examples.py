@@ -82,7 +82,7 @@ EXPECTED = {
     "training__tensor_parallel__hf_integration__configs__ds_config.json": ("auto", "bf16.enabled"),
     "training__DeepSpeed-ZenFlow__finetuning__zf_config.json": ("not yet", "zero_optimization.zenflow"),
     "inference__sglang__ds_offload_nvme_gds.json": ("not yet", "aio.use_gds"),
-    "training__autotuning__hf__bert-base__ds_config_tune.json": ("not yet", "autotuning"),
+    "training__autotuning__hf__bert-base__ds_config_tune.json": ("auto", "train_micro_batch_size_per_gpu"),
     "training__data_efficiency__gpt_finetuning__config__ds_config_gpt_medium_random_ltd.json":
         ("not yet", "data_efficiency"),
     "training__bf16_master_weight__configs__bf16_full.json": ("not yet", "torch_autocast"),

@@ -87,7 +87,6 @@ NOT_YET: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("compile", _compile_off, "DeepCompile"),
     ("torch_autocast", _enabled_off, "torch autocast mixed precision"),
     ("data_efficiency", _enabled_off, "data efficiency: curriculum sampling, random-LTD"),
-    ("autotuning", _enabled_off, "the autotuner"),
     ("hybrid_engine", _enabled_off, "the RLHF hybrid engine"),
     ("weight_quantization", _falsy, "weight quantization"),
     ("expert_parallel", _enabled_off, "expert parallelism"),

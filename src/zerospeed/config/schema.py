@@ -51,6 +51,7 @@ from .sections import (
 )
 from .tensor_parallel import TensorParallelConfig
 from .compression import CompressionConfig
+from .autotuning import AutotuningConfig
 from .zero import AioConfig, ZeroConfig
 from .flops_profiler import FlopsProfilerConfig
 
@@ -117,6 +118,7 @@ class ZeroSpeedConfig(Section):
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     compression_training: CompressionConfig | None = None
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
     _dp_world_size: int = PrivateAttr(default=1)

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run user_script as a module (python -m)")
     p.add_argument("--no_python", action="store_true",
                    help="run user_script as an executable, not with python")
+    p.add_argument("--autotuning", choices=("tune", "run"), default=None,
+                   help="search ZeRO stage, batch sizes, buckets and offload for the script's config "
+                   "(tune), then train with the best one (run); see zerospeed.autotuning")
     p.add_argument("--dry_run", action="store_true",
                    help="print the torchrun command instead of running it")
     multinode.add_arguments(p)
@@ -317,6 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"zerospeed: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     os.environ.update(plan.env)
+    if args.autotuning:
+        from zerospeed.autotuning.cli import main as autotune
+
+        return autotune(args, list(sys.argv[1:] if argv is None else argv), plan.torchrun_argv)
     return run_torchrun(plan.torchrun_argv)
 
 

@@ -115,6 +115,9 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         self.monitor = Monitor(config)  # tensorboard / csv_monitor / wandb writers (rank 0)
         self._step_events = StepEvents(self.monitor, dp_group)
         self._flops_hook = EngineFlopsProfiler(config.flops_profiler, self)  # profiles step profile_step
+        from zerospeed.runtime.autotuning_probe import AutotuningProbe
+
+        self._autotuning = AutotuningProbe.attach(self)  # None unless run as an autotuning experiment
 
     def __getattr__(self, name: str) -> Any:
         """Unknown attributes come from the wrapped module (``engine.generate``, ``engine.device``...),
@@ -216,6 +219,8 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
             self._step_events.on_step(self)
             self._account_comms()
             self._report()
+            if self._autotuning is not None:
+                self._autotuning.after_step()  # ends the process after end_profile_step
         self.micro_steps += 1
         self._timers["step"] += time.perf_counter() - t0
 
