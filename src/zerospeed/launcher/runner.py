@@ -305,6 +305,11 @@ def run_torchrun(torchrun_argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point: parse, translate, run; returns the process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # `zerospeed serve MODEL_DIR ...`: the OpenAI-compatible server
+        from zerospeed.inference.serving.cli import main as serve_main
+
+        return serve_main(argv[1:])
     try:
         args = parse_args(argv)
         plan = build_plan(args)

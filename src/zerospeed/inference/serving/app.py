@@ -1,0 +1,392 @@
+"""The FastAPI application: OpenAI's completions, chat completions and models endpoints, plus
+``/health`` and ``/metrics``.
+
+Decisions:
+
+* Handlers never touch the engine: they build a :class:`Generation`, which submits to the engine
+  thread and reads results from an asyncio queue.
+* Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``; request
+  validation (pydantic or ours) is a 400 naming the field, never FastAPI's 422; a prompt that does
+  not fit the context is a 400 naming ``prompt``/``messages`` or ``max_tokens``. An unexpected
+  exception in a handler is a 500 for that request only.
+* Streaming is server-sent events: one ``data: {chunk}`` per engine output that produced text,
+  a chunk with the ``finish_reason``, a usage chunk when ``stream_options.include_usage``, then
+  ``data: [DONE]``. :class:`EventStream` watches for the client's disconnect while it streams and
+  aborts the request's engine work as soon as the stream ends for any reason, so the KV blocks are
+  freed before the next step. Non-streaming handlers watch for a disconnect too.
+* ``--api-key`` protects ``/v1/*`` (``Authorization: Bearer KEY``, constant-time comparison);
+  ``/health`` and ``/metrics`` stay open for probes and scrapers, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from zerospeed.inference.serving.chat_template import ChatTemplate, require
+from zerospeed.inference.serving.engine_loop import EngineLoop
+from zerospeed.inference.serving.generation import Generation, GenerationFailed, finite_logprob
+from zerospeed.inference.serving.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+)
+from zerospeed.inference.serving.text import TokenizerAdapter
+
+log = logging.getLogger("zerospeed.serve")
+
+
+@dataclass
+class ServerState:
+    """What the handlers need; built once by :func:`zerospeed.inference.serving.server.serve`."""
+
+    engine_loop: EngineLoop
+    tokenizer: TokenizerAdapter
+    chat_template: ChatTemplate | None
+    model_name: str
+    max_model_len: int
+    vocab_size: int | None
+    api_key: str | None
+    created: int
+
+
+# -- responses ---------------------------------------------------------------------------------------
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class EventStream(Response):
+    """``text/event-stream`` from an async iterator of strings; calls ``on_close`` when the stream
+    ends, whether it finished, the client went away, or the server cancelled it."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        self._chunks = chunks
+        self._on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch_disconnect() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch_disconnect)
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for chunk in self._chunks:
+                    await send({"type": "http.response.body", "body": chunk.encode(),
+                                "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                tg.cancel_scope.cancel()
+        except OSError:  # the client went away between two writes
+            pass
+        finally:
+            self._on_close()
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self._chunks, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+# -- request parsing ---------------------------------------------------------------------------------
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "list[int]", "list[str]", "list[list[int]]") or "[" in str(part):
+            continue  # union member names pydantic adds to the location
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"body: invalid JSON ({e})", param="body") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "body: expected a JSON object", param="body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = _loc(tuple(first["loc"]))
+        raise bad_request(field, first["msg"]) from None
+
+
+class Handlers:
+    """Endpoint implementations over a :class:`ServerState`."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.s = state
+
+    # -- shared ----------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.s.model_name:
+            raise ApiError(404, f"model: {model!r} does not exist; this server serves "
+                           f"{self.s.model_name!r}", param="model", code="model_not_found")
+
+    def check_prompt(self, ids: list[int], field: str) -> None:
+        if not ids:
+            raise bad_request(field, "is empty (no tokens)")
+        bad = [t for t in ids if t < 0 or (self.s.vocab_size is not None and t >= self.s.vocab_size)]
+        if bad:
+            raise bad_request(field, f"token id {bad[0]} is outside the vocabulary "
+                              f"[0, {self.s.vocab_size})")
+        if len(ids) >= self.s.max_model_len:
+            raise bad_request(field, f"{len(ids)} tokens leave no room to generate in the "
+                              f"context of {self.s.max_model_len} tokens")
+
+    def check_fits(self, ids: list[int], max_tokens: int) -> None:
+        if len(ids) + max_tokens > self.s.max_model_len:
+            raise bad_request("max_tokens", f"the prompt ({len(ids)} tokens) plus max_tokens "
+                              f"({max_tokens}) exceed the context of {self.s.max_model_len} tokens")
+
+    async def run(self, request: Request, gen: Generation, stream: bool,
+                  chunks: Callable[[Generation], AsyncIterator[str]],
+                  final: Callable[[Generation], dict[str, Any]]) -> Response:
+        await gen.start()
+        if stream:
+            return EventStream(chunks(gen), on_close=gen.abort)
+        try:
+            collected = asyncio.ensure_future(self._collect(gen))
+            disconnected = asyncio.ensure_future(_wait_disconnect(request))
+            done, _ = await asyncio.wait({collected, disconnected},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if collected not in done:
+                collected.cancel()
+                return Response(status_code=499)  # nobody reads it
+            disconnected.cancel()
+            collected.result()
+        except GenerationFailed as e:
+            raise ApiError(500, e.message, type_="server_error", code="engine_error") from None
+        finally:
+            gen.abort()
+        return JSONResponse(final(gen))
+
+    @staticmethod
+    async def _collect(gen: Generation) -> None:
+        async for _ in gen.events():
+            pass
+
+    # -- completions -----------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        req: CompletionRequest = await parse_body(request, CompletionRequest)
+        req.check()
+        self.check_model(req.model)
+        prompts = []
+        for p in req.prompts():
+            ids = self.s.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            self.check_prompt(ids, "prompt")
+            prompts.append(ids)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        params = req.sampling_params(max_tokens, req.logprobs)
+        for ids in prompts:
+            self.check_fits(ids, max_tokens)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        gen = Generation(self.s.engine_loop, self.s.tokenizer, rid, prompts, params, "prompt")
+        want_logprobs = req.logprobs is not None
+        base = {"id": rid, "object": "text_completion", "created": created,
+                "model": self.s.model_name}
+
+        def logprobs_of(token_ids: list[int], lps: list[float] | None) -> dict[str, Any] | None:
+            if not want_logprobs or lps is None:
+                return None
+            tokens = [self.s.tokenizer.token_text(t) for t in token_ids]
+            return {"tokens": tokens, "token_logprobs": [finite_logprob(x) for x in lps],
+                    "top_logprobs": [{} for _ in tokens], "text_offset": []}
+
+        async def chunks(g: Generation) -> AsyncIterator[str]:
+            try:
+                async for d in g.events():
+                    if not d.text and d.finish_reason is None:
+                        continue
+                    chunk = dict(base, choices=[{
+                        "index": d.index, "text": d.text,
+                        "logprobs": logprobs_of(d.token_ids, d.logprobs),
+                        "finish_reason": d.finish_reason}])
+                    if req.include_usage():
+                        chunk["usage"] = None
+                    yield sse(chunk)
+            except GenerationFailed as e:
+                yield sse({"error": {"message": e.message, "type": "server_error", "param": None,
+                                     "code": "engine_error"}})
+                yield sse("[DONE]")
+                return
+            if req.include_usage():
+                yield sse(dict(base, choices=[], usage=g.usage()))
+            yield sse("[DONE]")
+
+        def final(g: Generation) -> dict[str, Any]:
+            return dict(base, choices=[
+                {"index": i, "text": c.stream.text,
+                 "logprobs": logprobs_of(c.token_ids, c.logprobs if want_logprobs else None),
+                 "finish_reason": c.finish_reason}
+                for i, c in enumerate(g.choices)], usage=g.usage())
+
+        return await self.run(request, gen, bool(req.stream), chunks, final)
+
+    # -- chat ------------------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        req.check()
+        self.check_model(req.model)
+        template = require(self.s.chat_template)
+        text = template.render(req.template_messages())
+        ids = self.s.tokenizer.encode(text, add_special_tokens=not template.adds_bos)
+        self.check_prompt(ids, "messages")
+        requested = req.requested_max_tokens()
+        max_tokens = self.s.max_model_len - len(ids) if requested is None else requested
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        try:
+            params = req.sampling_params(max_tokens, 0 if req.logprobs else None)
+            self.check_fits(ids, max_tokens)
+        except ApiError as e:
+            if e.param == "max_tokens" and field != "max_tokens":
+                raise bad_request(field, e.message.split(": ", 1)[1]) from None
+            raise
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        gen = Generation(self.s.engine_loop, self.s.tokenizer, rid, [ids], params, "messages")
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": self.s.model_name}
+
+        def logprobs_of(token_ids: list[int], lps: list[float] | None) -> dict[str, Any] | None:
+            if not req.logprobs or lps is None:
+                return None
+            content = []
+            for t, lp in zip(token_ids, lps):
+                tok = self.s.tokenizer.token_text(t)
+                content.append({"token": tok, "logprob": finite_logprob(lp),
+                                "bytes": list(tok.encode()), "top_logprobs": []})
+            return {"content": content}
+
+        async def chunks(g: Generation) -> AsyncIterator[str]:
+            def chunk(delta: dict[str, Any], finish: str | None, lp: Any = None) -> str:
+                c = dict(base, choices=[{"index": 0, "delta": delta, "logprobs": lp,
+                                         "finish_reason": finish}])
+                if req.include_usage():
+                    c["usage"] = None
+                return sse(c)
+
+            yield chunk({"role": "assistant", "content": ""}, None)
+            try:
+                async for d in g.events():
+                    if d.text or d.finish_reason is None and d.logprobs:
+                        yield chunk({"content": d.text}, None, logprobs_of(d.token_ids, d.logprobs))
+                    if d.finish_reason is not None:
+                        yield chunk({}, d.finish_reason)
+            except GenerationFailed as e:
+                yield sse({"error": {"message": e.message, "type": "server_error", "param": None,
+                                     "code": "engine_error"}})
+                yield sse("[DONE]")
+                return
+            if req.include_usage():
+                yield sse(dict(base, choices=[], usage=g.usage()))
+            yield sse("[DONE]")
+
+        def final(g: Generation) -> dict[str, Any]:
+            c = g.choices[0]
+            return {"id": rid, "object": "chat.completion", "created": created,
+                    "model": self.s.model_name,
+                    "choices": [{"index": 0,
+                                 "message": {"role": "assistant", "content": c.stream.text},
+                                 "logprobs": logprobs_of(c.token_ids, c.logprobs),
+                                 "finish_reason": c.finish_reason}],
+                    "usage": g.usage()}
+
+        return await self.run(request, gen, bool(req.stream), chunks, final)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The ASGI application for one engine."""
+    app = FastAPI(title="zerospeed", docs_url=None, redoc_url=None, openapi_url=None)
+    handlers = Handlers(state)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, err: ApiError) -> JSONResponse:
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return error_response(ApiError(500, f"internal error: {type(err).__name__}: {err}",
+                                       type_="server_error"))
+
+    def check_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 state.api_key.encode()):
+            state.engine_loop.metrics.rejected.labels("401").inc()
+            raise ApiError(401, "api key: missing or incorrect (send 'Authorization: Bearer KEY')",
+                           type_="authentication_error", code="invalid_api_key")
+
+    auth = [Depends(check_key)]
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        return await handlers.completions(request)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat(request: Request) -> Response:
+        return await handlers.chat(request)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created,
+            "owned_by": "zerospeed", "max_model_len": state.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.engine_loop.is_alive():
+            return error_response(ApiError(503, "the engine thread is not running",
+                                           type_="server_error"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.engine_loop.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,264 @@
+"""The thread that owns the inference engine: the only caller of ``add_request``/``step``/``abort``.
+
+HTTP handlers run on uvicorn's event loop and must never block it on a forward pass, and the engine
+is not thread-safe; so one thread owns the engine and everything else talks to it through a
+thread-safe command queue (:meth:`EngineLoop.submit`, :meth:`EngineLoop.abort`). Results go back
+through a per-request *sink*, a callable the engine thread calls with each item; the server's sink
+hands the item to the request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
+
+Items a sink receives, in order: :data:`ACCEPTED` once the engine took the request (or a
+:class:`RequestError` if it refused it), then :class:`RequestOutput` objects until one is
+``finished``, or an :class:`EngineFailure` if a step raised.
+
+Decisions:
+
+* The engine thread drains all pending commands before each step, so an abort frees its KV blocks
+  before the next forward, and new requests join the next ragged batch.
+* Admission is bounded: :meth:`submit` counts requests accepted but not yet running (the engine's
+  waiting queue plus commands in flight) and raises :class:`QueueFull` past ``max_waiting``; the
+  server answers 429. The count uses the last step's snapshot, so it may lag one step.
+* A ``step()`` that raises fails the requests that were in the engine (each gets an
+  :class:`EngineFailure` and is aborted) and the loop goes on: one bad request or a transient
+  fault never takes the server down.
+* ``stop()`` aborts what is left; the server calls it after uvicorn has finished or cancelled every
+  in-flight HTTP request, so a graceful shutdown lets running requests complete first.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from zerospeed.inference.api import EngineStats, RequestError, RequestOutput, SamplingParams
+from zerospeed.inference.serving.metrics import ServingMetrics
+
+log = logging.getLogger("zerospeed.serve")
+
+ACCEPTED = "accepted"
+
+Sink = Callable[[Any], None]
+
+
+class QueueFull(Exception):
+    """More requests are waiting than ``max_waiting`` allows."""
+
+
+class ServerClosing(Exception):
+    """The server is shutting down and takes no new requests."""
+
+
+@dataclass
+class EngineFailure:
+    """The engine raised while running this request; ``message`` is safe to show to the client."""
+
+    message: str
+
+
+@dataclass
+class _Tracked:
+    sink: Sink
+    arrival: float
+    last_token: float | None = None
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` in a dedicated thread and routes its outputs to per-request sinks."""
+
+    def __init__(self, engine: Any, max_waiting: int, idle_poll_s: float = 1.0) -> None:
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting: must be at least 0, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._idle_poll_s = idle_poll_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._num_in_flight = 0  # submitted and not yet finished (guarded by _lock)
+        self._closing = False
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._stats: EngineStats = engine.stats()
+        self._num_running = 0
+        self.metrics = ServingMetrics(self.snapshot)
+        self._thread = threading.Thread(target=self._run, name="zerospeed-engine", daemon=True)
+        self._failure: BaseException | None = None
+
+    # -- any thread ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def snapshot(self) -> tuple[EngineStats, int, int]:
+        """(last engine stats, running requests, waiting requests) for /metrics and tests."""
+        with self._lock:
+            stats, running, in_flight = self._stats, self._num_running, self._num_in_flight
+        return stats, running, max(0, in_flight - running)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               sink: Sink) -> None:
+        """Queue a request; raises :class:`QueueFull` or :class:`ServerClosing` instead."""
+        with self._lock:
+            if self._closing:
+                raise ServerClosing()
+            if self._num_in_flight - self._num_running >= self.max_waiting:
+                raise QueueFull()
+            self._num_in_flight += 1
+        self._inbox.put(("add", request_id, prompt_token_ids, params, sink, time.perf_counter()))
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (no-op when it already finished); its blocks are freed before the next
+        step."""
+        self._inbox.put(("abort", request_id))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort whatever is left and join the engine thread."""
+        with self._lock:
+            self._closing = True
+        if self._thread.is_alive():
+            self._inbox.put(("stop",))
+            self._thread.join(timeout)
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def _deliver(self, sink: Sink, item: Any) -> None:
+        try:
+            sink(item)
+        except Exception:  # noqa: BLE001 - a closed event loop must not kill the engine thread
+            log.debug("dropping an item for a closed request", exc_info=True)
+
+    def _finish(self, request_id: str) -> _Tracked | None:
+        rec = self._tracked.pop(request_id, None)
+        if rec is not None:
+            with self._lock:
+                self._num_in_flight -= 1
+        return rec
+
+    def _refuse(self, sink: Sink, error: BaseException) -> None:
+        with self._lock:
+            self._num_in_flight -= 1
+        self._deliver(sink, error)
+
+    def _handle(self, cmd: tuple) -> bool:
+        """Apply one command; False for ``stop``."""
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, ids, params, sink, arrival = cmd
+            try:
+                self.engine.add_request(rid, ids, params)
+            except RequestError as e:
+                self._refuse(sink, e)
+                return True
+            except Exception as e:  # noqa: BLE001 - the engine must keep serving the others
+                log.error("add_request(%s) raised:\n%s", rid, traceback.format_exc())
+                self._refuse(sink, EngineFailure(f"the engine could not take the request: {e}"))
+                return True
+            self._tracked[rid] = _Tracked(sink, arrival)
+            self._deliver(sink, ACCEPTED)
+        elif kind == "abort":
+            rid = cmd[1]
+            rec = self._finish(rid)
+            if rec is not None:
+                self._abort_in_engine(rid)
+                self.metrics.finished.labels("abort").inc()
+                self._deliver(rec.sink, RequestOutput(rid, [], finished=True, finish_reason="abort"))
+        elif kind == "stop":
+            return False
+        return True
+
+    def _abort_in_engine(self, rid: str) -> None:
+        try:
+            self.engine.abort(rid)
+        except Exception:  # noqa: BLE001
+            log.error("abort(%s) raised:\n%s", rid, traceback.format_exc())
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            rec = self._tracked.get(out.request_id)
+            if rec is None:  # aborted by its client in the meantime
+                continue
+            n = len(out.new_token_ids)
+            if n:
+                if rec.last_token is None:
+                    self.metrics.ttft.observe(now - rec.arrival)
+                    n_gaps = n - 1
+                    gap = 0.0
+                else:
+                    n_gaps = n
+                    gap = (now - rec.last_token) / n
+                for _ in range(n_gaps):
+                    self.metrics.itl.observe(gap)
+                rec.last_token = now
+            if out.finished:
+                self._finish(out.request_id)
+                self.metrics.e2e.observe(now - rec.arrival)
+                self.metrics.finished.labels(
+                    "error" if out.error else (out.finish_reason or "stop")).inc()
+            self._deliver(rec.sink, out)
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._tracked):
+            rec = self._finish(rid)
+            self._abort_in_engine(rid)
+            self.metrics.finished.labels("error").inc()
+            self._deliver(rec.sink, EngineFailure(message))
+
+    def _refresh_stats(self) -> None:
+        try:
+            stats = self.engine.stats()
+        except Exception:  # noqa: BLE001
+            log.error("stats() raised:\n%s", traceback.format_exc())
+            return
+        with self._lock:
+            self._stats = stats
+            self._num_running = stats.num_running
+
+    def _run(self) -> None:
+        running = True
+        try:
+            while running:
+                if not self.engine.has_unfinished():
+                    if self._tracked:  # the engine forgot them: fail them rather than hang them
+                        self._fail_all("the engine dropped the request")
+                        self._refresh_stats()
+                    try:
+                        running = self._handle(self._inbox.get(timeout=self._idle_poll_s))
+                    except queue.Empty:
+                        continue
+                while running:
+                    try:
+                        running = self._handle(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                if running and self.engine.has_unfinished():
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as e:  # noqa: BLE001
+                        log.error("engine step raised:\n%s", traceback.format_exc())
+                        self._fail_all(f"the engine failed while generating: {type(e).__name__}: {e}")
+                    else:
+                        self._route(outputs)
+                self._refresh_stats()
+        except BaseException as e:  # a bug here would otherwise hang every client
+            self._failure = e
+            log.critical("engine thread died:\n%s", traceback.format_exc())
+        finally:
+            with self._lock:
+                self._closing = True
+            for rid in list(self._tracked):
+                rec = self._finish(rid)
+                self._abort_in_engine(rid)
+                self._deliver(rec.sink, RequestOutput(rid, [], finished=True, finish_reason="abort"))
+            while True:  # requests submitted after the last drain
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "add":
+                    self._refuse(cmd[4], ServerClosing())
+            self._refresh_stats()

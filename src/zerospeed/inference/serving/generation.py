@@ -1,0 +1,191 @@
+"""One HTTP request's generation: its engine requests (one per prompt), the asyncio queue their
+results arrive on, and the text, log-probabilities and finish reason of each choice.
+
+The engine thread calls each request's sink; the sink moves the item onto this event loop with
+``loop.call_soon_threadsafe``, so all the state here is touched by the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from zerospeed.inference.api import RequestError, RequestOutput, SamplingParams
+from zerospeed.inference.serving.engine_loop import (
+    ACCEPTED,
+    EngineFailure,
+    EngineLoop,
+    QueueFull,
+    ServerClosing,
+)
+from zerospeed.inference.serving.protocol import ApiError, http_field
+from zerospeed.inference.serving.text import TextStream, TokenizerAdapter
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class Delta:
+    """What one choice gained from one engine output."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Choice:
+    stream: TextStream
+    accepted: bool = False
+    finished: bool = False
+    finish_reason: str | None = None
+    num_generated: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class GenerationFailed(Exception):
+    """The engine failed this request after it had been accepted (500 or an error event)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class Generation:
+    """Submits ``prompts`` to the engine loop and yields :class:`Delta` objects as tokens come."""
+
+    def __init__(self, engine_loop: EngineLoop, tokenizer: TokenizerAdapter, request_id: str,
+                 prompts: list[list[int]], params: SamplingParams, prompt_field: str) -> None:
+        self._engine_loop = engine_loop
+        self._prompt_field = prompt_field
+        self._params = params
+        self.request_id = request_id
+        self.prompts = prompts
+        self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.choices = [_Choice(TextStream(tokenizer, params.stop)) for _ in prompts]
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._submitted = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(c.num_generated for c in self.choices)
+
+    @property
+    def done(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    def _sink(self, index: int):
+        loop = asyncio.get_running_loop()
+        queue = self._queue
+
+        def sink(item: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (index, item))
+
+        return sink
+
+    async def start(self) -> None:
+        """Submit every prompt and wait until the engine accepted all of them; raises
+        :class:`ApiError` (429 when the waiting queue is full, 400 when the engine refuses a
+        request, 503 when the server is closing) after aborting whatever was submitted."""
+        try:
+            for i, ids in enumerate(self.prompts):
+                self._engine_loop.submit(self.engine_ids[i], ids, self._params, self._sink(i))
+                self._submitted += 1
+        except QueueFull:
+            self.abort()
+            self._engine_loop.metrics.rejected.labels("429").inc()
+            raise ApiError(429, "the server is at capacity (waiting queue full); retry later",
+                           type_="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ServerClosing:
+            self.abort()
+            raise ApiError(503, "the server is shutting down", type_="server_error",
+                           code="shutting_down") from None
+        while not all(c.accepted or c.finished for c in self.choices):
+            index, item = await self._queue.get()
+            choice = self.choices[index]
+            if item == ACCEPTED:
+                choice.accepted = True
+            elif isinstance(item, RequestError):
+                choice.finished = True
+                self.abort()
+                self._engine_loop.metrics.rejected.labels("400").inc()
+                field_name = http_field(item.field, self._prompt_field)
+                raise ApiError(400, f"{field_name}: {item.message}", param=field_name)
+            elif isinstance(item, (EngineFailure, ServerClosing)):
+                choice.finished = True
+                self.abort()
+                if isinstance(item, ServerClosing):
+                    raise ApiError(503, "the server is shutting down", type_="server_error",
+                                   code="shutting_down")
+                raise ApiError(500, item.message, type_="server_error", code="engine_error")
+            else:  # an output racing ahead of nothing: keep it for events()
+                self._queue.put_nowait((index, item))
+                choice.accepted = True
+
+    def abort(self) -> None:
+        """Cancel every unfinished engine request of this generation (idempotent)."""
+        for i in range(self._submitted):
+            if not self.choices[i].finished:
+                self.choices[i].finished = True
+                self.choices[i].finish_reason = self.choices[i].finish_reason or "abort"
+                self._engine_loop.abort(self.engine_ids[i])
+
+    async def events(self) -> AsyncIterator[Delta]:
+        """Deltas until every choice finished; raises :class:`GenerationFailed`."""
+        while not self.done:
+            index, item = await self._queue.get()
+            choice = self.choices[index]
+            if choice.finished:
+                continue
+            if isinstance(item, EngineFailure):
+                self.abort()
+                raise GenerationFailed(item.message)
+            if not isinstance(item, RequestOutput):
+                continue
+            if item.error:
+                choice.finished = True
+                self.abort()
+                raise GenerationFailed(f"the engine failed this request: {item.error}")
+            yield self._apply(index, choice, item)
+
+    def _apply(self, index: int, choice: _Choice, out: RequestOutput) -> Delta:
+        ids = list(out.new_token_ids)
+        text = choice.stream.add(ids)
+        choice.token_ids.extend(ids)
+        logprobs = None
+        if out.new_logprobs is not None:
+            logprobs = [float(x) for x in out.new_logprobs]
+            choice.logprobs.extend(logprobs)
+        choice.num_generated = max(out.num_generated_tokens, len(choice.token_ids))
+        reason = None
+        if choice.stream.stopped:
+            reason = "stop"
+            if not out.finished:  # the stop string showed up in text first: end it here
+                self._engine_loop.abort(self.engine_ids[index])
+        elif out.finished:
+            text += choice.stream.finish()
+            reason = out.finish_reason or "stop"
+        if reason is not None:
+            choice.finished = True
+            choice.finish_reason = reason
+        return Delta(index, text, ids, logprobs, reason)
+
+    def usage(self) -> dict[str, int]:
+        p, g = self.num_prompt_tokens, self.num_generated_tokens
+        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+
+def finite_logprob(x: float) -> float:
+    """JSON has no -inf; clamp to a very unlikely value as OpenAI-compatible servers do."""
+    return x if math.isfinite(x) else -9999.0

@@ -1,0 +1,242 @@
+"""OpenAI request bodies in, :class:`SamplingParams` out; OpenAI-style error bodies.
+
+Decisions:
+
+* Request bodies are pydantic models with ``extra="ignore"``: OpenAI clients send fields we do not
+  act on (``user``, ``metadata``...), and refusing them would break unchanged clients. Fields that
+  *would* change the output and that we cannot honour (``n > 1``, penalties, ``logit_bias``,
+  ``tools``, ``suffix``...) are refused with a 400 naming the field instead of being silently dropped.
+* OpenAI's defaults are kept: ``temperature`` 1.0 (so sampling unless the client asks for 0),
+  ``max_tokens`` 16 for completions and "the rest of the context" for chat.
+* vLLM's extra fields that clients pass through ``extra_body`` are accepted: ``top_k`` (0 or -1: off),
+  ``min_tokens``, ``ignore_eos``, ``stop_token_ids``.
+* Log-probabilities: the engine returns the chosen token's log-probability only, so completions'
+  ``logprobs`` may be 0 and chat's ``top_logprobs`` 0; more alternatives are a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from zerospeed.inference.api import SamplingParams
+
+MAX_STOP_SEQUENCES = 4
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(param: str, message: str) -> ApiError:
+    """A 400 whose message starts with the field name, as every error of the server does."""
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _check_common(self) -> None:
+        if self.n not in (None, 1):
+            raise bad_request("n", f"only n=1 is supported, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise bad_request(name, "is not supported (only 0)")
+        if self.logit_bias:
+            raise bad_request("logit_bias", "is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options", "is only allowed with stream=true")
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise bad_request("stop", f"at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise bad_request("stop", "empty stop strings are not allowed")
+        return stops
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; raises :class:`ApiError` (400) naming the bad field."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if not 0.0 <= temperature <= 2.0:
+            raise bad_request("temperature", f"must be in [0, 2], got {temperature}")
+        top_p = 1.0 if self.top_p is None else self.top_p
+        if not 0.0 < top_p <= 1.0:
+            raise bad_request("top_p", f"must be in (0, 1], got {top_p}")
+        top_k = 0 if self.top_k in (None, -1) else self.top_k
+        if top_k < 0:
+            raise bad_request("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
+        if max_tokens < 1:
+            raise bad_request("max_tokens", f"must be at least 1, got {max_tokens}")
+        if self.min_tokens < 0 or self.min_tokens > max_tokens:
+            raise bad_request("min_tokens", f"must be in [0, max_tokens={max_tokens}], got "
+                              f"{self.min_tokens}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise bad_request("seed", "must fit in 64 bits")
+        if any(t < 0 for t in self.stop_token_ids or ()):
+            raise bad_request("stop_token_ids", "token ids must be non-negative")
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            min_new_tokens=self.min_tokens,
+            do_sample=temperature > 0.0,
+            temperature=temperature if temperature > 0.0 else 1.0,
+            top_k=top_k,
+            top_p=top_p,
+            stop=tuple(self.stop_list()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            seed=None if self.seed is None else self.seed % 2**63,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt``: a string, a list of strings, token ids, or a list of
+    token-id lists; several prompts give one choice each (``index`` in prompt order)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        self._check_common()
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of", f"only best_of=1 is supported, got {self.best_of}")
+        if self.echo:
+            raise bad_request("echo", "is not supported")
+        if self.suffix:
+            raise bad_request("suffix", "is not supported")
+        if self.logprobs is not None and self.logprobs != 0:
+            raise bad_request("logprobs", "only 0 is supported (the chosen token's "
+                              f"log-probability), got {self.logprobs}")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as strings or token-id lists; raises a 400 for an empty list."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt", "must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        self._check_common()
+        if self.tools:
+            raise bad_request("tools", "tool calling is not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("response_format", "only {'type': 'text'} is supported")
+        if self.top_logprobs not in (None, 0):
+            raise bad_request("top_logprobs", "only 0 is supported (the chosen token's "
+                              f"log-probability), got {self.top_logprobs}")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts for the chat template; text parts are joined."""
+        out = []
+        for i, m in enumerate(self.messages):
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if part.type != "text" or part.text is None:
+                        raise bad_request(f"messages[{i}].content[{j}]",
+                                          f"only text parts are supported, got type {part.type!r}")
+                    texts.append(part.text)
+                content = "".join(texts)
+            d = {k: v for k, v in m.model_dump(exclude_none=True).items() if k != "content"}
+            d["content"] = content if content is not None else ""
+            out.append(d)
+        return out
+
+
+FinishReasonOut = Literal["stop", "length", "abort"]
+
+# The engine names request fields its way (SamplingParams / add_request); the HTTP API its own.
+ENGINE_FIELD_TO_HTTP = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "prompt_token_ids": "prompt",
+    "do_sample": "temperature",
+}
+
+
+def http_field(engine_field: str, prompt_field: str) -> str:
+    """The HTTP request field for an engine :class:`RequestError` field."""
+    name = ENGINE_FIELD_TO_HTTP.get(engine_field, engine_field)
+    return prompt_field if name in ("prompt", "prompt_token_ids") else name

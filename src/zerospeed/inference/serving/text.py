@@ -1,0 +1,120 @@
+"""Token ids to text for the server: a tokenizer adapter and incremental detokenisation with stop
+strings.
+
+Decisions:
+
+* The engine's ``tokenizer`` may be a ``tokenizers.Tokenizer`` (whose ``encode`` returns an
+  ``Encoding``), a transformers tokenizer or the engine's own wrapper returning id lists;
+  :class:`TokenizerAdapter` gives the server one interface over all three.
+* Streaming text is produced by decoding the whole generated sequence each time and sending what is
+  new, so multi-byte characters split over tokens and decoders that merge tokens (byte-level BPE,
+  SentencePiece's leading spaces) come out right. A trailing U+FFFD (an incomplete UTF-8 sequence)
+  is held back until the next token completes it.
+* Stop strings are applied to text here even though the engine also knows them: the engine
+  finishes on the token that completes a stop string, but only text shows where the string begins,
+  and the reply must not contain it. While streaming, the tail that could still grow into a stop
+  string is held back, so no client ever sees part of a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class TokenizerAdapter:
+    """``encode(text, add_special_tokens) -> list[int]`` and ``decode(ids) -> str`` (special tokens
+    skipped) over whatever tokenizer object the engine exposes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            out = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except TypeError:
+            out = self.tokenizer.encode(text)
+        ids = getattr(out, "ids", out)
+        return [int(i) for i in ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        try:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        except TypeError:
+            return self.tokenizer.decode(list(ids))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's surface form, for log-probability entries."""
+        for name in ("id_to_token", "convert_ids_to_tokens"):
+            fn = getattr(self.tokenizer, name, None)
+            if fn is not None:
+                try:
+                    tok = fn(int(token_id))
+                except Exception:  # noqa: BLE001 - fall back to decoding
+                    continue
+                if isinstance(tok, str):
+                    return tok
+        return self.decode([token_id])
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class TextStream:
+    """The text of one choice, built token by token.
+
+    ``add(ids)`` returns the text that is safe to send now; ``stopped`` becomes True when a stop
+    string appeared (the text is cut before it and nothing more is sent); ``finish()`` returns what
+    was held back once the request is over. ``text`` is everything sent so far.
+    """
+
+    def __init__(self, tokenizer: TokenizerAdapter, stops: Sequence[str] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._stops = [s for s in stops if s]
+        self._ids: list[int] = []
+        self._full = ""
+        self.text = ""
+        self.stopped = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._ids
+
+    def add(self, ids: Sequence[int]) -> str:
+        if self.stopped:
+            return ""
+        self._ids.extend(int(i) for i in ids)
+        self._full = self._tokenizer.decode(self._ids)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        return "" if self.stopped else self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        full = self._full
+        if self._stops:
+            start = max(0, len(self.text) - max(len(s) for s in self._stops))
+            cut = min((i for i in (full.find(s, start) for s in self._stops) if i >= 0), default=-1)
+            if cut >= 0:
+                full = full[:cut]
+                self.stopped = True
+                final = True
+        end = len(full)
+        if not final:
+            if full.endswith("\ufffd"):
+                end -= 1
+            end -= _held_back(full[:end], self._stops)
+        if end <= len(self.text) or not full.startswith(self.text):
+            # decoders may rewrite earlier text (rare); never take back what was sent
+            return ""
+        delta = full[len(self.text):end]
+        self.text += delta
+        return delta
