@@ -103,15 +103,20 @@ def test_full_waiting_queue_gives_429_with_retry_after(server):
 
 def test_sigterm_finishes_in_flight_request_and_exits_0(server):
     result: dict = {}
+    first = threading.Event()
 
     def client() -> None:
-        with httpx.stream("POST", server.url + "/v1/completions", json=_body(40), timeout=60) as r:
-            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        events = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=_body(200), timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
         result["events"] = events
 
     t = threading.Thread(target=client)
     t.start()
-    _wait_for(lambda: metric(_metrics(server), "zerospeed_requests_running") == 1)
+    assert first.wait(30)
     server.proc.send_signal(signal.SIGTERM)
     status = server.wait(30)
     t.join(30)
