@@ -70,6 +70,10 @@ class RequestOutput:
     num_generated_tokens: int = 0
     new_logprobs: list[float] | None = None
     error: str | None = None  # set when the request failed inside the engine (it is then finished)
+    # the stop string or stop token id that ended the request (finish_reason "stop"); the token ids
+    # include the stopping token (as HF generate does), text consumers cut at the stop string
+    stop_reason: str | int | None = None
+    new_top_logprobs: list[dict[int, float]] | None = None  # per new token, when logprobs > 0
 
 
 @dataclass

@@ -1,0 +1,352 @@
+"""The inference engine: requests in, tokens out, one ragged forward per ``step()``.
+
+``build_engine(model_dir, ...)`` loads our own implementation of the folder's model family (see
+:mod:`zerospeed.inference.models`), its tokenizer, and sizes the paged KV cache; the
+:class:`InferenceEngine` then follows the contract in :mod:`zerospeed.inference.api`.
+
+One step: the scheduler (Dynamic SplitFuse, :mod:`~zerospeed.inference.scheduler`) picks this
+forward's tokens; copy-on-write block copies are applied; the model runs once over the flat token
+batch (no padding) writing K/V into the cache; logits are computed only for sequences whose known
+tokens are now all in the cache (decodes, last prompt chunks); the sampler picks their next tokens;
+stop conditions are checked and finished sequences free their blocks at once.
+
+Failure isolation: bad requests are refused by ``add_request`` with :class:`RequestError` (nothing
+changes); an exception inside a forward fails only the requests of that forward (each gets a
+finished output with ``error``), and the engine keeps serving the rest.
+
+Cache sizing: ``num_blocks`` if given, else ``kv_cache_memory`` bytes (default: enough for
+``max_num_seqs`` full-length sequences, capped at 25% of free host memory on CPU or 90% of free
+device memory on GPU), divided by the bytes of one block,
+``2 * layers * block_size * kv_heads * head_dim * element_size``. ``max_model_len`` is capped at
+what the cache can hold.
+
+Tensor parallel (``tensor_parallel > 1``, one process per rank): every rank holds its share of
+heads and MLP columns; rank 0 owns the scheduler and the sampler and broadcasts each forward's
+ragged batch (see :mod:`zerospeed.inference.tp_runtime`); the other ranks run
+:meth:`InferenceEngine.run_worker_loop`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Any
+
+import torch
+
+from zerospeed.inference.api import EngineStats, RequestError, RequestOutput, SamplingParams
+from zerospeed.inference.attention import AttentionMetadata
+from zerospeed.inference.kv_cache import BlockAllocator, KVCache, kv_cache_bytes
+from zerospeed.inference.models import CausalLM, ModelSpec, TPInfo, load_model
+from zerospeed.inference.sampling import make_generator, sample, validate
+from zerospeed.inference.scheduler import ScheduledBatch, Scheduler
+from zerospeed.inference.sequence import Sequence, Status
+from zerospeed.inference.tokenizer import Tokenizer, load_tokenizer
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype: Any, spec: ModelSpec | None = None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype: {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if dtype == "auto":
+        return DTYPES.get(str((spec and spec.torch_dtype) or "float32"), torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}, auto")
+    return DTYPES[dtype]
+
+
+class InferenceEngine:
+    def __init__(self, model: CausalLM, spec: ModelSpec, tokenizer: Tokenizer | None, *, dtype: torch.dtype,
+                 device: torch.device, block_size: int, num_blocks: int, max_num_seqs: int, max_model_len: int,
+                 max_num_batched_tokens: int, model_name: str = "", enable_prefix_caching: bool = True,
+                 tp: TPInfo = TPInfo(), kv_cache_memory: int | None = None) -> None:
+        self.model = model
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.model_name = model_name
+        self.tp = tp
+        kv_heads = spec.num_kv_heads // tp.size
+        self.kv = KVCache(spec.num_layers, num_blocks, block_size, kv_heads, spec.head_dim, dtype, device)
+        self.kv_cache_bytes_formula = kv_cache_bytes(spec.num_layers, num_blocks, block_size, kv_heads,
+                                                     spec.head_dim, dtype)
+        self.kv_cache_memory = kv_cache_memory
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.scheduler = Scheduler(self.allocator, max_num_batched_tokens, max_num_seqs, enable_prefix_caching)
+        self.max_model_len = min(max_model_len, num_blocks * block_size)
+        self.eos_token_ids = list(spec.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._arrival = itertools.count()
+        self._num_generated = 0
+        self._num_prompt = 0
+        self._num_forwards = 0
+        self._forward_s = 0.0
+        self._worker_hook = None  # set by tp_runtime on rank 0: broadcasts each batch
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError("params", f"expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError("request_id", f"must be a non-empty string, got {request_id!r}")
+        if request_id in self._seqs:
+            raise RequestError("request_id", f"{request_id!r} is already in use")
+        try:
+            prompt = [int(t) for t in prompt_token_ids]
+        except (TypeError, ValueError):
+            raise RequestError("prompt", "must be a list of integer token ids") from None
+        if not prompt:
+            raise RequestError("prompt", "is empty (a prompt needs at least one token)")
+        vocab = self.spec.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        validate(params, vocab)
+        if len(prompt) >= self.max_model_len:
+            raise RequestError("prompt", f"{len(prompt)} tokens do not fit the context of {self.max_model_len} "
+                                         "tokens (at least one new token must fit)")
+        if len(prompt) + params.max_new_tokens > self.max_model_len:
+            raise RequestError("max_new_tokens", f"{params.max_new_tokens} new tokens after a {len(prompt)}-token "
+                                                 f"prompt exceed the context of {self.max_model_len} tokens "
+                                                 f"(at most {self.max_model_len - len(prompt)})")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop", "stop strings need a tokenizer, and the model folder has none")
+        stop_set = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_set.update(self.eos_token_ids)
+        gen = make_generator(params.seed) if params.do_sample and params.temperature > 0 else None
+        seq = Sequence(request_id, prompt, params, next(self._arrival), gen, frozenset(stop_set))
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    # -- the step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        try:
+            logits = self._forward(batch)
+        except Exception as exc:  # fail this forward's requests, keep the engine serving
+            return self._fail(batch, f"{type(exc).__name__}: {exc}")
+        self.scheduler.after_forward(batch)
+        need = [seq for seq, _ in batch.items if seq.num_remaining == 0]
+        outputs: list[RequestOutput] = []
+        if not need:
+            return outputs
+        tokens, chosen, tops = sample(logits, need)
+        for seq, tok, lp, top in zip(need, tokens, chosen, tops):
+            seq.tokens.append(tok)
+            self._num_generated += 1
+            self._check_stop(seq, tok)
+            out = RequestOutput(seq.request_id, [tok], finished=seq.is_finished, finish_reason=seq.finish_reason,
+                                num_prompt_tokens=seq.prompt_len, num_generated_tokens=seq.num_generated,
+                                new_logprobs=None if lp is None else [lp],
+                                new_top_logprobs=None if top is None else [top], stop_reason=seq.stop_reason)
+            outputs.append(out)
+            if seq.is_finished:
+                self._seqs.pop(seq.request_id, None)
+        return outputs
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        n = seq.num_generated
+        reason = None
+        if tok in seq.stop_set and n > p.min_new_tokens - 1:
+            reason, seq.stop_reason = "stop", tok
+        elif p.stop and n >= p.min_new_tokens:
+            text = self.tokenizer.decode(seq.generated)
+            for s in p.stop:
+                if s in text:
+                    reason, seq.stop_reason = "stop", s
+                    break
+        if reason is None and n >= p.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+
+    def _fail(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
+        outs = []
+        for seq, _ in batch.items:
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+            self._seqs.pop(seq.request_id, None)
+            outs.append(RequestOutput(seq.request_id, [], finished=True, finish_reason="abort",
+                                      num_prompt_tokens=seq.prompt_len, num_generated_tokens=seq.num_generated,
+                                      error=message))
+        return outs
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run the model over ``batch``; logits ``[N, V]`` (float32) for the sequences that sample."""
+        items = [(seq.num_computed, n, seq.blocks) for seq, n in batch.items]
+        ids: list[int] = []
+        for seq, n in batch.items:
+            ids.extend(seq.tokens[seq.num_computed:seq.num_computed + n])
+        rows = []
+        t = 0
+        for seq, n in batch.items:
+            t += n
+            if seq.num_computed + n == len(seq.tokens):
+                rows.append(t - 1)
+        if self._worker_hook is not None:
+            self._worker_hook(ids, items, batch.num_decodes, batch.copies, rows)
+        return self.run_forward(ids, items, batch.num_decodes, batch.copies, rows)
+
+    @torch.inference_mode()
+    def run_forward(self, ids: list[int], items: list[tuple[int, int, list[int]]], num_decodes: int,
+                    copies: list[tuple[int, int]], rows: list[int]) -> torch.Tensor:
+        """The part every tensor-parallel rank runs identically."""
+        start = time.perf_counter()
+        for src, dst in copies:
+            self.kv.copy_block(src, dst)
+        meta = AttentionMetadata.build(items, num_decodes, self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, meta, self.kv)
+        logits = None
+        if self.tp.rank == 0 and rows:
+            idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+        self._num_forwards += 1
+        self._num_prompt += sum(n for c, n, _ in items[num_decodes:])
+        self._forward_s += time.perf_counter() - start
+        return logits
+
+    # -- introspection ------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), num_blocks_total=self.allocator.num_blocks,
+            num_blocks_free=self.allocator.num_free, block_size=self.block_size, kv_cache_bytes=self.kv.nbytes,
+            num_generated_tokens=self._num_generated, num_prompt_tokens=self._num_prompt,
+            num_preemptions=s.num_preemptions,
+            extra={"kv_cache_bytes_formula": float(self.kv_cache_bytes_formula),
+                   "prefix_cache_hit_blocks": float(self.allocator.num_prefix_hits),
+                   "num_forwards": float(self._num_forwards), "forward_seconds": float(self._forward_s)})
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[list[int]]:
+        """Convenience: run ``prompts`` to completion, return each one's generated token ids."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"_gen{next(self._arrival)}_{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        errors: dict[str, str] = {}
+        while any(rid in self._seqs for rid in ids):
+            for o in self.step():
+                if o.request_id in out:
+                    out[o.request_id].extend(o.new_token_ids)
+                    if o.error:
+                        errors[o.request_id] = o.error
+        if errors:
+            raise RuntimeError(f"requests failed: {errors}")
+        return [out[rid] for rid in ids]
+
+    # -- tensor parallel ----------------------------------------------------------------------
+    def run_worker_loop(self) -> None:
+        if self.tp.size == 1:
+            raise RuntimeError("run_worker_loop is for ranks > 0 of a tensor-parallel engine")
+        from zerospeed.inference.tp_runtime import worker_loop
+
+        worker_loop(self)
+
+    def shutdown(self) -> None:
+        if self.tp.size > 1 and self.tp.rank == 0:
+            from zerospeed.inference.tp_runtime import send_shutdown
+
+            send_shutdown(self)
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _default_kv_memory(device: torch.device, want: int) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return min(want, int(free * 0.9))
+    try:
+        import psutil
+
+        avail = psutil.virtual_memory().available
+    except Exception:  # pragma: no cover
+        avail = 8 << 30
+    return min(want, int(avail * 0.25))
+
+
+def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, max_num_seqs: int = 256, max_model_len: int | None = None,
+                 max_num_batched_tokens: int = 512, tensor_parallel: int = 1, device: str | torch.device | None = None,
+                 enable_prefix_caching: bool = True, tp_group: Any = None) -> InferenceEngine:
+    """Load ``model_dir`` (an HF folder) into an :class:`InferenceEngine`. Errors name the argument."""
+    from zerospeed.inference.models.spec import load_spec
+
+    spec = load_spec(model_dir)
+    torch_dtype = resolve_dtype(dtype, spec)
+    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens), ("tensor_parallel", tensor_parallel)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+    if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
+        raise ValueError(f"num_blocks: must be an integer >= 1, got {num_blocks!r}")
+    if kv_cache_memory is not None and (not isinstance(kv_cache_memory, (int, float)) or kv_cache_memory <= 0):
+        raise ValueError(f"kv_cache_memory: must be a positive number of bytes, got {kv_cache_memory!r}")
+    model_len = max_model_len or spec.max_position_embeddings
+    if not isinstance(model_len, int) or model_len < 2:
+        raise ValueError(f"max_model_len: must be an integer >= 2, got {max_model_len!r}")
+    if spec.rotary_dim == 0 and model_len > spec.max_position_embeddings:
+        raise ValueError(f"max_model_len: {model_len} exceeds the model's {spec.max_position_embeddings} "
+                         "learned positions")
+    tp = TPInfo()
+    if tensor_parallel > 1:
+        try:
+            from zerospeed.inference.tp_runtime import tp_info
+        except ImportError:
+            raise ValueError("tensor_parallel: multi-rank inference is not available in this build yet") from None
+
+        tp = tp_info(tensor_parallel, tp_group)
+    dev = torch.device(device) if device is not None else _default_device()
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    kv_heads = spec.num_kv_heads // tp.size if spec.num_kv_heads % tp.size == 0 else spec.num_kv_heads
+    block_bytes = kv_cache_bytes(spec.num_layers, 1, block_size, kv_heads, spec.head_dim, torch_dtype)
+    if num_blocks is None:
+        memory = int(kv_cache_memory) if kv_cache_memory is not None else \
+            _default_kv_memory(dev, max_num_seqs * model_len * block_bytes // block_size)
+        num_blocks = memory // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory: {memory} bytes hold no block of {block_bytes} bytes")
+    model, spec = load_model(model_dir, torch_dtype, dev, model_len, tp)
+    tokenizer = load_tokenizer(model_dir)
+    name = os.path.basename(os.path.normpath(model_dir))
+    engine = InferenceEngine(model, spec, tokenizer, dtype=torch_dtype, device=dev, block_size=block_size,
+                             num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_model_len=model_len,
+                             max_num_batched_tokens=max_num_batched_tokens, model_name=name,
+                             enable_prefix_caching=enable_prefix_caching, tp=tp,
+                             kv_cache_memory=None if kv_cache_memory is None else int(kv_cache_memory))
+    if tp.size > 1 and tp.rank == 0:
+        from zerospeed.inference.tp_runtime import attach_rank0
+
+        attach_rank0(engine)
+    return engine

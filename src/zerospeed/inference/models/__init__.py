@@ -1,0 +1,47 @@
+"""Our own implementations of the supported model families, loaded from an HF model folder.
+
+``load_model(model_dir, dtype, device, max_positions, tp)`` reads ``config.json`` into a
+:class:`~zerospeed.inference.models.spec.ModelSpec`, builds the family's module on the meta device
+(no initialisation cost), materialises it on ``device`` in ``dtype`` and fills it from the folder's
+safetensors (see :mod:`zerospeed.inference.models.loader`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from zerospeed.inference.models.layers import CausalLM, RotaryTable, TPInfo
+from zerospeed.inference.models.loader import TensorReader
+from zerospeed.inference.models.spec import ARCHITECTURES, ModelLoadError, ModelSpec, load_spec, spec_from_config
+
+_CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM"}
+
+__all__ = ["ARCHITECTURES", "CausalLM", "ModelLoadError", "ModelSpec", "TPInfo", "build_model", "load_model",
+           "load_spec", "spec_from_config"]
+
+
+def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device | str,
+                tp: TPInfo = TPInfo()) -> CausalLM:
+    """An uninitialised model of ``spec``'s family (weights are whatever memory held)."""
+    family = importlib.import_module(f"zerospeed.inference.models.{spec.family}")
+    with torch.device("meta"):
+        model = getattr(family, _CLASSES[spec.family])(spec, max_positions, tp)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    for m in model.modules():
+        if isinstance(m, RotaryTable):
+            m.fill(device)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               max_positions: int | None = None, tp: TPInfo = TPInfo()) -> tuple[CausalLM, ModelSpec]:
+    spec = load_spec(model_dir)
+    reader = TensorReader(model_dir, dtype, device)  # reads the index/header first: bad folders fail fast
+    model = build_model(spec, max_positions or spec.max_position_embeddings, dtype, device, tp)
+    family = importlib.import_module(f"zerospeed.inference.models.{spec.family}")
+    family.load_weights(model, reader)
+    reader.finish(model)
+    return model, spec

@@ -1,0 +1,160 @@
+"""Building blocks shared by our model families: norms, rotary embeddings, activations, and the
+tensor-parallel layout (which rank holds which heads / MLP columns).
+
+Numerics follow HF's reference implementations operation by operation where it matters for greedy
+parity in fp32 (RMSNorm in float32, rotary tables from float32 ``positions * inv_freq``,
+``q * cos + rotate_half(q) * sin``, GPT-2's tanh GELU formula).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zerospeed.inference.models.spec import ModelLoadError, ModelSpec
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """Tensor-parallel placement of one rank: attention heads and MLP columns are split evenly;
+    embeddings, norms and the LM head are replicated. ``group`` is the TP process group (None: the
+    default group)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def split(self, total: int, what: str) -> int:
+        if total % self.size:
+            raise ModelLoadError(f"{what} ({total}) is not divisible by tensor_parallel size {self.size}")
+        return total // self.size
+
+    def shard(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous 1/size slice of ``t`` along ``dim``."""
+        if self.size == 1:
+            return t
+        n = t.shape[dim] // self.size
+        return t.narrow(dim, self.rank * n, n)
+
+
+def all_reduce_tp(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    if tp.size > 1:
+        from zerospeed.comm import collectives
+
+        collectives.all_reduce(x, group=tp.group)
+    return x
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def _gelu_tanh_formula(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "gelu_new": _gelu_tanh_formula,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:
+        raise ModelLoadError(f"activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class RotaryTable(nn.Module):
+    """cos/sin for every position up to ``max_positions``: ``[P, rotary_dim]`` in float32, looked up
+    once per forward by the batch's positions and shared by every layer."""
+
+    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+        super().__init__()
+        self.spec, self.max_positions = spec, max_positions
+        self.rotary_dim = spec.rotary_dim
+        self.fill()
+
+    def fill(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the tables in float32 (after the model was materialised from meta / cast)."""
+        inv = self.spec.inv_freq()
+        pos = torch.arange(self.max_positions, dtype=torch.float32)
+        emb = torch.outer(pos, inv)
+        emb = torch.cat((emb, emb), dim=-1)
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """``x [T, H, D]``; rotate-half convention on the first ``rotary_dim`` features."""
+    if rotary_dim == x.shape[-1]:
+        half = rotary_dim // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x * cos) + (rot * sin)
+    xr, xp = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rot = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
+    return torch.cat(((xr * cos) + (rot * sin), xp), dim=-1)
+
+
+class CausalLM(nn.Module):
+    """What every family implements: a ragged forward to final hidden states, then logits for the
+    rows asked for (each sequence's last token). Families set ``spec``, ``tp`` and ``lm_head``."""
+
+    spec: ModelSpec
+    tp: TPInfo
+
+    def forward(self, input_ids: torch.Tensor, meta: Any, kv: Any) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def input_embedding(self) -> nn.Embedding:  # pragma: no cover
+        raise NotImplementedError
+
+    def tie_weights(self) -> None:
+        """Share the LM head with the input embedding when the config ties them (re-done after
+        materialising from meta, which allocates every parameter separately)."""
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.input_embedding().weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+class RowLinear(nn.Module):
+    """A row-parallel linear layer (input features split across TP ranks): partial products are
+    all-reduced, and the bias is added once afterwards. With one rank it is a plain ``F.linear``
+    (bias inside, as HF computes it)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = all_reduce_tp(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias

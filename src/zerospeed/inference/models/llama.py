@@ -1,0 +1,127 @@
+"""The Llama family (Llama 2/3 with rope scaling, Mistral, Qwen2 with QKV bias), with GQA.
+
+Our own modules, not HF's: Q, K and V are one fused matmul (``qkv``), gate and up one (``gate_up``);
+each layer attends through :class:`~zerospeed.inference.attention.AttentionMetadata` into the paged
+cache. Tensor parallel: heads and MLP columns are split across ranks; the output projections are
+row-parallel (their bias, if any, is added once after the all-reduce).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from zerospeed.inference.models.layers import CausalLM, RMSNorm, RotaryTable, RowLinear, TPInfo, activation, apply_rotary
+from zerospeed.inference.models.spec import ModelSpec
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, tp: TPInfo) -> None:
+        super().__init__()
+        self.hq = tp.split(spec.num_heads, "num_attention_heads")
+        self.hkv = tp.split(spec.num_kv_heads, "num_key_value_heads")
+        self.d = spec.head_dim
+        self.qkv = nn.Linear(spec.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=spec.qkv_bias)
+        self.o = RowLinear(self.hq * self.d, spec.hidden_size, spec.out_bias, tp)
+        self.rotary_dim = spec.rotary_dim
+        self.window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
+
+    def forward(self, x, meta, cos, sin, k_cache, v_cache):
+        T = x.shape[0]
+        qkv = self.qkv(x)
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = apply_rotary(q.view(T, self.hq, self.d), cos, sin, self.rotary_dim)
+        k = apply_rotary(k.view(T, self.hkv, self.d), cos, sin, self.rotary_dim)
+        return self.o(meta.attend(q, k, v.view(T, self.hkv, self.d), k_cache, v_cache, None, self.window))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: ModelSpec, tp: TPInfo) -> None:
+        super().__init__()
+        self.inter = tp.split(spec.intermediate_size, "intermediate_size")
+        self.gate_up = nn.Linear(spec.hidden_size, 2 * self.inter, bias=spec.mlp_bias)
+        self.down = RowLinear(self.inter, spec.hidden_size, spec.mlp_bias, tp)
+        self.act = activation(spec.activation)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(self.act(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, tp: TPInfo) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.attn = LlamaAttention(spec, layer_idx, tp)
+        self.post_norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.mlp = LlamaMLP(spec, tp)
+
+    def forward(self, h, meta, cos, sin, k_cache, v_cache):
+        h = h + self.attn(self.input_norm(h), meta, cos, sin, k_cache, v_cache)
+        return h + self.mlp(self.post_norm(h))
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, spec: ModelSpec, max_positions: int, tp: TPInfo = TPInfo()) -> None:
+        super().__init__()
+        self.spec, self.tp = spec, tp
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(LlamaBlock(spec, i, tp) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rotary = RotaryTable(spec, max_positions)
+
+    def input_embedding(self) -> nn.Embedding:
+        return self.embed
+
+    def forward(self, input_ids, meta, kv):
+        h = self.embed(input_ids)
+        cos, sin = self.rotary.lookup(meta.positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, meta, cos, sin, kv.k[i], kv.v[i])
+        return self.norm(h)
+
+
+def load_weights(model: LlamaForCausalLM, reader) -> None:
+    spec, tp = model.spec, model.tp
+    d = spec.head_dim
+    H = spec.hidden_size
+    reader.put(model.embed.weight, "model.embed_tokens.weight", (spec.vocab_size, H))
+    reader.put(model.norm.weight, "model.norm.weight", (H,))
+    if spec.tie_word_embeddings:
+        reader.ignore("lm_head.weight")  # tied: HF also uses the embedding, whatever the file holds
+    else:
+        reader.put(model.lm_head.weight, "lm_head.weight", (spec.vocab_size, H))
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a, m = layer.attn, layer.mlp
+        reader.put(layer.input_norm.weight, p + "input_layernorm.weight", (H,))
+        reader.put(layer.post_norm.weight, p + "post_attention_layernorm.weight", (H,))
+        q = reader.get(p + "self_attn.q_proj.weight", (spec.num_heads * d, H))
+        k = reader.get(p + "self_attn.k_proj.weight", (spec.num_kv_heads * d, H))
+        v = reader.get(p + "self_attn.v_proj.weight", (spec.num_kv_heads * d, H))
+        reader.assign(a.qkv.weight, lambda q=q, k=k, v=v: torch.cat([tp.shard(q(), 0), tp.shard(k(), 0),
+                                                                     tp.shard(v(), 0)]))
+        if spec.qkv_bias:
+            qb = reader.get(p + "self_attn.q_proj.bias", (spec.num_heads * d,))
+            kb = reader.get(p + "self_attn.k_proj.bias", (spec.num_kv_heads * d,))
+            vb = reader.get(p + "self_attn.v_proj.bias", (spec.num_kv_heads * d,))
+            reader.assign(a.qkv.bias, lambda q=qb, k=kb, v=vb: torch.cat([tp.shard(q(), 0), tp.shard(k(), 0),
+                                                                          tp.shard(v(), 0)]))
+        o = reader.get(p + "self_attn.o_proj.weight", (H, spec.num_heads * d))
+        reader.assign(a.o.weight, lambda o=o: tp.shard(o(), 1))
+        if spec.out_bias:
+            reader.put(a.o.bias, p + "self_attn.o_proj.bias", (H,))
+        I = spec.intermediate_size
+        g = reader.get(p + "mlp.gate_proj.weight", (I, H))
+        u = reader.get(p + "mlp.up_proj.weight", (I, H))
+        reader.assign(m.gate_up.weight, lambda g=g, u=u: torch.cat([tp.shard(g(), 0), tp.shard(u(), 0)]))
+        dn = reader.get(p + "mlp.down_proj.weight", (H, I))
+        reader.assign(m.down.weight, lambda dn=dn: tp.shard(dn(), 1))
+        if spec.mlp_bias:
+            gb = reader.get(p + "mlp.gate_proj.bias", (I,))
+            ub = reader.get(p + "mlp.up_proj.bias", (I,))
+            reader.assign(m.gate_up.bias, lambda g=gb, u=ub: torch.cat([tp.shard(g(), 0), tp.shard(u(), 0)]))
+            reader.put(m.down.bias, p + "mlp.down_proj.bias", (H,))

@@ -1,0 +1,103 @@
+"""Turning each sequence's last-token logits into its next token.
+
+Greedy rows (``do_sample=False`` or ``temperature == 0``) take one batched ``argmax``. Sampled rows
+are processed one by one on the CPU, each with its own ``torch.Generator`` seeded from the
+request's ``seed``: temperature, then top-k, then top-p (nucleus; the most likely token always
+survives), then ``multinomial``. A row's draw depends only on its own logits and generator, so a
+seeded request gives the same tokens whatever else shares its batch, and on any device.
+
+``min_new_tokens`` masks the stop tokens (EOS and ``stop_token_ids``) until enough tokens exist,
+as HF's ``MinNewTokensLengthLogitsProcessor`` masks EOS.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerospeed.inference.api import RequestError, SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+def validate(params: SamplingParams, vocab_size: int) -> None:
+    """Raise :class:`RequestError` naming the first invalid field."""
+    def bad(field: str, msg: str) -> None:
+        raise RequestError(field, msg)
+
+    if not isinstance(params.max_new_tokens, int) or params.max_new_tokens < 1:
+        bad("max_new_tokens", f"must be an integer >= 1, got {params.max_new_tokens!r}")
+    if not isinstance(params.min_new_tokens, int) or not 0 <= params.min_new_tokens <= params.max_new_tokens:
+        bad("min_new_tokens", f"must be an integer in [0, max_new_tokens={params.max_new_tokens}], "
+                              f"got {params.min_new_tokens!r}")
+    t = params.temperature
+    if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
+        bad("temperature", f"must be a finite number >= 0, got {t!r}")
+    if not isinstance(params.top_k, int) or params.top_k < -1:
+        bad("top_k", f"must be an integer >= 0 (0 or -1: disabled), got {params.top_k!r}")
+    p = params.top_p
+    if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
+        bad("top_p", f"must be in (0, 1], got {p!r}")
+    if params.seed is not None and (not isinstance(params.seed, int) or params.seed < 0):
+        bad("seed", f"must be a non-negative integer or None, got {params.seed!r}")
+    if isinstance(params.stop, str) or not all(isinstance(s, str) and s for s in params.stop):
+        bad("stop", f"must be a sequence of non-empty strings, got {params.stop!r}")
+    for tok in params.stop_token_ids:
+        if not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            bad("stop_token_ids", f"token id {tok!r} is outside the vocabulary [0, {vocab_size})")
+    if params.logprobs is not None and (not isinstance(params.logprobs, int)
+                                        or not 0 <= params.logprobs <= MAX_LOGPROBS):
+        bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {params.logprobs!r}")
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return not params.do_sample or params.temperature == 0
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+    return g
+
+
+def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits [V]`` float32 -> temperature-scaled, top-k / top-p filtered logits."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > params.top_p  # mass before this token already exceeds top_p
+        drop[0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float | None], list[dict[int, float] | None]]:
+    """``logits [N, V]`` float32, one row per sequence. Returns token ids, the chosen token's
+    logprob (when asked) and the top alternatives (when ``logprobs > 0``)."""
+    for i, seq in enumerate(seqs):
+        if seq.num_generated < seq.params.min_new_tokens and seq.stop_set:
+            logits[i, list(seq.stop_set)] = float("-inf")
+    tokens = logits.argmax(-1).tolist()
+    rows = [i for i, s in enumerate(seqs) if not is_greedy(s.params)]
+    if rows:
+        cpu = logits[rows].cpu()
+        for r, i in enumerate(rows):
+            probs = _filter(cpu[r], seqs[i].params).softmax(-1)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=seqs[i].generator).item())
+    chosen: list[float | None] = [None] * len(seqs)
+    tops: list[dict[int, float] | None] = [None] * len(seqs)
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if want:
+        lp = logits[want].log_softmax(-1).cpu()
+        for r, i in enumerate(want):
+            chosen[i] = float(lp[r, tokens[i]])
+            k = seqs[i].params.logprobs
+            if k:
+                v, ix = torch.topk(lp[r], k)
+                tops[i] = {int(a): float(b) for a, b in zip(ix.tolist(), v.tolist())}
+    return tokens, chosen, tops

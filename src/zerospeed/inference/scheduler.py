@@ -1,0 +1,221 @@
+"""Dynamic SplitFuse scheduling over the paged cache.
+
+Each ``schedule()`` picks the tokens of one forward, within ``max_num_batched_tokens`` tokens
+(DeepSpeed's ``max_ragged_batch_size``) and ``max_num_seqs`` sequences (``max_ragged_sequence_count``):
+
+1. decodes first: every running sequence whose prompt is done contributes its one new token,
+   oldest first;
+2. then running sequences still in their prompt get the next chunk, as large as the budget left
+   (long prompts are split across forwards);
+3. then waiting requests, strictly first-in first-out, are admitted and their first chunk fused
+   into the same forward until the token budget is full. A request is admitted only when the
+   free blocks can hold its whole remaining prompt (blocks found in the prefix table excepted),
+   and no later request is admitted ahead of one that cannot: no request starves.
+
+Cache pressure: when a running sequence needs a block and none is free, the newest running
+sequence (possibly one already picked for this forward, which is then dropped from it) is
+preempted: its blocks are freed and it goes back to the front of the waiting queue, in arrival
+order, keeping its generated tokens; it is recomputed when readmitted (its freed blocks keep their
+prefix hashes, so it often finds them again). When the sequence in need is itself the newest, it
+is the one preempted. Since every request's prompt + max_new_tokens fits in the whole cache
+(checked at admission by the engine), the oldest running sequence can always proceed: there is no
+deadlock, and nothing is ever reset.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from zerospeed.inference.kv_cache import BlockAllocator, chain_hash
+from zerospeed.inference.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """This forward's work: ``items`` are ``(sequence, num_new_tokens)``, decodes first;
+    ``copies`` are copy-on-write ``(src_block, dst_block)`` to apply to the cache before it."""
+
+    items: list[tuple[Sequence, int]] = field(default_factory=list)
+    num_decodes: int = 0
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_batched_tokens: int, max_num_seqs: int,
+                 enable_prefix_caching: bool = True) -> None:
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.enable_prefix_caching = enable_prefix_caching
+        self.waiting: list[Sequence] = []  # arrival order
+        self.running: list[Sequence] = []  # arrival order
+        self.num_preemptions = 0
+
+    # -- queue management ------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].arrival > seq.arrival:
+            i -= 1
+        self.waiting.insert(i, seq)
+
+    def free_blocks(self, seq: Sequence) -> None:
+        for b in seq.blocks:
+            self.allocator.free(b)
+        seq.blocks = []
+        seq.block_hashes = []
+        seq.num_computed = 0
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and return its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free_blocks(seq)
+        seq.status = Status.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free_blocks(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._insert_waiting(seq)
+
+    # -- block bookkeeping -------------------------------------------------------------------
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        """New blocks to write tokens ``[num_computed, num_computed + n)``, copy-on-write included."""
+        bs = self.block_size
+        need = -(-(seq.num_computed + n) // bs) - len(seq.blocks)
+        j = seq.num_computed // bs
+        if j < len(seq.blocks) and self.allocator.refcount(seq.blocks[j]) > 1:
+            need += 1
+        return max(need, 0)
+
+    def _grow(self, seq: Sequence, n: int, batch: ScheduledBatch) -> None:
+        """Allocate (the caller checked there are enough free blocks)."""
+        bs = self.block_size
+        j = seq.num_computed // bs
+        if j < len(seq.blocks) and self.allocator.refcount(seq.blocks[j]) > 1:
+            new = self.allocator.allocate()
+            batch.copies.append((seq.blocks[j], new))
+            self.allocator.free(seq.blocks[j])
+            seq.blocks[j] = new
+            del seq.block_hashes[j:]
+        while len(seq.blocks) * bs < seq.num_computed + n:
+            seq.blocks.append(self.allocator.allocate())
+
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch, picked: "OrderedDict[Sequence, int]") -> bool:
+        """Make room for ``n`` tokens of running ``seq``, preempting newer running sequences.
+        False when ``seq`` itself had to be preempted."""
+        while self._blocks_needed(seq, n) > self.allocator.num_free:
+            victim = self.running[-1]
+            if victim is seq:
+                self._preempt(seq)
+                batch.preempted.append(seq)
+                return False
+            picked.pop(victim, None)
+            self._preempt(victim)
+            batch.preempted.append(victim)
+        self._grow(seq, n, batch)
+        return True
+
+    def _prefix_hashes(self, seq: Sequence) -> list[int]:
+        bs = self.block_size
+        hashes, h = [], None
+        for j in range(len(seq.tokens) // bs):
+            h = chain_hash(h, seq.tokens[j * bs:(j + 1) * bs])
+            hashes.append(h)
+        return hashes
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Take cached prefix blocks and check the rest of the prompt fits; False leaves it waiting."""
+        bs = self.block_size
+        hits: list[int] = []
+        hashes = self._prefix_hashes(seq) if self.enable_prefix_caching else []
+        for h in hashes:
+            b = self.allocator._block_of.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        total = -(-len(seq.tokens) // bs)
+        free_hits = sum(1 for b in hits if self.allocator.refcount(b) == 0)
+        # the last cached block is copied on write if the whole prompt was found
+        cow = 1 if hits and len(hits) * bs >= len(seq.tokens) else 0
+        if total - len(hits) + free_hits + cow > self.allocator.num_free:
+            return False
+        for h in hashes[:len(hits)]:
+            seq.blocks.append(self.allocator.lookup(h))
+            seq.block_hashes.append(h)
+        seq.num_computed = min(len(hits) * bs, len(seq.tokens) - 1)
+        seq.status = Status.RUNNING
+        return True
+
+    # -- the step ----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        picked: OrderedDict[Sequence, int] = OrderedDict()
+        budget = self.max_num_batched_tokens
+
+        def spent() -> int:
+            return sum(picked.values())
+
+        for seq in [s for s in self.running if s.num_remaining == 1]:
+            if seq not in self.running or len(picked) >= self.max_num_seqs or spent() + 1 > budget:
+                continue
+            if self._reserve(seq, 1, batch, picked):
+                picked[seq] = 1
+        for seq in [s for s in self.running if s.num_remaining > 1]:
+            if seq not in self.running or len(picked) >= self.max_num_seqs:
+                continue
+            n = min(seq.num_remaining, budget - spent())
+            if n <= 0:
+                break
+            if self._reserve(seq, n, batch, picked):
+                picked[seq] = n
+        while self.waiting and len(self.running) < self.max_num_seqs and len(picked) < self.max_num_seqs:
+            n_left = budget - spent()
+            if n_left <= 0:
+                break
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            self.waiting.pop(0)
+            self.running.append(seq)
+            self.running.sort(key=lambda s: s.arrival)
+            n = min(seq.num_remaining, n_left)
+            self._grow(seq, n, batch)
+            picked[seq] = n
+        decodes = [(s, n) for s, n in picked.items() if s.num_remaining == 1]
+        prefills = [(s, n) for s, n in picked.items() if s.num_remaining != 1]
+        batch.items = decodes + prefills
+        batch.num_decodes = len(decodes)
+        return batch
+
+    def after_forward(self, batch: ScheduledBatch) -> None:
+        """Advance ``num_computed`` and seal newly full blocks into the prefix table."""
+        bs = self.block_size
+        for seq, n in batch.items:
+            seq.num_computed += n
+            if not self.enable_prefix_caching:
+                continue
+            full = seq.num_computed // bs
+            h = seq.block_hashes[-1] if seq.block_hashes else None
+            for j in range(len(seq.block_hashes), full):
+                h = chain_hash(h, seq.tokens[j * bs:(j + 1) * bs])
+                seq.block_hashes.append(h)
+                self.allocator.seal(seq.blocks[j], h)

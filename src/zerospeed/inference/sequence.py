@@ -1,0 +1,61 @@
+"""One request's state inside the engine: its tokens, how many of them have K/V in the cache, the
+blocks holding them, and what sampling and stopping need."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from zerospeed.inference.api import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """``tokens`` is prompt + generated so far; ``num_computed`` of them have K/V in ``blocks``
+    (``num_computed <= len(tokens)``; the last token's K/V is computed in the forward that samples
+    the next one). ``block_hashes[i]`` is the prefix hash of full block ``i`` once sealed."""
+
+    __slots__ = ("request_id", "tokens", "prompt_len", "params", "arrival", "num_computed", "blocks",
+                 "block_hashes", "status", "generator", "num_preemptions", "finish_reason", "stop_reason",
+                 "stop_set", "num_emitted", "pending_logprobs", "pending_top")
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, arrival: int,
+                 generator: torch.Generator | None, stop_set: frozenset[int]) -> None:
+        self.request_id = request_id
+        self.tokens = list(prompt)
+        self.prompt_len = len(prompt)
+        self.params = params
+        self.arrival = arrival
+        self.num_computed = 0
+        self.blocks: list[int] = []
+        self.block_hashes: list[int] = []
+        self.status = Status.WAITING
+        self.generator = generator
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.stop_set = stop_set  # token ids that end generation (stop_token_ids, EOS unless ignore_eos)
+        self.num_emitted = 0  # generated tokens already handed out in a RequestOutput
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_remaining(self) -> int:
+        """Known tokens whose K/V is not computed yet (1 while decoding)."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
