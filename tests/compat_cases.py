@@ -165,3 +165,82 @@ def accelerator_probe() -> dict:
     acc = get_accelerator()
     return {"name": acc.device_name(), "current": acc.current_device(), "count": acc.device_count(),
             "backend": acc.communication_backend_name()}
+
+
+# -- pipeline (issue 20, point 8) ------------------------------------------------------------------
+INPLACE_BOUNDS = [0, 1, 5]  # stage 1 starts with ReLU(inplace=True)
+
+
+def inplace_layers() -> list:
+    torch.manual_seed(7)
+    return [nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)]
+
+
+def inplace_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(50 + step)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+
+
+def _pipe_cfg(gas: int) -> dict:
+    return {"train_batch_size": 8, "gradient_accumulation_steps": gas, "steps_per_print": 0,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "pipeline": {"schedule": "1f1b"}}
+
+
+def inplace_pipeline_run(steps: int = 3) -> list[float]:
+    import zerospeed
+    from zerospeed.pipe import PipelineModule
+
+    model = PipelineModule(inplace_layers(), num_stages=2, loss_fn=nn.functional.mse_loss,
+                           partition_method=INPLACE_BOUNDS)
+    engine, *_ = zerospeed.initialize(model=model, config=_pipe_cfg(2))
+    losses = []
+    for step in range(steps):
+        x, y = inplace_batches(step)
+        losses.append(float(engine.train_batch(iter(list(zip(x.chunk(2), y.chunk(2)))))))
+    return losses
+
+
+def inplace_reference(steps: int = 3) -> list[float]:
+    model = nn.Sequential(*inplace_layers())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = inplace_batches(step)
+        opt.zero_grad()
+        total = 0.0
+        for xm, ym in zip(x.chunk(2), y.chunk(2)):
+            loss = nn.functional.mse_loss(model(xm), ym) / 2
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total)
+    return losses
+
+
+class _Indexed(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((4,), float(i)), torch.zeros(2)
+
+
+def pipeline_loader_order() -> dict:
+    """train_batch() without an iterator: which samples the first stage read, in order."""
+    import zerospeed
+    from zerospeed.pipe import PipelineModule
+
+    seen: list[float] = []
+
+    class Spy(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.extend(x[:, 0].tolist())
+            return x
+
+    torch.manual_seed(0)
+    model = PipelineModule([Spy(), nn.Linear(4, 4), nn.Linear(4, 2)], num_stages=2,
+                           loss_fn=nn.functional.mse_loss, partition_method=[0, 2, 3])
+    engine, _, loader, _ = zerospeed.initialize(model=model, config=_pipe_cfg(2), training_data=_Indexed())
+    for _ in range(2):
+        engine.train_batch()
+    return {"seen": seen, "loader_first": next(iter(loader))[0][:, 0].tolist()}

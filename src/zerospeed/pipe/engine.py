@@ -125,8 +125,11 @@ def initialize_pipeline(model: PipelineModule, raw_config: Any, *, optimizer: An
     engine.lr_scheduler = scheduler_from_config(cfg, lr_scheduler, opt)
     loader = None
     if training_data is not None:
+        # not shuffled: DeepSpeed's pipeline engine builds its loader with shuffle=False
+        # (PipelineEngine._build_data_iter), so train_batch() without an iterator sees the same order
         loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, layout.dp_rank, layout.num_dp,
-                                  collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last, seed=cfg.seed or 0)
+                                  collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last, seed=cfg.seed or 0,
+                                  shuffle=False)
         engine.training_dataloader = loader
     return engine, opt, loader, engine.lr_scheduler
 

@@ -14,14 +14,12 @@ Methods (DeepSpeed's names; the string is case-insensitive except for the regex)
   (``re.search``, case-insensitive, as DeepSpeed).
 * a sequence of ints: explicit boundaries, validated.
 
-Balancing (:func:`partition_balanced`) first finds the smallest achievable maximum stage weight,
-then, among partitions achieving it, places each boundary as close as possible to an equal share
-of the total weight (then of the layer count), so unweighted layers (for instance embeddings
-under ``type:`` partitioning) are spread instead of piling up on the last stage.
+Balancing (:func:`partition_balanced`) reproduces DeepSpeed's own dynamic program split for split
+(see its docstring), so a PipelineModule has the same stages under zerospeed as under DeepSpeed;
+``tests/test_compat_pipe.py`` holds split points computed by DeepSpeed 0.19.8 itself.
 """
 from __future__ import annotations
 
-import bisect
 import re
 import warnings
 from collections.abc import Sequence
@@ -45,53 +43,49 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
     return parts
 
 
-def _min_parts_from(prefix: list[int], limit: int) -> list[int]:
-    """For each start i, the fewest contiguous parts of weight <= limit covering items i..n-1."""
-    n = len(prefix) - 1
-    fewest = [0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        # furthest end j with prefix[j] - prefix[i] <= limit (at least i + 1: limit >= max weight)
-        j = bisect.bisect_right(prefix, prefix[i] + limit, lo=i + 1) - 1
-        fewest[i] = 1 + fewest[j]
-    return fewest
-
-
 def partition_balanced(weights: Sequence[int], num_parts: int) -> list[int]:
-    """Contiguous, non-empty parts minimizing the heaviest part, boundaries spread evenly."""
+    """Contiguous, non-empty parts chosen exactly as DeepSpeed's ``partition_balanced`` chooses them.
+
+    DeepSpeed (``deepspeed/runtime/utils.py``, 0.19.8) solves a linear-partition dynamic program
+    whose state ``(i, j)`` (first ``i`` items in ``j`` parts) keeps one candidate: the one with the
+    smallest spread ``max part - min part``, ties going to the *latest* previous boundary. The
+    answer follows the stored boundaries back from ``(n, num_parts)``. This is not the partition
+    with the lightest heaviest part (the spread objective is not decomposable), but it is what
+    DeepSpeed users get, and matching it keeps a script's stages identical after the switch:
+    for the AlexNet of DeepSpeed's pipeline example it splits 2 stages at layer 19, not 17.
+    Sums are exact integers (DeepSpeed's float64 agrees below 2**53).
+    """
     n = len(weights)
     if not 1 <= num_parts <= n:
         raise ValueError(f"num_parts: need 1 <= num_parts <= {n} items, got {num_parts}")
     if any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in weights):
         raise ValueError(f"weights: must be non-negative ints, got {list(weights)!r}")
+    if n == num_parts:
+        return list(range(n + 1))
     prefix = [0]
     for w in weights:
         prefix.append(prefix[-1] + w)
-    low, high = max(weights), prefix[-1]
-    while low < high:  # smallest feasible bottleneck
-        mid = (low + high) // 2
-        if _min_parts_from(prefix, mid)[0] <= num_parts:
-            high = mid
-        else:
-            low = mid + 1
-    fewest = _min_parts_from(prefix, low)
-    total = prefix[-1]
-    parts = [0]
-    for k in range(1, num_parts):
-        left = num_parts - k  # parts still to place after this boundary
-        start = parts[-1]
-        best: tuple[float, float, int] | None = None
-        for j in range(start + 1, n - left + 1):
-            if prefix[j] - prefix[start] > low:
-                break
-            if fewest[j] > left:  # suffix j..n-1 cannot fit in the parts left
-                continue
-            score = (abs(prefix[j] - total * k / num_parts), abs(j - n * k / num_parts), j)
-            if best is None or score < best:
-                best = score
-        assert best is not None  # feasibility of `low` guarantees a candidate
-        parts.append(best[2])
-    parts.append(n)
-    return parts
+    # best[(i, j)] = (spread, heaviest, lightest, previous boundary)
+    best: dict[tuple[int, int], tuple[int, int, int, int]] = {(0, 0): (0, 0, -1, 0)}
+    for i in range(1, n + 1):
+        for j in range(1, min(i, num_parts) + 1):
+            chosen: tuple[int, int, int, int] | None = None
+            for k in range(j - 1, i):
+                prev = best.get((k, j - 1))
+                if prev is None:
+                    continue
+                part = prefix[i] - prefix[k]
+                heaviest = max(prev[1], part)
+                lightest = part if prev[2] < 0 else min(prev[2], part)
+                spread = heaviest - lightest
+                if chosen is None or spread <= chosen[0]:  # ties: the later boundary wins
+                    chosen = (spread, heaviest, lightest, k)
+            if chosen is not None:
+                best[(i, j)] = chosen
+    parts = [n]
+    for j in range(num_parts, 0, -1):
+        parts.append(best[(parts[-1], j)][3])
+    return parts[::-1]
 
 
 def layer_type_name(layer: Any) -> str:

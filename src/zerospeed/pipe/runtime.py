@@ -222,6 +222,8 @@ class PipelineExecutor:
             inputs = work.inputs
             x = pack_activation(inputs, self.meta[s])
         work.inputs = inputs
+        if s > 0 and self._train:  # the stage may start with an in-place layer (ReLU(inplace=True)): it
+            x = _clone_received(x)  # must not write into the leaf whose .grad is sent back upstream
         counter = _SavedBytes(self._param_storages, inputs) if self.measure_memory and self._train else None
         with torch.set_grad_enabled(self._train), (
                 torch.autograd.graph.saved_tensors_hooks(counter.pack, _identity) if counter is not None
@@ -385,3 +387,13 @@ def _detach(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_detach(v) for v in value)
     return value
+
+
+def _clone_received(x: Any) -> Any:
+    """``x`` with each grad-requiring tensor replaced by a clone (autograd passes the gradient
+    through to the received leaf). Costs one copy of the stage's input per micro-batch."""
+    if torch.is_tensor(x):
+        return x.clone() if x.requires_grad else x
+    if isinstance(x, tuple):
+        return tuple(_clone_received(t) for t in x)
+    return x
