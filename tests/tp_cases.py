@@ -202,3 +202,116 @@ def bad_inputs() -> dict[str, str]:
         "use_default_specs": False, "layer_specs": [{"patterns": ["fc_a"]}, {"patterns": ["fc_b"], "partition_type": "row"}]}))
     comm.reset_mesh()
     return out
+
+
+# -- training ----------------------------------------------------------------------------------------
+TRAIN_STEPS = 2
+MICRO = 2
+SEQ = 8
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=False)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def train_batches(dp: int) -> list[list[torch.Tensor]]:
+    """``TRAIN_STEPS`` global batches, each a list of ``dp`` micro-batches (token ids)."""
+    g = torch.Generator().manual_seed(1234)
+    return [[torch.randint(0, 64, (MICRO, SEQ), generator=g) for _ in range(dp)] for _ in range(TRAIN_STEPS)]
+
+
+def train_config(stage: int, dp: int, tp: int, **extra: Any) -> dict[str, Any]:
+    cfg = {"train_batch_size": MICRO * dp, "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.05,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage},
+           "steps_per_print": 0}
+    if tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tp}
+    cfg.update(extra)
+    return cfg
+
+
+def reference_training(dp: int) -> dict[str, Any]:
+    """One process, the whole global batch per step (HF's mean loss over equal-size micro-batches)."""
+    model = tiny_llama()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses, norms = [], []
+    for batch in train_batches(dp):
+        ids = torch.cat(batch)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def full_weights(engine: Any, mesh: Any) -> dict[str, torch.Tensor]:
+    from zerospeed.module_inject.gather import gather_tp_state_dict
+
+    return gather_tp_state_dict(engine.consolidated_state_dict(), engine.module, mesh)
+
+
+def tp_training(cases: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Train the tiny Llama with each (dp, config); return losses, norms, gathered weights (global rank 0)."""
+    import zerospeed
+
+    results = []
+    for case in cases:
+        dp, cfg = case[0], case[1]
+        mode = case[2] if len(case) > 2 else "config"
+        model = tiny_llama()
+        if mode == "loader":  # the loader initialize returns: the same micro-batch on every rank of a tp group
+            data = torch.utils.data.TensorDataset(torch.arange(64).reshape(16, 4))
+            engine, _, loader, _ = zerospeed.initialize(model=model, config=cfg, training_data=data)
+            results.append({"first_batch": next(iter(loader))[0]})
+            comm.reset_mesh()
+            continue
+        if mode == "diverge":
+            engine, _, _, _ = zerospeed.initialize(model=model, config=cfg)
+            ids = torch.full((MICRO, SEQ), dist.get_rank())
+            try:
+                engine(ids, labels=ids)
+                results.append({"error": "no error"})
+            except ValueError as exc:
+                results.append({"error": str(exc)})
+            comm.reset_mesh()
+            continue
+        if mode == "mpu":  # a Megatron-style mpu: tp over the whole world, dp of one
+            world = dist.get_world_size()
+            tp_group = comm.new_group(list(range(world)))
+            dp_group = None
+            for r in range(world):
+                g = comm.new_group([r])
+                dp_group = g if r == dist.get_rank() else dp_group
+            engine, _, _, _ = zerospeed.initialize(model=model, config=cfg,
+                                                   mpu=_Mpu(tp_group, dp_group, dist.get_rank(), world))
+        else:
+            engine, _, _, _ = zerospeed.initialize(model=model, config=cfg)
+        mesh = comm.get_mesh()
+        dp_rank = mesh.dp_rank if mesh is not None else dist.get_rank()
+        comm.COUNTER.reset()
+        losses, norms = [], []
+        for step, batch in enumerate(train_batches(dp)):
+            ids = batch[dp_rank]
+            loss = engine(ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            mean = loss.detach().clone()
+            comm.all_reduce(mean)  # over the world: every tp rank of a dp replica has the same loss
+            losses.append(float(mean) / dist.get_world_size())
+            norms.append(engine.get_global_grad_norm())
+        counts = comm.COUNTER.snapshot()
+        weights = full_weights(engine, mesh)
+        local_param_bytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+        results.append({"losses": losses, "norms": norms, "weights": weights if dist.get_rank() == 0 else {},
+                        "comms": counts, "param_bytes": local_param_bytes})
+        engine.destroy()
+        comm.reset_mesh()
+    return results

@@ -188,3 +188,23 @@ def parse_tensor_parallel(section: Any) -> TensorParallelConfig:
     except ValidationError as exc:
         err = translate_validation_error(exc)
         raise ConfigError(f"tensor_parallel.{err.key_path}".rstrip("."), err.problem) from None
+
+
+def tensor_parallel_of(config: Any) -> TensorParallelConfig:
+    """Only the ``tensor_parallel`` section of a config (dict, JSON path or parsed config).
+
+    ``initialize`` needs the tp degree *before* the batch sizes can be resolved (they depend on the
+    data-parallel degree, which is world / (pp * tp)), so this reads that one section alone.
+    """
+    from pathlib import Path
+
+    from .loader import _read_json
+    from .schema import ZeroSpeedConfig
+
+    if isinstance(config, ZeroSpeedConfig):
+        return config.tensor_parallel
+    if isinstance(config, (str, Path)):
+        config = _read_json(Path(config))
+    if not isinstance(config, dict):
+        return TensorParallelConfig()
+    return parse_tensor_parallel(config.get("tensor_parallel") or {})

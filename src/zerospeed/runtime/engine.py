@@ -112,6 +112,9 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         self.last_step_comms: dict[str, dict[str, int]] = {}
         self._comms_mark = comm.COUNTER.snapshot()
         self._comms_generation = comm.COUNTER.generation
+        #: tensor parallelism (runtime/tp_setup.py): tp-aware global norm, first-forward batch check
+        self.norm_sq_hook: Any = None
+        self.batch_check: Any = None
         self.monitor = Monitor(config)  # tensorboard / csv_monitor / wandb writers (rank 0)
         self._step_events = StepEvents(self.monitor, dp_group)
         self._flops_hook = EngineFlopsProfiler(config.flops_profiler, self)  # profiles step profile_step
@@ -171,6 +174,9 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
             args, kwargs = _cast_floats(args, self.compute_dtype), _cast_floats(kwargs, self.compute_dtype)
         self._step_events.on_forward(args, kwargs)
         self._flops_hook.on_forward()
+        if self.batch_check is not None:
+            check, self.batch_check = self.batch_check, None
+            check(args, kwargs)
         out = self._torch_backward.attach(self.module(*args, **kwargs))
         self._timers["forward"] += time.perf_counter() - t0
         return out
@@ -199,7 +205,8 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         t0 = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
-            result = self.strategy.step(self.loss_scaler.scale, self.config.gradient_clipping)
+            result = self.strategy.step(self.loss_scaler.scale, self.config.gradient_clipping,
+                                        norm_sq_hook=self.norm_sq_hook)
             self._grad_norm = result.grad_norm
             self._last_step_applied = not result.overflow
             self.loss_scaler.update(result.overflow)

@@ -64,14 +64,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     ``config`` is a DeepSpeed config dict or JSON path (``config_params`` and
     ``args.deepspeed_config`` are accepted as DeepSpeed does). The optimizer comes from the config
     or from ``optimizer`` (an instance built over the model's parameters, or a callable taking
-    parameter groups); the scheduler likewise. ``mpu`` and ``mesh_param`` (model-parallel groups)
-    are not supported yet and must be None.
+    parameter groups); the scheduler likewise. Tensor parallelism (``tensor_parallel.autotp_size``, a
+    Megatron-style ``mpu``, or ``mesh_param={"pp":, "dp":, "tp":}``) builds the (pp, dp, tp) mesh
+    first and splits the model with AutoTP (see :mod:`zerospeed.runtime.tp_setup`).
     """
     del dist_init_required
     if model is None or not isinstance(model, nn.Module):
         raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
-    if mpu is not None or mesh_param is not None:
-        raise ValueError("initialize: mpu / mesh_param (model parallelism) are not supported yet; pass None")
     raw = config if config is not None else config_params
     if raw is None and args is not None:
         from zerospeed.arguments import config_path_from_args
@@ -85,20 +84,29 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if isinstance(model, PipelineModule):
         from zerospeed.pipe.engine import initialize_pipeline
 
+        if mpu is not None or mesh_param is not None:
+            raise ValueError("initialize: mpu / mesh_param with a PipelineModule are not supported yet; pass None")
+
         return initialize_pipeline(model, raw, optimizer=optimizer, model_parameters=model_parameters,
                                    training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn)
-    dp_world_size = comm.get_world_size()
+    from zerospeed.runtime import tp_setup
+
+    mesh, tp_cfg = tp_setup.mesh_for(raw, mpu=mpu, mesh_param=mesh_param)
+    dp_world_size = comm.get_world_size() if mesh is None else mesh.dp_size
+    dp_rank = comm.get_rank() if mesh is None else mesh.dp_rank
     cfg = load_config(raw, dp_world_size=dp_world_size)
-    if cfg.tensor_parallel.enabled:  # training under TP is wired in the next change (issue #11)
-        raise ConfigError("tensor_parallel.autotp_size", "tensor-parallel training is not wired into initialize yet")
     device = comm.device_for_backend()
     model.to(device)
+    if mesh is not None:
+        model = tp_setup.prepare_model(model, mesh, tp_cfg, optimizer)
     groups = param_groups_of(model, model_parameters)
     opt = optimizer_from_config(cfg, optimizer, groups)
-    engine = ZeroSpeedEngine(model, cfg, opt, dp_group=None)
+    engine = ZeroSpeedEngine(model, cfg, opt, dp_group=None if mesh is None else mesh.dp_group)
+    if mesh is not None:
+        tp_setup.attach(engine, mesh)
     engine.lr_scheduler = scheduler_from_config(cfg, lr_scheduler, opt)
     loader = None
     if training_data is not None:
-        loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, comm.get_rank(), dp_world_size,
+        loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, dp_rank, dp_world_size,
                                   collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last, seed=cfg.seed or 0)
     return engine, opt, loader, engine.lr_scheduler
