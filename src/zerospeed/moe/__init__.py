@@ -1,2 +1,3 @@
-"""Mixture-of-experts support: ``zerospeed.moe.utils`` (DeepSpeed's helper names) and the registry
-of expert parameters (:mod:`zerospeed.moe.registry`). The MoE layer itself is built elsewhere."""
+"""Mixture of experts, DeepSpeed's way: ``zerospeed.moe.layer.MoE`` (top-1/top-2 gating with
+capacity, expert parallelism over all-to-all, grouped experts), ``zerospeed.moe.utils`` (DeepSpeed's
+helper names) and the registry of expert parameters (:mod:`zerospeed.moe.registry`)."""

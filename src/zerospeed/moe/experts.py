@@ -1,0 +1,60 @@
+"""The local experts of one rank, computed either grouped (one batched call) or one at a time.
+
+``Experts(expert, num_local_experts)`` deep-copies the user's expert module; the copies live in
+``deepspeed_experts`` (DeepSpeed's attribute name, so checkpoint keys read
+``deepspeed_moe.experts.deepspeed_experts.<i>.<param>``), each keeps its own parameters, and every
+parameter is marked as an expert parameter of its group in :mod:`zerospeed.moe.registry`.
+
+Input ``[E_local, T, M]`` (``T`` token slots per expert), output ``[E_local, T, M_out]``.
+
+Decisions:
+
+* ``grouped=True`` (default): the experts' parameters are stacked along a new leading dimension
+  (``torch.stack`` keeps autograd to each expert's own parameters) and one ``torch.func.vmap`` of
+  ``functional_call`` over the experts runs the whole layer, so each Linear of the expert becomes
+  one batched matmul over all local experts instead of a Python loop of small matmuls. Any expert
+  module works (vmap traces its ops), dropout included (``randomness="different"``).
+* ``grouped=False``: a Python loop over the experts (the reference the grouped path is tested and
+  benchmarked against).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+from zerospeed.moe.registry import mark_expert_param
+
+
+class Experts(nn.Module):
+    def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None,
+                 grouped: bool = True) -> None:
+        super().__init__()
+        if not isinstance(expert, nn.Module):
+            raise TypeError(f"MoE: expert must be a torch.nn.Module, got {type(expert).__name__}")
+        self.deepspeed_experts = nn.ModuleList(copy.deepcopy(expert) for _ in range(num_local_experts))
+        self.num_local_experts = num_local_experts
+        self.grouped = grouped
+        if expert_group_name is not None:
+            for p in self.parameters():
+                mark_expert_param(p, expert_group_name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != self.num_local_experts:
+            raise ValueError(f"Experts: input has {x.shape[0]} expert slices, expected {self.num_local_experts}")
+        if not self.grouped or self.num_local_experts == 1:
+            return torch.stack([expert(x[i]) for i, expert in enumerate(self.deepspeed_experts)])
+        first = self.deepspeed_experts[0]
+        names = [n for n, _ in first.named_parameters()]
+        buffers = [n for n, _ in first.named_buffers()]
+        stacked = {n: torch.stack([dict(e.named_parameters())[n] for e in self.deepspeed_experts]) for n in names}
+        stacked.update({n: torch.stack([dict(e.named_buffers())[n] for e in self.deepspeed_experts])
+                        for n in buffers})
+
+        def one(state: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+            return functional_call(first, state, (tokens,))
+
+        return vmap(one, randomness="different")(stacked, x)

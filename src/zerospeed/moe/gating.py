@@ -1,0 +1,170 @@
+"""Top-1 and top-2 gating with capacity (GShard / Switch semantics, as DeepSpeed-MoE exposes them).
+
+Given ``S`` local tokens and ``E`` experts, a gate returns:
+
+* ``combine_weights`` ``[S, E, C]``: the weight with which token ``s``'s output from slot ``c`` of
+  expert ``e`` is added to its result (0 where the token did not go there);
+* ``dispatch_mask`` ``[S, E, C]`` (bool): where each token is sent;
+* ``l_aux``: the load-balancing loss ``E * sum_e mean_s(gates[s, e]) * mean_s(mask1[s, e])`` (top-1;
+  top-2 uses ``E * E * mean_e(...)``, DeepSpeed's scaling of the same product), computed from the
+  first choice before any token is dropped;
+* ``exp_counts`` ``[E]``: tokens routed to each expert before capacity (first and second choices).
+
+Capacity ``C = max(min_capacity, ceil(k * S / E * capacity_factor))``. With ``drop_tokens`` the
+tokens past an expert's capacity are dropped (their output is 0, so a residual connection passes
+them through); without it ``C`` grows to the largest expert's load, agreed over the expert-parallel
+group (a MAX all-reduce) so every rank's all-to-all has the same shape.
+
+Decisions:
+
+* Which tokens keep their slot when an expert is over capacity: with ``use_rts`` (random token
+  selection, DeepSpeed's default) a uniformly random subset; without it the first tokens in order.
+* ``noisy_gate_policy``: ``"Jitter"`` multiplies the gate's input by U(1-0.01, 1+0.01) in
+  training; ``"RSample"`` adds Gumbel noise to the logits used to choose the first expert (top-1).
+  For top-2, ``top2_2nd_expert_sampling`` adds Gumbel noise to the logits used to choose the
+  second expert. Noise and RTS draw from torch's generator, so seeding makes them reproducible.
+* In top-2 the two gate values are renormalised to sum to 1 over the experts that kept the token.
+* Gating runs in fp32 whatever the model's dtype (the gate's weight is kept fp32).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerospeed import comm
+
+NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
+
+
+@dataclass
+class GateOutput:
+    l_aux: torch.Tensor
+    combine_weights: torch.Tensor
+    dispatch_mask: torch.Tensor
+    exp_counts: torch.Tensor
+    capacity: int
+
+
+def capacity_of(num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int) -> int:
+    return max(int(min_capacity), int(math.ceil(k * num_tokens / num_experts * capacity_factor)))
+
+
+def _gumbel(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    u = torch.rand(shape, device=device).clamp_(1e-10, 1.0 - 1e-7)
+    return -torch.log(-torch.log(u))
+
+
+def _keep_within_capacity(mask: torch.Tensor, capacity: int, use_rts: bool) -> torch.Tensor:
+    """``mask`` [S, E] with at most ``capacity`` ones per expert (column)."""
+    if use_rts:
+        score = mask * torch.rand(mask.shape, device=mask.device)
+        k = min(capacity, mask.shape[0])
+        top = torch.topk(score, k=k, dim=0).indices
+        keep = torch.zeros_like(mask).scatter_(0, top, 1.0)
+        return mask * keep
+    return mask * (torch.cumsum(mask, dim=0) <= capacity).to(mask.dtype)
+
+
+def _agreed_capacity(needed: int, ep_group: object) -> int:
+    t = torch.tensor([needed], dtype=torch.int64)
+    comm.all_reduce(t, op=comm.ReduceOp.MAX, group=ep_group)
+    return int(t.item())
+
+
+def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, noisy_gate_policy: str | None = None,
+               drop_tokens: bool = True, use_rts: bool = True, ep_group: object = None) -> GateOutput:
+    num_tokens, num_experts = logits.shape
+    gates = F.softmax(logits, dim=1)
+    choose = logits + _gumbel(logits.shape, logits.device) if noisy_gate_policy == "RSample" else gates
+    indices1 = torch.argmax(choose, dim=1)
+    mask1 = F.one_hot(indices1, num_experts).to(gates.dtype)
+    exp_counts = mask1.sum(dim=0).detach().to(torch.int64)
+    l_aux = torch.sum(gates.mean(dim=0) * mask1.mean(dim=0)) * num_experts
+    if drop_tokens:
+        capacity = capacity_of(num_tokens, num_experts, 1, capacity_factor, min_capacity)
+        mask1 = _keep_within_capacity(mask1, capacity, use_rts)
+    else:
+        capacity = _agreed_capacity(max(1, int(exp_counts.max().item())), ep_group)
+    locations1 = torch.cumsum(mask1, dim=0) - 1
+    loc1 = (locations1 * mask1).sum(dim=1).to(torch.int64)
+    gate1 = (gates * mask1).sum(dim=1)
+    slot = F.one_hot(loc1, capacity).to(gates.dtype)  # [S, C]
+    combine = gate1[:, None, None] * mask1[:, :, None] * slot[:, None, :]
+    return GateOutput(l_aux, combine, combine.bool(), exp_counts, capacity)
+
+
+def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
+               top2_2nd_expert_sampling: bool = True, ep_group: object = None) -> GateOutput:
+    num_tokens, num_experts = logits.shape
+    gates = F.softmax(logits, dim=1)
+    indices1 = torch.argmax(gates, dim=1)
+    mask1 = F.one_hot(indices1, num_experts).to(gates.dtype)
+    second = logits + _gumbel(logits.shape, logits.device) if top2_2nd_expert_sampling else logits
+    indices2 = torch.argmax(second.masked_fill(mask1.bool(), float("-inf")), dim=1)
+    mask2 = F.one_hot(indices2, num_experts).to(gates.dtype)
+    locations1 = torch.cumsum(mask1, dim=0) - 1
+    locations2 = torch.cumsum(mask2, dim=0) - 1 + mask1.sum(dim=0, keepdim=True)
+    l_aux = torch.mean(gates.mean(dim=0) * mask1.mean(dim=0)) * num_experts * num_experts
+    exp_counts = (mask1 + mask2).sum(dim=0).detach().to(torch.int64)
+    if drop_tokens:
+        capacity = capacity_of(num_tokens, num_experts, 2, capacity_factor, min_capacity)
+        mask1 = mask1 * (locations1 < capacity).to(mask1.dtype)
+        mask2 = mask2 * (locations2 < capacity).to(mask2.dtype)
+    else:
+        capacity = _agreed_capacity(max(1, int(exp_counts.max().item())), ep_group)
+    loc1 = (locations1 * mask1).sum(dim=1).to(torch.int64)
+    loc2 = (locations2 * mask2).sum(dim=1).to(torch.int64)
+    gate1 = (gates * mask1).sum(dim=1)
+    gate2 = (gates * mask2).sum(dim=1)
+    denom = (gate1 + gate2).clamp(min=torch.finfo(gates.dtype).eps)
+    gate1, gate2 = gate1 / denom, gate2 / denom
+    slot1 = F.one_hot(loc1, capacity).to(gates.dtype)
+    slot2 = F.one_hot(loc2, capacity).to(gates.dtype)
+    combine = (gate1[:, None, None] * mask1[:, :, None] * slot1[:, None, :]
+               + gate2[:, None, None] * mask2[:, :, None] * slot2[:, None, :])
+    return GateOutput(l_aux, combine, combine.bool(), exp_counts, capacity)
+
+
+class TopKGate(nn.Module):
+    """The router: a bias-free fp32 linear layer to ``num_experts`` logits, then top-k gating.
+
+    ``wg`` is DeepSpeed's parameter name (``deepspeed_moe.gate.wg.weight`` in checkpoints).
+    """
+
+    def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
+                 eval_capacity_factor: float = 1.0, min_capacity: int = 4, noisy_gate_policy: str | None = None,
+                 drop_tokens: bool = True, use_rts: bool = True, top2_2nd_expert_sampling: bool = True) -> None:
+        super().__init__()
+        if k not in (1, 2):
+            raise ValueError(f"MoE: k={k} is not supported; use 1 or 2 (top-1 or top-2 gating)")
+        if noisy_gate_policy not in NOISY_GATE_POLICIES:
+            raise ValueError(f"MoE: noisy_gate_policy={noisy_gate_policy!r} is not one of None, 'Jitter', 'RSample'")
+        self.wg = nn.Linear(model_dim, num_experts, bias=False).float()
+        self.k = k
+        self.capacity_factor = capacity_factor
+        self.eval_capacity_factor = eval_capacity_factor
+        self.min_capacity = min_capacity
+        self.noisy_gate_policy = noisy_gate_policy
+        self.drop_tokens = drop_tokens
+        self.use_rts = use_rts
+        self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
+        self.ep_group: object = None  # set by the MoE layer (capacity agreement without dropping)
+
+    def forward(self, x: torch.Tensor) -> GateOutput:
+        """``x`` [S, M] tokens -> :class:`GateOutput`."""
+        x = x.float()
+        if self.training and self.noisy_gate_policy == "Jitter":
+            x = x * torch.empty_like(x).uniform_(1.0 - 1e-2, 1.0 + 1e-2)
+        logits = F.linear(x, self.wg.weight.float())
+        factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        if self.k == 1:
+            return top1gating(logits, factor, self.min_capacity,
+                              self.noisy_gate_policy if self.training else None, self.drop_tokens,
+                              self.use_rts, self.ep_group)
+        return top2gating(logits, factor, self.min_capacity, self.drop_tokens,
+                          self.top2_2nd_expert_sampling and self.training, self.ep_group)

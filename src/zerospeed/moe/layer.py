@@ -1,0 +1,168 @@
+"""``zerospeed.moe.layer.MoE``: DeepSpeed's mixture-of-experts layer, with expert parallelism.
+
+``MoE(hidden_size, expert, num_experts, ep_size, k, ...)`` replaces a dense FFN: its forward takes
+``[..., hidden_size]`` and returns ``(output, l_aux, exp_counts)`` as DeepSpeed's does. Add
+``l_aux`` (times a coefficient such as 0.01) to the loss to balance the experts' load.
+
+Data flow (``S`` local tokens, ``E`` experts, ``ep`` expert-parallel ranks, capacity ``C``):
+gate -> dispatch ``[E, C, M]`` (einsum with the dispatch mask) -> all-to-all over the
+expert-parallel group (rank ``j`` receives every rank's slots for its experts
+``j*E/ep .. (j+1)*E/ep - 1``) -> local experts on ``[E/ep, ep*C, M]`` -> all-to-all back ->
+combine (einsum with the gate weights). Both all-to-alls go through :mod:`zerospeed.comm`, so
+they are counted: ``E*C*M`` elements each way per forward (``k*S*M`` with capacity factor 1 when
+``S*k`` divides evenly), and the same again in backward.
+
+Decisions:
+
+* Expert ``g`` lives on expert-parallel rank ``g // (E/ep)`` as its local expert ``g % (E/ep)``:
+  DeepSpeed's placement. Checkpoints name experts by this global index (see
+  :func:`zerospeed.moe.checkpoint.global_expert_names`), so a checkpoint written at one ``ep``
+  loads at another.
+* Expert parameters are marked in :mod:`zerospeed.moe.registry` with the group name
+  ``ep_size_<ep>``; their gradients are reduced over the expert-data-parallel group only (see
+  :mod:`zerospeed.moe.groups`).
+* ``use_residual`` (Residual-MoE): a dense copy of the expert runs on every token and the two
+  outputs are mixed by a learned 2-way softmax coefficient, DeepSpeed's formulation.
+* ``enable_expert_tensor_parallelism`` is accepted with tensor-parallel degree 1 (nothing to split)
+  and refused above it with a clear error. ``use_tutel`` is accepted and ignored (a CUDA kernel
+  library; the grouped path below is zerospeed's fast path).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerospeed import comm
+from zerospeed.moe.experts import Experts
+from zerospeed.moe.gating import TopKGate
+from zerospeed.moe.groups import ExpertGroups, expert_groups
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all over a group, whose backward is the same exchange of gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        comm.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        comm.all_to_all_single(out, grad, group=ctx.group)
+        return None, out
+
+
+class MOELayer(nn.Module):
+    """Gate + dispatch + all-to-all + experts + combine (``deepspeed_moe`` inside :class:`MoE`)."""
+
+    def __init__(self, gate: TopKGate, experts: Experts, groups: ExpertGroups, num_local_experts: int) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.groups = groups
+        self.num_local_experts = num_local_experts
+        self.ep_size = groups.ep_size
+        gate.ep_group = groups.ep_group
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        model_dim = hidden.shape[-1]
+        tokens = hidden.reshape(-1, model_dim)
+        routed = self.gate(tokens)
+        capacity = routed.capacity
+        dispatched = torch.einsum("sec,sm->ecm", routed.dispatch_mask.to(tokens.dtype), tokens)
+        ep, local = self.ep_size, self.num_local_experts
+        if ep > 1:
+            dispatched = _AllToAll.apply(self.groups.ep_group, dispatched)
+        # [ep (source rank), local experts, C, M] -> [local experts, ep * C, M]
+        expert_in = dispatched.reshape(ep, local, capacity, model_dim).transpose(0, 1).reshape(
+            local, ep * capacity, model_dim)
+        expert_out = self.experts(expert_in)
+        out_dim = expert_out.shape[-1]
+        expert_out = expert_out.reshape(local, ep, capacity, out_dim).transpose(0, 1).reshape(
+            ep * local, capacity, out_dim)
+        if ep > 1:
+            expert_out = _AllToAll.apply(self.groups.ep_group, expert_out)
+        combined = torch.einsum("sec,ecm->sm", routed.combine_weights.to(expert_out.dtype), expert_out)
+        return combined.reshape(*hidden.shape[:-1], out_dim), routed.l_aux, routed.exp_counts
+
+
+class MoE(nn.Module):
+    """DeepSpeed's ``deepspeed.moe.layer.MoE`` (see the module docstring)."""
+
+    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
+                 capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
+                 use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
+                 use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
+                 top2_2nd_expert_sampling: bool = True, grouped_experts: bool = True) -> None:
+        super().__init__()
+        del use_tutel
+        if not isinstance(expert, nn.Module):
+            raise TypeError(f"MoE: expert must be a torch.nn.Module, got {type(expert).__name__}")
+        for name, value in (("hidden_size", hidden_size), ("num_experts", num_experts), ("ep_size", ep_size),
+                            ("min_capacity", min_capacity)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoE: {name} must be a positive integer, got {value!r}")
+        if num_experts % ep_size:
+            raise ValueError(f"MoE: num_experts={num_experts} is not divisible by ep_size={ep_size}")
+        if k not in (1, 2):
+            raise ValueError(f"MoE: k={k} is not supported; use 1 or 2")
+        if k > num_experts:
+            raise ValueError(f"MoE: k={k} is larger than num_experts={num_experts}")
+        for name, value in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"MoE: {name} must be a positive number, got {value!r}")
+        if enable_expert_tensor_parallelism:
+            from zerospeed.comm.mesh import get_mesh
+
+            mesh = get_mesh()
+            if mesh is not None and mesh.tp_size > 1:
+                raise ValueError("MoE: enable_expert_tensor_parallelism with tensor-parallel degree "
+                                 f"{mesh.tp_size} is not supported yet; experts are replicated over the tp group")
+        if ep_size > 1 and not comm.is_initialized():
+            raise RuntimeError(f"MoE: ep_size={ep_size} needs torch.distributed: call zerospeed.init_distributed() "
+                               "before building the model")
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.k = k
+        self.num_local_experts = num_experts // ep_size
+        self.use_residual = use_residual
+        groups = expert_groups(ep_size)
+        self.expert_group_name = groups.name
+        gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+                        noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling)
+        experts = Experts(expert, self.num_local_experts, groups.name, grouped=grouped_experts)
+        self.deepspeed_moe = MOELayer(gate, experts, groups, self.num_local_experts)
+        if use_residual:
+            self.mlp = copy.deepcopy(expert)
+            self.coefficient = nn.Linear(hidden_size, 2)
+
+    @property
+    def expert_groups(self) -> ExpertGroups:
+        return self.deepspeed_moe.groups
+
+    def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoE: input's last dimension is {hidden_states.shape[-1]}, expected hidden_size="
+                             f"{self.hidden_size}")
+        if used_token is not None:
+            raise ValueError("MoE: used_token masks are not supported; drop padding tokens before the layer")
+        output, l_aux, exp_counts = self.deepspeed_moe(hidden_states)
+        if self.use_residual:
+            dense = self.mlp(hidden_states)
+            if isinstance(dense, tuple):
+                dense = dense[0]
+            coef = F.softmax(self.coefficient(hidden_states), dim=-1)
+            output = output * coef[..., 0:1] + dense * coef[..., 1:2]
+        return output, l_aux, exp_counts

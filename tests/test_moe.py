@@ -1,0 +1,123 @@
+"""MoE layer: gating semantics, grouped experts, expert parallelism parity, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from zerospeed.moe.gating import TopKGate, capacity_of, top1gating, top2gating
+from zerospeed.moe.layer import MoE
+from zerospeed.moe.registry import is_expert_param
+from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from zerospeed.testing import run_distributed
+
+import moe_cases
+
+
+def _expert() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+
+
+def test_top1_capacity_drop_and_aux_loss() -> None:
+    logits = torch.tensor([[3.0, 0, 0, 0], [2.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 5.0, 0, 0], [0, 0, 0, 1.0]])
+    out = top1gating(logits, capacity_factor=1.0, min_capacity=2, use_rts=False)
+    assert out.capacity == 2  # max(2, ceil(5/4))
+    assert out.exp_counts.tolist() == [3, 1, 0, 1]  # before dropping
+    kept = out.dispatch_mask.any(dim=(1, 2)).tolist()
+    assert kept == [True, True, False, True, True]  # expert 0 keeps its first 2 tokens
+    gates = torch.softmax(logits, dim=1)
+    mask = torch.nn.functional.one_hot(gates.argmax(1), 4).float()
+    assert out.l_aux.item() == pytest.approx((gates.mean(0) * mask.mean(0)).sum().item() * 4, rel=1e-6)
+    assert torch.allclose(out.combine_weights.sum(dim=(1, 2))[:2], gates.max(1).values[:2])
+    no_drop = top1gating(logits, capacity_factor=1.0, min_capacity=2, drop_tokens=False)
+    assert no_drop.capacity == 3 and no_drop.dispatch_mask.any(dim=(1, 2)).all()
+
+
+def test_top2_renormalises_and_respects_capacity() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(12, 4)
+    out = top2gating(logits, capacity_factor=1.0, min_capacity=1, drop_tokens=True, top2_2nd_expert_sampling=False)
+    assert out.capacity == capacity_of(12, 4, 2, 1.0, 1) == 6
+    per_expert = out.dispatch_mask.sum(dim=(0, 2))
+    assert (per_expert <= out.capacity).all()
+    both = out.dispatch_mask.sum(dim=(1, 2)) == 2
+    assert torch.allclose(out.combine_weights.sum(dim=(1, 2))[both], torch.ones(int(both.sum())))
+    assert int(out.exp_counts.sum()) == 24
+    slots_unique = out.dispatch_mask.sum(dim=0)
+    assert slots_unique.max() <= 1  # a slot holds one token
+
+
+def test_random_token_selection_and_noise_are_seeded() -> None:
+    logits = torch.zeros(16, 2)
+    logits[:, 0] = 1.0  # everyone wants expert 0; capacity 8 keeps a random half
+    torch.manual_seed(3)
+    a = top1gating(logits, 1.0, 1, use_rts=True).dispatch_mask.any(dim=(1, 2))
+    torch.manual_seed(3)
+    b = top1gating(logits, 1.0, 1, use_rts=True).dispatch_mask.any(dim=(1, 2))
+    assert torch.equal(a, b) and int(a.sum()) == 8 and not torch.equal(a, torch.arange(16) < 8)
+    gate = TopKGate(8, 4, k=1, noisy_gate_policy="Jitter")
+    x = torch.randn(5, 8)
+    gate.eval()
+    assert torch.equal(gate(x).combine_weights, gate(x).combine_weights)  # no jitter in eval
+
+
+def test_grouped_experts_equal_the_loop_in_values_and_gradients() -> None:
+    torch.manual_seed(0)
+    for k in (1, 2):
+        grouped = MoE(8, _expert(), num_experts=4, k=k, use_rts=False, top2_2nd_expert_sampling=False)
+        loop = MoE(8, _expert(), num_experts=4, k=k, use_rts=False, top2_2nd_expert_sampling=False,
+                   grouped_experts=False)
+        loop.load_state_dict(grouped.state_dict())
+        x = torch.randn(3, 5, 8)
+        (a, la, _), (b, lb, _) = grouped(x), loop(x)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        (a.square().sum() + la).backward()
+        (b.square().sum() + lb).backward()
+        for (n, p), q in zip(grouped.named_parameters(), loop.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_residual_moe_and_expert_marks() -> None:
+    m = MoE(8, _expert(), num_experts=2, use_residual=True)
+    out, l_aux, counts = m(torch.randn(4, 8))
+    assert out.shape == (4, 8) and l_aux.dim() == 0 and counts.shape == (2,)
+    marked = {n for n, p in m.named_parameters() if is_expert_param(p)}
+    assert marked and all(".deepspeed_experts." in n for n in marked)
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(m.parameters()), "lr": 0.1})
+    assert [g.get("name") for g in groups] == [None, "ep_size_1"] and groups[1]["moe"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_experts=3, ep_size=2), "num_experts=3 is not divisible by ep_size=2"),
+    (dict(num_experts=1, k=2), "k=2 is larger than num_experts=1"),
+    (dict(num_experts=4, k=3), "k=3 is not supported"),
+    (dict(num_experts=4, capacity_factor=0), "capacity_factor must be a positive number"),
+    (dict(num_experts=4, noisy_gate_policy="Gumbel"), "noisy_gate_policy='Gumbel'"),
+])
+def test_bad_arguments_are_one_line(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MoE(8, _expert(), **kwargs)
+
+
+def test_expert_must_be_a_module() -> None:
+    with pytest.raises(TypeError, match="expert must be a torch.nn.Module, got function"):
+        MoE(8, lambda x: x, num_experts=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="last dimension is 4, expected hidden_size=8"):
+        MoE(8, _expert(), num_experts=2)(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("world,ep,k,drop", [(2, 2, 1, True), (2, 2, 2, False), (4, 4, 2, True), (4, 2, 1, False),
+                                             (2, 1, 1, True)])
+def test_expert_parallel_matches_one_process(world: int, ep: int, k: int, drop: bool) -> None:
+    results = run_distributed(moe_cases.ep_parity, world, ep, k, drop, timeout=180)
+    for r in results:
+        assert r["out"] < 1e-5 and r["l_aux"] < 1e-6, r
+        assert r["grad"] < 1e-5 and r["weight"] < 1e-5, r
+        if ep > 1:
+            assert r["all_to_all_count"] == 2 * 2 * 2  # 2 steps x (dispatch + combine) x (forward + backward)
+            if drop:  # capacity factor 1 and k*S divisible by E: E*C*M = k*S*M elements each way
+                per_direction = moe_cases.EXPERTS * math.ceil(k * moe_cases.TOKENS / moe_cases.EXPERTS) * moe_cases.HIDDEN
+                assert r["all_to_all_elements"] == 2 * 2 * 2 * per_direction
