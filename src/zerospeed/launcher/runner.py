@@ -36,7 +36,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from zerospeed.launcher import multinode, network
+from zerospeed.launcher import binding, multinode, network
 from zerospeed.launcher.hostfile import (
     HostEntry,
     LaunchError,
@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry_run", action="store_true",
                    help="print the torchrun command instead of running it")
     multinode.add_arguments(p)
+    binding.add_arguments(p)
     p.add_argument("user_script", metavar="user_script", nargs="?", default=None,
                    help="training script (or module with --module)")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -270,7 +271,10 @@ def build_plan(
                  "--master_addr", master_addr or "127.0.0.1",
                  "--master_port", str(args.master_port or DEFAULT_MASTER_PORT)]
     argv += multinode.torchrun_flags(args)
-    if args.module:
+    bind_env, bind_worker = binding.plan(args, nproc)  # --bind_cores_to_rank: a pinning worker runs the script
+    env.update(bind_env)
+    argv += bind_worker
+    if args.module and not bind_worker:
         argv.append("--module")
     if args.no_python:
         argv.append("--no_python")
