@@ -121,14 +121,33 @@ def _weight_kind(index: CheckpointIndex, name: str, want_master: bool) -> str:
     return "master" if want_master and index.has_kind(name, "master") else "weight"
 
 
+def _ranged(tp: Any) -> Callable[..., list[CopyOp]]:
+    """``plan_range`` in this rank's local coordinates (tensor-parallel pieces map to full-tensor runs)."""
+    if tp is None:
+        return plan_range
+
+    def ranged(src: str, sources: Any, param_start: int, numel: int, dst: int) -> list[CopyOp]:
+        return [op for full, off, n in tp.runs(src, param_start, numel)
+                for op in plan_range(src, sources, full, n, dst + off)]
+
+    return ranged
+
+
 def plan(engine: Any, index: CheckpointIndex, strict: bool, load_optimizer: bool, module_only: bool) -> _Plan:
     rank, world = engine.dp_rank, engine.dp_world_size
+    tp = getattr(engine, "checkpoint_layout", None)
+    ranged = _ranged(tp)
     views = all_views(engine.strategy)
     bucketed = {s.name for v in views for s in v.layout.slots}
     by_id = {id(p) for n, p in engine.module.named_parameters(remove_duplicate=False) if n in bucketed}
     extras = {k: t for k, t in engine.module.state_dict(keep_vars=True).items()
               if k not in bucketed and torch.is_tensor(t) and id(t) not in by_id}
-    shapes = {s.name: list(s.shape) for v in views for s in v.layout.slots}
+    shapes = {s.name: list(s.shape) if tp is None else tp.full_shape(s.name, list(s.shape))
+              for v in views for s in v.layout.slots}
+    split_extras = [k for k in extras if tp is not None and tp.is_split(k)]
+    if split_extras:
+        raise CheckpointMismatchError(f"{split_extras[0]}: a frozen tensor-parallel parameter outside the ZeRO "
+                                      "buckets cannot be loaded from a checkpoint yet")
     shapes.update((k, list(t.shape)) for k, t in extras.items())
     _check_names(index, shapes, strict)
     out = _Plan()
@@ -149,7 +168,7 @@ def plan(engine: Any, index: CheckpointIndex, strict: bool, load_optimizer: bool
             if src not in index.params:
                 continue  # non-strict: left as it is
             sources = index.sources(src)
-            ops = plan_range(src, sources, piece.param_start, piece.numel, pos)
+            ops = ranged(src, sources, piece.param_start, piece.numel, pos)
             kind = _weight_kind(index, src, want_master=aliased and not module_only)
             weight_ops.setdefault(kind, []).extend(ops)
             if not aliased:
@@ -158,7 +177,7 @@ def plan(engine: Any, index: CheckpointIndex, strict: bool, load_optimizer: bool
                 if mode == "flat":
                     tgt_ops, t_index = ops, 0
                 else:
-                    tgt_ops = plan_range(src, sources, piece.param_start, piece.numel, piece.param_start)
+                    tgt_ops = ranged(src, sources, piece.param_start, piece.numel, piece.param_start)
                     t_index = slot_pos[piece.slot.name]
                 for key in out.state_keys:
                     if not index.has_kind(src, f"optim.{key}"):
@@ -268,6 +287,9 @@ def refresh_strategy(engine: Any) -> None:
 def load(engine: Any, load_dir: str, tag: str | None, load_module_strict: bool, load_optimizer_states: bool,
          load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str | None, dict[str, Any] | None]:
     group, rank, world = engine.dp_group, engine.dp_rank, engine.dp_world_size
+    tp = getattr(engine, "checkpoint_layout", None)
+    if tp is not None:  # every rank of the world loads its own pieces; they agree (and restore RNG) as one
+        group, rank, world = tp.group, tp.rank, tp.world_size
     tag, directory = resolve(load_dir, tag)
     tags = comm.all_gather_object(tag, group=group)
     if len(set(tags)) > 1:
@@ -351,6 +373,6 @@ def _apply(engine: Any, index: CheckpointIndex, p: _Plan, source: TensorSource, 
         engine.micro_steps = int(counters.get("micro_steps", 0))
         engine.skipped_steps = int(counters.get("skipped_steps", 0))
         if rng_file is not None:
-            meta = index.data["rng"][engine.dp_rank]["meta"]
+            meta = next(r["meta"] for r in index.data["rng"] if r["file"] == rng_file)
             restore_rng(meta, {k: source.get(rng_file, k) for k in p.rng_keys})
     refresh_strategy(engine)

@@ -147,16 +147,30 @@ def _config_json(engine: Any) -> Any:
     return json.loads(json.dumps(raw, default=repr)) if raw is not None else None
 
 
+def _tp_layout(engine: Any) -> Any:
+    """The engine's tensor-parallel coordinate translator (``module_inject.ckpt_layout``), or None."""
+    return getattr(engine, "checkpoint_layout", None)
+
+
+def _save_rank_group(engine: Any) -> tuple[int, Any]:
+    """(this rank's file number, the group that agrees): the dp group, or the whole world under tp."""
+    tp = _tp_layout(engine)
+    return (engine.dp_rank, engine.dp_group) if tp is None else (tp.rank, tp.group)
+
+
 def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) -> _Snapshot:
     rank, world = engine.dp_rank, engine.dp_world_size
+    tp = _tp_layout(engine)
     # shards swapped out again after the block must be copied while they are in memory
     copy = copy or bool(getattr(engine.strategy, "checkpoint_needs_copy", False)) \
         or bool(getattr(getattr(engine.strategy, "state", None), "checkpoint_needs_copy", False))
     with resident_for_checkpoint(engine.strategy, write_back=False):
         views = all_views(engine.strategy)
         shards = collect_shards(views, engine.optimizer, rank, world, copy=copy)
+    if tp is not None:  # pieces of tp-split parameters in full-tensor coordinates
+        shards.pieces = tp.to_full(shards.pieces)
     rng_meta = capture_rng(shards.tensors)
-    if rank != 0:
+    if _save_rank_group(engine)[0] != 0:
         return _Snapshot(shards, rng_meta, None, None)
     keys, aliases, extras = _module_entries(engine, views)
     param_info: dict[str, dict[str, Any]] = {}
@@ -164,9 +178,13 @@ def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) ->
         separate = not master_is_weight(v)
         kind = "param" if v.opt_tensors else "frozen"
         for s in v.layout.slots:
-            param_info[s.name] = {"shape": list(s.shape), "dtype": dtype_name(v.param_shard.dtype), "kind": kind,
+            shape = list(s.shape) if tp is None else tp.full_shape(s.name, list(s.shape))
+            param_info[s.name] = {"shape": shape, "dtype": dtype_name(v.param_shard.dtype), "kind": kind,
                                   "group": v.layout.group_index if v.opt_tensors else None, "master": separate}
     for j, (key, t) in enumerate(extras.items()):
+        if tp is not None and tp.is_split(key):
+            raise ValueError(f"{key}: a frozen tensor-parallel parameter outside the ZeRO buckets cannot be "
+                             "checkpointed yet (make it trainable or use ZeRO stage 3)")
         add_full_tensor(shards, key, t, f"x{j}", copy=copy)
         param_info[key] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
                            "kind": "frozen" if isinstance(t, torch.nn.Parameter) else "buffer", "group": None,
@@ -178,7 +196,7 @@ def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) ->
     sched = engine.lr_scheduler
     scaler = getattr(engine, "loss_scaler", None)
     header = {
-        "tag": tag, "world_size": world, "zero_stage": int(engine.zero_stage),
+        "tag": tag, "world_size": world if tp is None else tp.world_size, "zero_stage": int(engine.zero_stage),
         "compute_dtype": dtype_name(engine.compute_dtype),
         "zerospeed_version": zerospeed.__version__, "torch_version": torch.__version__, "created_unix": time.time(),
         "state_dict_keys": keys, "aliases": aliases,
@@ -197,10 +215,10 @@ def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) ->
 
 def _checkpoint_group(engine: Any) -> Any:
     """A gloo group with the data-parallel ranks, for the background thread's agreements."""
-    if comm.get_world_size(engine.dp_group) == 1:
+    group = _save_rank_group(engine)[1]
+    if comm.get_world_size(group) == 1:
         return None
-    ranks = tuple(dist.get_process_group_ranks(engine.dp_group) if engine.dp_group is not None
-                  else range(dist.get_world_size()))
+    ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
     if ranks not in _CKPT_GROUPS:
         # new_group is collective over the whole world: every rank creates every dp group's copy
         all_ranks = comm.all_gather_object(ranks)
@@ -299,8 +317,7 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict[str, An
          save_latest: bool, async_save: bool) -> bool:
     """Save ``engine`` (see the module docstring). Returns True once published (sync) or started (async)."""
     wait(engine)
-    group = engine.dp_group
-    rank = engine.dp_rank
+    rank, group = _save_rank_group(engine)
     stats = SaveStats()
     t0 = time.perf_counter()
     if tag is None:

@@ -15,6 +15,8 @@ Decisions:
 * Global gradient norm: ZeRO's squared norm is summed over the dp group; the tp hook sums it over
   the tp group too, counting each replicated parameter (norms, embeddings, row biases: the same
   gradient on every tp rank) once, so clipping sees the unsharded model's norm.
+* Checkpoints stay in the name-and-offset format, in full-tensor coordinates
+  (:mod:`zerospeed.module_inject.ckpt_layout`), so they load at any tp / dp degree and stage.
 * Every rank of a tp group must see the same micro-batch. The first forward compares a checksum of
   every tensor argument over the tp group; a difference is an error naming the ranks (a divergent
   batch would otherwise train silently on garbage).
@@ -144,8 +146,11 @@ class BatchCheck:
 
 
 def attach(engine: Any, mesh: Mesh) -> None:
-    """Hook the engine: the tp-aware global norm and the first-step batch check."""
+    """Hook the engine: the tp-aware global norm, the first-step batch check, checkpoint coordinates."""
     if mesh.tp_size == 1:
         return
+    from zerospeed.module_inject.ckpt_layout import TPCheckpointLayout
+
     engine.norm_sq_hook = TPNormHook(engine, mesh)
     engine.batch_check = BatchCheck(mesh)
+    engine.checkpoint_layout = TPCheckpointLayout(engine.module, mesh)
