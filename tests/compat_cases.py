@@ -244,3 +244,103 @@ def pipeline_loader_order() -> dict:
     for _ in range(2):
         engine.train_batch()
     return {"seen": seen, "loader_first": next(iter(loader))[0][:, 0].tolist()}
+
+
+# -- ZeRO-3 and parameters read outside their module's forward (issue 20, point 6) ----------------
+class AttnNet(nn.Module):
+    """nn.MultiheadAttention (reads out_proj.weight without calling out_proj) and a TransformerEncoderLayer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.inp = nn.Linear(6, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.block = nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h, _ = self.attn(h, h, h, need_weights=False)
+        h = self.block(h)
+        return nn.functional.mse_loss(self.out(h).mean(dim=1), y)
+
+
+class UnregisteredReader(nn.Module):
+    """Reads ``proj.weight`` without calling ``proj`` and without registering it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(nn.functional.linear(x, self.proj.weight), y)
+
+
+def attn_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + step)
+    return torch.randn(8, 4, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _attn_cfg() -> dict:
+    return {"train_batch_size": 8, "gradient_accumulation_steps": 1, "steps_per_print": 0,
+            # SGD: the key part of in_proj_bias has a gradient of zero in exact arithmetic (softmax is
+            # shift-invariant); Adam would turn its rounding noise into full-size steps
+            "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+def attn_reference(steps: int = 3) -> dict:
+    model = AttnNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(steps):
+        x, y = attn_batch(step)
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        x, y = attn_batch(99)
+        eval_loss = model(x, y).item()
+    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "eval": eval_loss}
+
+
+def attn_zero3_run(steps: int = 3) -> dict:
+    import torch.distributed as dist
+
+    import zerospeed
+
+    engine, *_ = zerospeed.initialize(model=AttnNet(), config=_attn_cfg())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(steps):
+        x, y = attn_batch(step)
+        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    engine.eval()
+    with torch.no_grad():  # TransformerEncoderLayer's fast path reads its children's weights directly
+        x, y = attn_batch(99)
+        total = engine(x.chunk(world)[rank], y.chunk(world)[rank]).detach().clone()
+        dist.all_reduce(total)
+    weights = engine.consolidated_state_dict()
+    engine.destroy()
+    return {"losses": losses, "weights": weights, "eval": total.item() / world}
+
+
+def unregistered_reader_error() -> str:
+    import zerospeed
+
+    engine, *_ = zerospeed.initialize(model=UnregisteredReader(), config=_attn_cfg())
+    x, y = attn_batch(0)
+    try:
+        engine(x[:4, 0], y[:4])
+    except RuntimeError as e:
+        return f"{e} | cause: {type(e.__cause__).__name__}"
+    return "no error"

@@ -177,7 +177,14 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         if self.batch_check is not None:
             check, self.batch_check = self.batch_check, None
             check(args, kwargs)
-        out = self._torch_backward.attach(self.module(*args, **kwargs))
+        try:
+            out = self._torch_backward.attach(self.module(*args, **kwargs))
+        except Exception as error:  # ZeRO-3: name a submodule parameter read without being gathered
+            explain = getattr(self.strategy, "explain_forward_error", None)
+            hint = explain(error) if explain is not None else None
+            if hint is None:
+                raise
+            raise RuntimeError(hint) from error
         self._timers["forward"] += time.perf_counter() - t0
         return out
 

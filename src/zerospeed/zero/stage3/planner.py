@@ -7,8 +7,9 @@ parameter group (each group has its own lr / weight decay and a flat master per 
 optimized (frozen, or left out of the optimizer), dtype, and persistent (numel at most
 ``stage3_param_persistence_threshold``, within ``stage3_model_persistence_threshold`` in total:
 these stay gathered). A module's plan is its own buckets plus the buckets of parameters it uses
-without owning: tied parameters registered in it too, and parameters registered with
-``zero.register_external_parameter``.
+without owning: tied parameters registered in it too, parameters registered with
+``zero.register_external_parameter``, and the submodule parameters that torch modules such as
+``nn.MultiheadAttention`` read directly (:mod:`zerospeed.zero.stage3.implicit_params`).
 
 A bucket is the unit of every collective (one all-gather per bucket per gather, one
 reduce-scatter per bucket per micro-step). Gathering is per module anyway, so a module's
@@ -35,6 +36,7 @@ from zerospeed.zero.layout import plan_buckets
 from zerospeed.zero.stage3 import registry
 from zerospeed.zero.stage3.bucket import BucketState, Stage3Bucket
 from zerospeed.zero.stage3.hooks import BucketGatherer, ModulePlan
+from zerospeed.zero.stage3.implicit_params import implicit_externals
 
 NOT_OPTIMIZED = -1
 
@@ -98,7 +100,7 @@ def build_buckets(root: nn.Module, group_of: dict[int, int], options: PlannerOpt
     for module, p in shared:
         plans[id(module)].add(where[id(p)], fixed=True)
     for module in root.modules():
-        for p in registry.externals_of(module):
+        for p in registry.externals_of(module) + implicit_externals(module):
             if id(p) in where:
                 plans[id(module)].add(where[id(p)])
     for b in buckets:

@@ -42,9 +42,11 @@ import torch.distributed as dist
 from torch import nn
 
 from zerospeed.zero.partitioned_optimizer import ShardView, StepResult, optimizer_group_of
-from zerospeed.zero.stage3.bucket import Stage3Bucket
+from zerospeed.zero.stage3 import registry
+from zerospeed.zero.stage3.bucket import BucketState, Stage3Bucket
 from zerospeed.zero.stage3.grads import Stage3GradReducer
 from zerospeed.zero.stage3.hooks import BucketGatherer, Stage3Knobs, Stage3Runtime
+from zerospeed.zero.stage3.implicit_params import explain_forward_error
 from zerospeed.zero.stage3.optim import Stage3OptimizerState
 from zerospeed.zero.stage3.param_offload import ParamSwapper, build_param_swapper
 from zerospeed.zero.stage3 import state_dict_guard
@@ -92,6 +94,18 @@ class Stage3Strategy:
         state_dict_guard.guard_tree(module)  # module.state_dict() refuses to return placeholders
 
     # -- the strategy interface -------------------------------------------------------------------
+    def explain_forward_error(self, error: BaseException) -> str | None:
+        """Why a forward failed, when a submodule parameter it read was not gathered (else None)."""
+        def is_gathered(p: nn.Parameter) -> bool | None:
+            found = registry.lookup(p)
+            return None if found is None else found[0].state is BucketState.GATHERED
+
+        def plan_params(m: nn.Module) -> set[int]:
+            plan = self.runtime.plans.get(id(m))
+            return {id(q) for b in (plan.buckets if plan else []) for _, q in b.live_params()}
+
+        return explain_forward_error(self.module, error, is_gathered, plan_params)
+
     def begin_backward(self, boundary: bool) -> None:
         del boundary  # stage 3 reduces every micro-step
         self._end_view_hold()
