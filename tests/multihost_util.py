@@ -37,11 +37,22 @@ def run_group(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
 
 
 def kill_session(proc: subprocess.Popen) -> None:
-    """SIGKILL every process of ``proc``'s session (it was started with ``start_new_session``)."""
+    """SIGKILL ``proc``, its session and every descendant (torchrun starts workers in sessions of their own)."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        family = []
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    for child in family:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 def python() -> str:

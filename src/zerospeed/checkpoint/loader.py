@@ -372,6 +372,10 @@ def _apply(engine: Any, index: CheckpointIndex, p: _Plan, source: TensorSource, 
         engine.global_samples = int(counters.get("global_samples", 0))
         engine.micro_steps = int(counters.get("micro_steps", 0))
         engine.skipped_steps = int(counters.get("skipped_steps", 0))
+        data = index.data.get("data_loader")
+        restore_position = getattr(getattr(engine, "training_dataloader", None), "load_state_dict", None)
+        if data is not None and callable(restore_position):  # resume the data where the saved run was
+            restore_position(data)
         if rng_file is not None:
             meta = next(r["meta"] for r in index.data["rng"] if r["file"] == rng_file)
             restore_rng(meta, {k: source.get(rng_file, k) for k in p.rng_keys})

@@ -158,6 +158,12 @@ def _save_rank_group(engine: Any) -> tuple[int, Any]:
     return (engine.dp_rank, engine.dp_group) if tp is None else (tp.rank, tp.group)
 
 
+def _loader_state(engine: Any) -> dict[str, int] | None:
+    """The position of the engine's training data loader (``initialize(training_data=...)``), if it has one."""
+    state_dict = getattr(getattr(engine, "training_dataloader", None), "state_dict", None)
+    return dict(state_dict()) if callable(state_dict) else None
+
+
 def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) -> _Snapshot:
     rank, world = engine.dp_rank, engine.dp_world_size
     tp = _tp_layout(engine)
@@ -207,6 +213,7 @@ def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) ->
                    "micro_steps": int(engine.micro_steps), "skipped_steps": int(engine.skipped_steps)},
         "client_state": {"file": rank_file(0), "keys": sorted(client_tensors), "json": client_json},
         "config": _config_json(engine),
+        "data_loader": _loader_state(engine),
     }
     return _Snapshot(shards, rng_meta, header, param_info)
 

@@ -35,6 +35,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _elastic_attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun's agent store, a store whose keys are private to this restart attempt.
+
+    torchrun's elastic agent hosts the store and keeps it across restarts of the worker group, so
+    the keys a process group publishes (gloo's listening addresses) survive a restart; a restarted
+    rank can read a dead peer's address from the previous attempt and fail with "connection
+    refused". Prefixing every key with the attempt number (``TORCHELASTIC_RESTART_COUNT``) keeps
+    each attempt's rendezvous apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    try:
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    base = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"zerospeed/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", base)
+
+
 def init_distributed(
     dist_backend: str | None = None,
     auto_mpi_discovery: bool = True,
@@ -73,6 +93,10 @@ def init_distributed(
         kwargs["world_size"] = world_size
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if init_method is None and rank < 0:
+        store = _elastic_attempt_store(timeout)
+        if store is not None:
+            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(**kwargs)
     lifecycle.register_created_group()  # orderly teardown at exit (zerospeed.shutdown)
     if verbose and dist.get_rank() == 0:

@@ -109,4 +109,5 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if training_data is not None:
         loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, dp_rank, dp_world_size,
                                   collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last, seed=cfg.seed or 0)
+    engine.training_dataloader = loader  # its position is saved and restored with the engine's checkpoints
     return engine, opt, loader, engine.lr_scheduler
