@@ -6,6 +6,7 @@ function so ``run_distributed`` can start it by name.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -31,7 +32,8 @@ def llama_config(**over):
 def gpt2_config(**over):
     from transformers import GPT2Config
 
-    kw = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2)
+    kw = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2,
+              embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
     kw.update(over)
     return GPT2Config(**kw)
 
@@ -149,4 +151,182 @@ def save_body(stage, save_dir, precision="fp32", gather=True):
     except RuntimeError as exc:
         out["state_dict_error"] = str(exc)
     dist.barrier()
+    return out
+
+
+# -- zero.Init initialisation ---------------------------------------------------------------------
+class ParentInits(torch.nn.Module):
+    """Initialises its children's weights in its own __init__, after creating them."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16, padding_idx=0)
+        self.lin = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, VOCAB)
+        torch.nn.init.normal_(self.lin.weight, std=0.5)
+        torch.nn.init.zeros_(self.lin.bias)
+        torch.nn.init.xavier_uniform_(self.head.weight)
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.lin(self.embed(ids))))
+
+
+class Block(torch.nn.Module):
+    """Its ``_reset_parameters`` initialises its child's parameters and reads their shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.gain = torch.nn.Parameter(torch.empty(16))
+
+    def _reset_parameters(self):
+        bound = 1.0 / math.sqrt(self.proj.weight.shape[1])
+        torch.nn.init.uniform_(self.proj.weight, -bound, bound)
+        torch.nn.init.constant_(self.proj.bias, 0.1)
+        with torch.no_grad():
+            self.gain.copy_(torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x):
+        return self.proj(x) * self.gain
+
+
+class ResetPass(torch.nn.Module):
+    """Builds everything, then runs a reset_parameters pass over its modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.attn = Block()
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, VOCAB)
+        self.apply(self._reset)
+
+    @staticmethod
+    def _reset(m):
+        if isinstance(m, torch.nn.Embedding):
+            m.reset_parameters()
+            torch.nn.init.uniform_(m.weight, -0.1, 0.1)
+        elif isinstance(m, Block):
+            m._reset_parameters()
+        elif isinstance(m, torch.nn.Linear):
+            m.reset_parameters()
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return self.head(self.norm(self.attn(x)))
+
+
+def _build(kind):
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    return {"gpt2": lambda: GPT2LMHeadModel(gpt2_config()), "llama": lambda: LlamaForCausalLM(llama_config()),
+            "parent_inits": ParentInits, "reset_pass": ResetPass}[kind]()
+
+
+def _first_loss(model, kind):
+    import zerospeed
+
+    engine, *_ = zerospeed.initialize(model=model, config=ds_config(3, stage3_param_persistence_threshold=0))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids = batch(0).chunk(world)[rank]
+    if kind in ("gpt2", "llama"):
+        loss = engine(input_ids=ids, labels=ids).loss
+    else:
+        loss = torch.nn.functional.cross_entropy(engine(ids).flatten(0, 1), ids.flatten())
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    engine.destroy()
+    return total.item() / world
+
+
+def zero_init_body(kinds):
+    from zerospeed import zero
+
+    out = {}
+    for kind in kinds:
+        torch.manual_seed(11)
+        plain = _build(kind)
+        torch.manual_seed(11)
+        with zero.Init(config_dict_or_path=ds_config(3)):
+            built = _build(kind)
+        rec = {"partitioned": all(p.numel() == 0 for p in built.parameters())}
+        with zero.GatheredParameters(list(built.parameters())):
+            rec["params"] = {n: (p.detach().clone(), q.detach().clone())
+                             for (n, p), (_, q) in zip(built.named_parameters(), plain.named_parameters())}
+        rec["loss_init"], rec["loss_plain"] = _first_loss(built, kind), _first_loss(plain, kind)
+        out[kind] = rec
+    return out
+
+
+# -- the HF Trainer -------------------------------------------------------------------------------
+TRAIN_STEPS = 4
+
+
+def trainer_dataset(n=32):
+    ids = batch(77, n=n)
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+
+
+def trainer_ds_config(stage, with_sections=False):
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+           "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto",
+                                 "stage3_param_persistence_threshold": "auto",
+                                 "stage3_gather_16bit_weights_on_model_save": True}}
+    if with_sections:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                        "weight_decay": "auto"}}
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                           "warmup_num_steps": "auto"}}
+    return cfg
+
+
+def _trainer(kind, out_dir, stage=None, sections=False):
+    from transformers import Trainer, TrainingArguments
+
+    from zerospeed.integrations.transformers import ZeroSpeedTrainer
+
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=TRAIN_STEPS, learning_rate=2e-3, weight_decay=0.01, max_grad_norm=1.0,
+                             warmup_steps=1, lr_scheduler_type="constant_with_warmup", logging_steps=1,
+                             save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, seed=0,
+                             data_seed=0, disable_tqdm=True, optim="adamw_torch", save_only_model=False)
+    model = make_llama(seed=0)
+    if kind == "plain":
+        return Trainer(model=model, args=args, train_dataset=trainer_dataset())
+    return ZeroSpeedTrainer(model=model, args=args, train_dataset=trainer_dataset(),
+                            ds_config=trainer_ds_config(stage, sections))
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _probe_logits(model):
+    with torch.no_grad():
+        return model(input_ids=batch(9, n=2)).logits.float()
+
+
+def trainer_body(root, runs):
+    """Each run: (name, kind, stage, sections). Trains, saves the final model, then resumes a fresh
+    trainer from checkpoint-2 of the run and trains to the end again."""
+    out = {}
+    for name, kind, stage, sections in runs:
+        folder = os.path.join(root, name)
+        trainer = _trainer(kind, folder, stage, sections)
+        trainer.train()
+        rec = {"losses": _losses(trainer), "grad_norms": [h["grad_norm"] for h in trainer.state.log_history
+                                                          if "grad_norm" in h]}
+        trainer.save_model(os.path.join(folder, "final"))
+        rec["logits"] = _probe_logits(trainer.model_wrapped)
+        if kind != "plain":
+            rec["engine_stage"] = trainer.zerospeed_engine.zero_stage
+            rec["lr"] = trainer.zerospeed_engine.get_lr()
+            resumed = _trainer(kind, folder, stage, sections)
+            resumed.train(resume_from_checkpoint=os.path.join(folder, "checkpoint-2"))
+            rec["resumed_losses"] = _losses(resumed)
+            rec["resumed_logits"] = _probe_logits(resumed.model_wrapped)
+            rec["resumed_step"] = resumed.state.global_step
+        out[name] = rec
+        dist.barrier()
     return out

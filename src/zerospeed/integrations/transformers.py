@@ -57,4 +57,12 @@ def save_pretrained(engine: Any, save_directory: str | os.PathLike, **kwargs: An
         raise RuntimeError(f"save_pretrained: writing {save_directory} failed on rank 0: {failed}")
 
 
-__all__ = ["save_pretrained"]
+__all__ = ["ZeroSpeedTrainer", "save_pretrained"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ZeroSpeedTrainer":  # imported on use: it needs transformers' Trainer (and accelerate)
+        from zerospeed.integrations.hf_trainer import ZeroSpeedTrainer
+
+        return ZeroSpeedTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,6 +12,10 @@
   Tied parameters (one ``Parameter`` registered in two modules, e.g. a tied embedding and LM head)
   are detected without registration.
 
+Initialisation after a module was partitioned (HF's ``post_init``, a parent's ``nn.init`` calls, a
+``reset_parameters`` pass) runs on gathered parameters (:mod:`zerospeed.zero.init_capture`), so a
+model built under ``zero.Init`` equals the one built without it (same seed).
+
 Decisions: ``zero.Init``'s dtype is ``dtype=`` if given, else the config's precision (bf16 / fp16),
 else each parameter keeps its dtype. ``config`` may omit the batch size keys (they do not matter
 here). ``remote_device="cpu"`` keeps shards in CPU memory (the engine moves nothing back: use it
@@ -93,11 +97,16 @@ class Init:
         self._partitioner = self._make_partitioner()
         self._partitioner.start()
         _active.append(self._partitioner)
+        from zerospeed.zero.init_capture import InitCapture
+
+        self._capture = InitCapture()  # init code (HF post_init, nn.init, reset_parameters) sees whole tensors
+        self._capture.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self.enabled or self._partitioner is None:
             return
+        self._capture.stop()
         _active.remove(self._partitioner)
         partitioner, self._partitioner = self._partitioner, None
         partitioner.stop()
