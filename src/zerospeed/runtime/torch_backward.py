@@ -41,7 +41,9 @@ class _Entry(torch.autograd.Function):
     def forward(ctx: Any, hooks: "TorchBackwardHooks", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.hooks = hooks
         ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)
+        # detach(), not view_as(): the outputs may then be modified in place (HF Trainer: `loss *= ...`),
+        # which autograd forbids on views made inside a custom Function; the version counter is shared
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
