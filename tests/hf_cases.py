@@ -330,3 +330,57 @@ def trainer_body(root, runs):
         out[name] = rec
         dist.barrier()
     return out
+
+
+# -- resize_token_embeddings under ZeRO-3 ---------------------------------------------------------
+def resize_body(new_vocab):
+    import zerospeed
+    from zerospeed import zero
+    from zerospeed.integrations.transformers import resize_token_embeddings
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(5)
+    plain = make_llama(seed=5)
+    torch.manual_seed(9)
+    plain.resize_token_embeddings(new_vocab, mean_resizing=False)
+    torch.manual_seed(5)
+    with zero.Init(config_dict_or_path=ds_config(3)):
+        model = make_llama(seed=5)
+    torch.manual_seed(9)
+    resize_token_embeddings(model, new_vocab, mean_resizing=False)
+    out = {"vocab": model.config.vocab_size, "partitioned": all(p.numel() == 0 for p in model.parameters())}
+    with zero.GatheredParameters(list(model.parameters())):
+        out["equal"] = {n: torch.equal(p, q) for (n, p), (_, q) in zip(model.named_parameters(),
+                                                                       plain.named_parameters())}
+        out["shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters() if "embed" in n or "lm_head" in n}
+    ids = torch.randint(3, new_vocab, (4, SEQ), generator=torch.Generator().manual_seed(3))
+    losses = {}
+    for name, m in (("zero3", model), ("plain", plain)):
+        cfg = ds_config(3 if name == "zero3" else 0, stage3_param_persistence_threshold=0) if name == "zero3" \
+            else ds_config(0)
+        engine, *_ = zerospeed.initialize(model=m, config=cfg)
+        run = []
+        for _ in range(2):
+            x = ids.chunk(world)[rank]
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            run.append(total.item() / world)
+        losses[name] = run
+        if name == "zero3":
+            try:
+                resize_token_embeddings(engine, new_vocab + 8)
+                out["engine_error"] = None
+            except ValueError as exc:
+                out["engine_error"] = str(exc)
+            try:
+                with zero.GatheredParameters([m.lm_head.weight], modifier_rank=0):
+                    m.lm_head.weight.data = torch.zeros(new_vocab + 8, 32)
+                out["gathered_error"] = None
+            except ValueError as exc:
+                out["gathered_error"] = str(exc)
+        engine.destroy()
+    out["losses"] = losses
+    return out

@@ -3,6 +3,7 @@
 * :func:`save_pretrained` - ``save_pretrained(engine, save_dir)`` writes an HF folder (config and
   consolidated safetensors) that ``AutoModel.from_pretrained(save_dir)`` loads; every rank calls it
   (stage 3 gathers the partitioned weights, one bucket at a time), rank 0 writes.
+* :func:`resize_token_embeddings` - HF's resize on a ``zero.Init`` model (before the engine).
 * :class:`ZeroSpeedTrainer` - see :mod:`zerospeed.integrations.hf_trainer`.
 
 Decision: at ZeRO-3, ``engine.module.save_pretrained(dir)`` without a state dict raises (the
@@ -57,7 +58,42 @@ def save_pretrained(engine: Any, save_directory: str | os.PathLike, **kwargs: An
         raise RuntimeError(f"save_pretrained: writing {save_directory} failed on rank 0: {failed}")
 
 
-__all__ = ["ZeroSpeedTrainer", "save_pretrained"]
+__all__ = ["ZeroSpeedTrainer", "resize_token_embeddings", "save_pretrained"]
+
+
+def resize_token_embeddings(model: Any, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                            mean_resizing: bool = True) -> Any:
+    """HF's ``model.resize_token_embeddings`` for a model whose parameters ``zero.Init`` partitioned.
+
+    The embedding and LM-head parameters are gathered around HF's own resize (rank 0's new values
+    win) and re-partitioned with their new shapes. Call it on every rank, *before*
+    ``zerospeed.initialize`` (an engine's optimizer state is laid out for the old vocabulary, and a
+    shape change under an engine raises). On a model that is not partitioned it is HF's call.
+    """
+    from zerospeed import zero
+
+    if hasattr(model, "consolidated_state_dict") and hasattr(model, "module"):
+        raise ValueError("resize_token_embeddings: resize the model before zerospeed.initialize (the engine's "
+                         "optimizer state is laid out for the old vocabulary); call it on the zero.Init model")
+    if not callable(getattr(model, "resize_token_embeddings", None)):
+        raise TypeError(f"resize_token_embeddings: {type(model).__name__} is not a HuggingFace PreTrainedModel")
+    from zerospeed.zero.stage3 import registry
+
+    modules = [model.get_input_embeddings(), model.get_output_embeddings()]
+    params = [p for m in modules if m is not None for p in m.parameters()]
+    found = next((f for p in params if (f := registry.lookup(p)) is not None), None)
+    with zero.GatheredParameters(params, modifier_rank=0):
+        out = model.resize_token_embeddings(new_num_tokens, pad_to_multiple_of=pad_to_multiple_of,
+                                            mean_resizing=mean_resizing)
+    if found is not None:  # HF replaces the LM head by a new module: partition it like the rest
+        bucket = found[0]
+        for module in model.modules():
+            fresh = [p for p in module.parameters(recurse=False) if registry.lookup(p) is None]
+            if fresh:
+                zero.Init(module=module, data_parallel_group=bucket.group, dtype=bucket.dtype,
+                          remote_device="cpu" if bucket.device.type == "cpu" and comm.device_for_backend().type != "cpu"
+                          else None)
+    return out
 
 
 def __getattr__(name: str) -> Any:

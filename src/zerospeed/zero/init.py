@@ -6,7 +6,9 @@
 * ``with zero.GatheredParameters(params, modifier_rank=None):`` gathers full parameters for
   reading; with ``modifier_rank=r`` the values rank ``r`` leaves in them are broadcast on exit and
   every rank re-partitions them (its 16-bit shard and its fp32 master shard). Without a modifier
-  rank, modifications are discarded. On parameters that are not partitioned it does nothing.
+  rank, modifications are discarded. Before an engine exists, a parameter may even change shape
+  (``resize_token_embeddings``): its bucket is rebuilt for the new shape
+  (:mod:`zerospeed.zero.stage3.reshape`); under an engine a shape change is refused. On parameters that are not partitioned it does nothing.
 * ``zero.register_external_parameter(module, param)``: ``module``'s forward uses ``param``
   although another module owns it; ZeRO-3 gathers it around ``module``'s forward and backward.
   Tied parameters (one ``Parameter`` registered in two modules, e.g. a tied embedding and LM head)
@@ -165,7 +167,13 @@ class GatheredParameters:
 
     def _broadcast_and_repartition(self) -> None:
         from zerospeed import comm
+        from zerospeed.zero.stage3 import reshape
 
+        for i, (owner, buckets) in enumerate(self._groups):  # shapes changed (resize): rebuild those buckets
+            changed = [b for b in buckets if reshape.reshaped(b)]
+            for b in changed:
+                reshape.rebuild(owner, b, self.modifier_rank)
+            self._groups[i] = (owner, [b for b in buckets if all(b is not c for c in changed)])
         for owner, buckets in self._groups:
             for b in buckets:
                 if comm.get_rank() == self.modifier_rank:
