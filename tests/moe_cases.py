@@ -44,28 +44,16 @@ def loss_of(out: torch.Tensor, l_aux: torch.Tensor, target: torch.Tensor) -> tor
 
 
 def copy_from_reference(model: Net, ref: Net) -> None:
-    """Dense and gate weights as the reference's; local expert i = global expert ep_rank * E_local + i."""
-    groups = model.moe.expert_groups
-    local = model.moe.num_local_experts
+    """Every weight as the reference's: expert parameters carry their global expert index in their
+    names, so a rank's experts are found in the one-process model by name."""
     ref_state = ref.state_dict()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if ".deepspeed_experts." in name:
-                head, rest = name.split(".deepspeed_experts.", 1)
-                i, tail = rest.split(".", 1)
-                g = groups.ep_rank * local + int(i)
-                p.copy_(ref_state[f"{head}.deepspeed_experts.{g}.{tail}"])
-            else:
-                p.copy_(ref_state[name])
+            p.copy_(ref_state[name])
 
 
 def global_name(model: Net, name: str) -> str:
-    if ".deepspeed_experts." not in name:
-        return name
-    head, rest = name.split(".deepspeed_experts.", 1)
-    i, tail = rest.split(".", 1)
-    g = model.moe.expert_groups.ep_rank * model.moe.num_local_experts + int(i)
-    return f"{head}.deepspeed_experts.{g}.{tail}"
+    return name  # expert names are global (deepspeed_experts.<global index>.)
 
 
 def reduce_gradients(model: nn.Module, world: int) -> None:
@@ -126,3 +114,82 @@ def ep_parity(ep_size: int, k: int, drop: bool, steps: int = 2) -> dict[str, Any
     worst["all_to_all_count"] = comm.COUNTER.count("all_to_all")
     worst["capacity_slots"] = EXPERTS * (max(1, -(-k * TOKENS // EXPERTS)) if drop else 0)
     return worst
+
+
+def engine_parity(stage: int, ep_size: int, k: int, steps: int = 3) -> dict[str, Any]:
+    """zerospeed.initialize with ZeRO ``stage`` on the expert-parallel model vs the one-process reference
+    trained with torch's AdamW on the global mean loss."""
+    import zerospeed
+
+    reset_expert_groups()
+    rank, world = comm.get_rank(), comm.get_world_size()
+    torch.manual_seed(0)
+    ref = Net(1, k, True)
+    model = Net(ep_size, k, True)
+    copy_from_reference(model, ref)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 200}, "gradient_clipping": 1.0}
+    engine, _, _, _ = zerospeed.initialize(model=model, config=config)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    worst = {"loss": 0.0, "weight": 0.0, "grad_norm": 0.0}
+    for _ in range(steps):
+        ref_opt.zero_grad()
+        total = 0.0
+        for r in range(world):
+            x, y = tokens(r)
+            out, l_aux = ref(x)
+            total = total + loss_of(out, l_aux, y) / world
+        total.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item()
+        ref_opt.step()
+        x, y = tokens(rank)
+        out, l_aux = engine(x)
+        loss = loss_of(out, l_aux, y)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        comm.all_reduce(mean)
+        worst["loss"] = max(worst["loss"], abs(mean.item() / world - total.item()))
+        worst["grad_norm"] = max(worst["grad_norm"], abs(engine.get_global_grad_norm() - ref_norm))
+    ref_params = dict(ref.named_parameters())
+    for name, p in engine.module.named_parameters():
+        worst["weight"] = max(worst["weight"], (p.detach() - ref_params[global_name(model, name)]).abs().max().item())
+    worst["groups"] = [g.get("name") for g in engine.optimizer.param_groups]
+    return worst
+
+
+def checkpoint_case(path: str, stage: int, ep_size: int, save: bool, steps: int = 2) -> dict[str, torch.Tensor]:
+    """Train ``steps`` steps and save (``save``), or build a fresh engine and load; return this rank's
+    weights by name, and the next step's loss (which needs the optimizer state to be right)."""
+    import zerospeed
+
+    reset_expert_groups()
+    rank, world = comm.get_rank(), comm.get_world_size()
+    torch.manual_seed(0 if save else 123)
+    model = Net(ep_size, 2, True)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 200}}
+    engine, _, _, _ = zerospeed.initialize(model=model, config=config)
+    if save:
+        for _ in range(steps):
+            x, y = tokens(rank)
+            out, l_aux = engine(x)
+            engine.backward(loss_of(out, l_aux, y))
+            engine.step()
+        engine.save_checkpoint(path, tag="t")
+    else:
+        engine.load_checkpoint(path, tag="t")
+    weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    # one more step on the same data everywhere: equal losses after it need equal optimizer states
+    x, y = tokens(rank)
+    out, l_aux = engine(x)
+    engine.backward(loss_of(out, l_aux, y))
+    engine.step()
+    x, y = tokens(rank)
+    out, l_aux = engine(x)
+    loss = loss_of(out, l_aux, y).detach()
+    comm.all_reduce(loss)
+    weights["__next_loss__"] = loss / world
+    return weights

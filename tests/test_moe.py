@@ -121,3 +121,38 @@ def test_expert_parallel_matches_one_process(world: int, ep: int, k: int, drop: 
             if drop:  # capacity factor 1 and k*S divisible by E: E*C*M = k*S*M elements each way
                 per_direction = moe_cases.EXPERTS * math.ceil(k * moe_cases.TOKENS / moe_cases.EXPERTS) * moe_cases.HIDDEN
                 assert r["all_to_all_elements"] == 2 * 2 * 2 * per_direction
+
+
+@pytest.mark.parametrize("stage,world,ep", [(0, 2, 2), (1, 4, 2), (2, 4, 2), (2, 2, 1)])
+def test_zero_with_moe_matches_one_process(stage: int, world: int, ep: int) -> None:
+    results = run_distributed(moe_cases.engine_parity, world, stage, ep, 2, timeout=180)
+    for r in results:
+        assert r["loss"] < 1e-5 and r["grad_norm"] < 1e-5 and r["weight"] < 1e-5, r
+        assert r["groups"] == [None, f"ep_size_{ep}"]  # expert parameters in a group of their own
+
+
+def test_zero3_with_moe_is_refused_naming_the_key() -> None:
+    with pytest.raises(Exception, match="zero_optimization.stage: 3 with mixture-of-experts"):
+        run_distributed(moe_cases.engine_parity, 1, 3, 1, 1, timeout=60)
+
+
+@pytest.mark.parametrize("save_stage,save_ep,load_world,load_stage,load_ep", [
+    (0, 2, 2, 1, 1),  # ep2 -> ep1 (experts gathered on every rank), stage 0 -> 1
+    (2, 2, 1, 0, 1),  # ep2 at world 2 -> one process
+    (1, 1, 2, 2, 2),  # the reverse: ep1 -> ep2
+])
+def test_checkpoint_loads_at_another_expert_parallel_degree(tmp_path, save_stage: int, save_ep: int, load_world: int,
+                                                            load_stage: int, load_ep: int) -> None:
+    saved = run_distributed(moe_cases.checkpoint_case, 2, str(tmp_path), save_stage, save_ep, True, timeout=180)
+    loaded = run_distributed(moe_cases.checkpoint_case, load_world, str(tmp_path), load_stage, load_ep, False,
+                             timeout=180)
+    by_name = {}
+    for r in saved:
+        by_name.update({n: t for n, t in r.items() if n != "__next_loss__"})
+    assert sum(".deepspeed_experts." in n for n in by_name) == 4 * 4  # 4 experts x (2 weights + 2 biases)
+    for r in loaded:
+        for name, t in r.items():
+            if name != "__next_loss__":
+                torch.testing.assert_close(t, by_name[name], rtol=0, atol=0, msg=name)
+    if load_world == 2:  # same data per rank: the step after loading matches the one after saving
+        assert abs(loaded[0]["__next_loss__"].item() - saved[0]["__next_loss__"].item()) < 1e-5

@@ -91,11 +91,14 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str | None, str | None]:
     return tag, publish.resolve_tag_dir(load_dir, tag, from_latest)
 
 
-def _check_names(index: CheckpointIndex, shapes: dict[str, list[int]], strict: bool) -> None:
+def _check_names(index: CheckpointIndex, shapes: dict[str, list[int]], strict: bool,
+                 held_elsewhere: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    """``held_elsewhere``: names other ranks of the model hold (mixture-of-experts experts), which
+    are expected in the checkpoint although this rank has no such parameter."""
     have = set(index.params)
     model_keys = set(shapes)
     missing = sorted(k for k in model_keys if index.canonical(k) not in have)
-    unexpected = sorted(k for k in index.params if k not in model_keys)
+    unexpected = sorted(k for k in index.params if k not in model_keys and k not in held_elsewhere)
     problems = []
     for name in sorted(model_keys):
         src = index.canonical(name)
@@ -149,7 +152,11 @@ def plan(engine: Any, index: CheckpointIndex, strict: bool, load_optimizer: bool
         raise CheckpointMismatchError(f"{split_extras[0]}: a frozen tensor-parallel parameter outside the ZeRO "
                                       "buckets cannot be loaded from a checkpoint yet")
     shapes.update((k, list(t.shape)) for k, t in extras.items())
-    _check_names(index, shapes, strict)
+    held_elsewhere: set[str] = set()
+    if any(getattr(v, "split", None) is not None for v in views):  # experts differ between ranks
+        for names in comm.all_gather_object(sorted(shapes), engine.dp_group):
+            held_elsewhere.update(names)
+    _check_names(index, shapes, strict, held_elsewhere)
     out = _Plan()
     opt_info = index.data.get("optimizer") or {}
     scalars = opt_info.get("scalars") or {}

@@ -176,9 +176,6 @@ def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) ->
     if tp is not None:  # pieces of tp-split parameters in full-tensor coordinates
         shards.pieces = tp.to_full(shards.pieces)
     rng_meta = capture_rng(shards.tensors)
-    if _save_rank_group(engine)[0] != 0:
-        return _Snapshot(shards, rng_meta, None, None)
-    keys, aliases, extras = _module_entries(engine, views)
     param_info: dict[str, dict[str, Any]] = {}
     for v in views:
         separate = not master_is_weight(v)
@@ -187,6 +184,11 @@ def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) ->
             shape = list(s.shape) if tp is None else tp.full_shape(s.name, list(s.shape))
             param_info[s.name] = {"shape": shape, "dtype": dtype_name(v.param_shard.dtype), "kind": kind,
                                   "group": v.layout.group_index if v.opt_tensors else None, "master": separate}
+    if _save_rank_group(engine)[0] != 0:
+        if any(getattr(v, "split", None) is not None for v in views):  # parameters rank 0 may not hold
+            shards.param_info, shards.keys = param_info, list(engine.module.state_dict().keys())
+        return _Snapshot(shards, rng_meta, None, None)
+    keys, aliases, extras = _module_entries(engine, views)
     for j, (key, t) in enumerate(extras.items()):
         if tp is not None and tp.is_split(key):
             raise ValueError(f"{key}: a frozen tensor-parallel parameter outside the ZeRO buckets cannot be "
@@ -235,6 +237,20 @@ def _checkpoint_group(engine: Any) -> Any:
     return _CKPT_GROUPS[ranks]
 
 
+def _merge_other_ranks(snap: _Snapshot, records: list[dict[str, Any]]) -> None:
+    """Add parameters and module keys that only other ranks hold (mixture-of-experts experts)."""
+    assert snap.header is not None and snap.param_info is not None
+    keys = snap.header["state_dict_keys"]
+    known = set(keys)
+    for rec in records:
+        for name, info in (rec.pop("param_info", None) or {}).items():
+            snap.param_info.setdefault(name, info)
+        for key in rec.pop("keys", None) or []:
+            if key not in known:
+                known.add(key)
+                keys.append(key)
+
+
 def _write_and_publish(engine_rank: int, snap: _Snapshot, save_dir: str, tag: str, nonce: str, save_latest: bool,
                        group: Any, stats: SaveStats) -> str:
     tmp = publish.tmp_dir(save_dir, tag, nonce)
@@ -248,7 +264,8 @@ def _write_and_publish(engine_rank: int, snap: _Snapshot, save_dir: str, tag: st
         stats.bytes_written = rec.num_bytes
         record = {"file": dict(rec.to_json(), name=rec.name), "shards": snap.shards.shards,
                   "pieces": snap.shards.pieces, "scalars": snap.shards.scalars,
-                  "state_keys": snap.shards.state_keys, "rng": snap.rng_meta}
+                  "state_keys": snap.shards.state_keys, "rng": snap.rng_meta,
+                  "param_info": snap.shards.param_info, "keys": snap.shards.keys}
     except Exception as e:  # noqa: BLE001 - every failure must reach the agreement
         error = _error_text(e, "write", path)
     snap.shards.tensors.clear()  # free the snapshot as soon as it is on disk
@@ -266,6 +283,7 @@ def _write_and_publish(engine_rank: int, snap: _Snapshot, save_dir: str, tag: st
         index_path = os.path.join(tmp, INDEX_FILE)
         try:
             assert snap.header is not None and snap.param_info is not None
+            _merge_other_ranks(snap, records)
             index = build_index(snap.header, records, snap.param_info)
             text = json.dumps(index, separators=(",", ":"))
             with open(index_path, "w", encoding="utf-8") as f:

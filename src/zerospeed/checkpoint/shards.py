@@ -46,6 +46,10 @@ class LocalShards:
     pieces: dict[str, list[list[int]]]  # name -> [[local shard, key_offset, param_start, numel], ...]
     scalars: dict[str, dict[str, Any]]  # name -> {state key: {"v": value, "t": dtype name or absent}}
     state_keys: list[str]  # element-wise optimizer state keys present
+    #: this rank's view of its bucketed parameters and module keys; rank 0 merges every rank's, since
+    #: ranks can hold parameters rank 0 does not (mixture-of-experts experts on other ranks)
+    param_info: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    keys: list[str] = dataclasses.field(default_factory=list)
 
 
 def all_views(strategy: Any) -> list[Any]:
@@ -146,7 +150,8 @@ def collect_shards(views: Sequence[Any], optimizer: torch.optim.Optimizer | None
         return t.clone() if copy else t.contiguous()
 
     for bi, view in enumerate(views):
-        owned = owned_pieces(view, rank, world_size, split_replicated=True)
+        split = getattr(view, "split", None)  # a replicated bucket of another group (MoE experts)
+        owned = owned_pieces(view, *(split or (rank, world_size)), split_replicated=True)
         if not owned:
             continue
         lo = owned[0][1]

@@ -1,9 +1,13 @@
 """The local experts of one rank, computed either grouped (one batched call) or one at a time.
 
-``Experts(expert, num_local_experts)`` deep-copies the user's expert module; the copies live in
-``deepspeed_experts`` (DeepSpeed's attribute name, so checkpoint keys read
-``deepspeed_moe.experts.deepspeed_experts.<i>.<param>``), each keeps its own parameters, and every
-parameter is marked as an expert parameter of its group in :mod:`zerospeed.moe.registry`.
+``Experts(expert, num_local_experts, first_expert=g0)`` deep-copies the user's expert module; the
+copies live in ``deepspeed_experts`` (DeepSpeed's attribute name) keyed by their **global** expert
+index ``g0 .. g0 + num_local_experts - 1``, so parameter names read
+``deepspeed_moe.experts.deepspeed_experts.<global index>.<param>`` on every rank. Names are then
+unique across expert-parallel ranks, and a checkpoint (addressed by parameter name) written at one
+expert-parallel degree loads at any other with no conversion: a rank simply finds its experts'
+names. Every parameter is marked as an expert parameter of its group in
+:mod:`zerospeed.moe.registry`.
 
 Input ``[E_local, T, M]`` (``T`` token slots per expert), output ``[E_local, T, M_out]``.
 
@@ -31,11 +35,13 @@ from zerospeed.moe.registry import mark_expert_param
 
 class Experts(nn.Module):
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None,
-                 grouped: bool = True) -> None:
+                 grouped: bool = True, first_expert: int = 0) -> None:
         super().__init__()
         if not isinstance(expert, nn.Module):
             raise TypeError(f"MoE: expert must be a torch.nn.Module, got {type(expert).__name__}")
-        self.deepspeed_experts = nn.ModuleList(copy.deepcopy(expert) for _ in range(num_local_experts))
+        self.deepspeed_experts = nn.ModuleDict({str(first_expert + i): copy.deepcopy(expert)
+                                                for i in range(num_local_experts)})
+        self.first_expert = first_expert
         self.num_local_experts = num_local_experts
         self.grouped = grouped
         if expert_group_name is not None:
@@ -46,13 +52,13 @@ class Experts(nn.Module):
         if x.shape[0] != self.num_local_experts:
             raise ValueError(f"Experts: input has {x.shape[0]} expert slices, expected {self.num_local_experts}")
         if not self.grouped or self.num_local_experts == 1:
-            return torch.stack([expert(x[i]) for i, expert in enumerate(self.deepspeed_experts)])
-        first = self.deepspeed_experts[0]
+            return torch.stack([expert(x[i]) for i, expert in enumerate(self.deepspeed_experts.values())])
+        experts = list(self.deepspeed_experts.values())
+        first = experts[0]
         names = [n for n, _ in first.named_parameters()]
         buffers = [n for n, _ in first.named_buffers()]
-        stacked = {n: torch.stack([dict(e.named_parameters())[n] for e in self.deepspeed_experts]) for n in names}
-        stacked.update({n: torch.stack([dict(e.named_buffers())[n] for e in self.deepspeed_experts])
-                        for n in buffers})
+        stacked = {n: torch.stack([dict(e.named_parameters())[n] for e in experts]) for n in names}
+        stacked.update({n: torch.stack([dict(e.named_buffers())[n] for e in experts]) for n in buffers})
 
         def one(state: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
             return functional_call(first, state, (tokens,))

@@ -37,6 +37,7 @@ class ExpertGroups:
 
 
 _CACHE: dict[tuple[int, int], ExpertGroups] = {}
+_BY_NAME: dict[str, ExpertGroups] = {}
 
 
 def _dp_ranks() -> list[int]:
@@ -77,9 +78,34 @@ def expert_groups(ep_size: int) -> ExpertGroups:
     result = ExpertGroups(name=f"ep_size_{ep_size}", ep_size=ep_size, ep_rank=pos % ep_size, ep_group=mine_ep,
                           edp_size=dp // ep_size, edp_rank=pos // ep_size, edp_group=mine_edp, dp_size=dp)
     _CACHE[key] = result
+    _BY_NAME[result.name] = result
     return result
 
 
 def reset_expert_groups() -> None:
     """Forget cached groups (after the process group was destroyed, e.g. between tests)."""
     _CACHE.clear()
+    _BY_NAME.clear()
+
+
+def reduction_group_of(param: Any) -> tuple[Any, int, int] | None:
+    """``(expert-dp group, rank in it, its size)`` for an expert parameter, None for a dense one.
+
+    The ZeRO strategies reduce (and shard) an expert parameter's gradient over this group only.
+    """
+    from zerospeed.moe.registry import expert_group_name
+
+    name = expert_group_name(param)
+    if name is None:
+        return None
+    groups = _BY_NAME.get(name)
+    if groups is None:
+        raise RuntimeError(f"MoE: expert parameter of group {name!r} but no such expert group was created on this "
+                           "rank (was the MoE layer built before torch.distributed was initialised?)")
+    return groups.edp_group, groups.edp_rank, groups.edp_size
+
+
+def model_has_experts(model: Any) -> bool:
+    from zerospeed.moe.registry import is_expert_param
+
+    return any(is_expert_param(p) for p in model.parameters())

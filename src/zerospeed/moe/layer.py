@@ -15,9 +15,9 @@ they are counted: ``E*C*M`` elements each way per forward (``k*S*M`` with capaci
 Decisions:
 
 * Expert ``g`` lives on expert-parallel rank ``g // (E/ep)`` as its local expert ``g % (E/ep)``:
-  DeepSpeed's placement. Checkpoints name experts by this global index (see
-  :func:`zerospeed.moe.checkpoint.global_expert_names`), so a checkpoint written at one ``ep``
-  loads at another.
+  DeepSpeed's placement. Parameter names carry the global index (``deepspeed_experts.<g>.``), so
+  checkpoints, addressed by name, load at any expert-parallel degree (see
+  :mod:`zerospeed.moe.experts`).
 * Expert parameters are marked in :mod:`zerospeed.moe.registry` with the group name
   ``ep_size_<ep>``; their gradients are reduced over the expert-data-parallel group only (see
   :mod:`zerospeed.moe.groups`).
@@ -141,7 +141,8 @@ class MoE(nn.Module):
         self.expert_group_name = groups.name
         gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                         noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling)
-        experts = Experts(expert, self.num_local_experts, groups.name, grouped=grouped_experts)
+        experts = Experts(expert, self.num_local_experts, groups.name, grouped=grouped_experts,
+                          first_expert=groups.ep_rank * self.num_local_experts)
         self.deepspeed_moe = MOELayer(gate, experts, groups, self.num_local_experts)
         if use_residual:
             self.mlp = copy.deepcopy(expert)

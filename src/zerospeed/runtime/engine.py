@@ -55,6 +55,20 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+def _with_expert_groups(options: StageOptions, model: nn.Module) -> StageOptions:
+    """Mixture-of-experts models: expert gradients are reduced over their expert-data-parallel group."""
+    from dataclasses import replace
+
+    from zerospeed.moe.groups import model_has_experts, reduction_group_of
+
+    if not model_has_experts(model):
+        return options
+    if options.stage == 3:
+        raise ConfigError("zero_optimization.stage", "3 with mixture-of-experts layers is not supported yet; use "
+                          "stage 0, 1 or 2 (expert parameters are already divided over the expert-parallel ranks)")
+    return replace(options, group_of_param=reduction_group_of)
+
+
 def _enabled(section: Any) -> Any:
     return section if section is not None and section.enabled else None
 
@@ -96,6 +110,7 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
                                offload_optimizer=_enabled(zcfg.offload_optimizer),
                                offload_param=_enabled(zcfg.offload_param), aio=config.aio,
                                sub_group_size=int(zcfg.sub_group_size))
+        options = _with_expert_groups(options, model)
         check_offload(options, optimizer)
         self.strategy = build_strategy(model, optimizer, options, zcfg, dp_group, self.dp_rank, self.dp_world_size)
         self.loss_scaler = build_loss_scaler(config.precision, config.fp16)

@@ -15,7 +15,20 @@ from zerospeed.runtime.engine import ZeroSpeedEngine
 
 def param_groups_of(model: nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
     """Parameter groups from ``model_parameters`` (tensors, named tensors or group dicts), or the
-    model's trainable parameters as one group."""
+    model's trainable parameters as one group. A model with mixture-of-experts layers gets its
+    expert parameters in groups of their own (as DeepSpeed's engine does), since they are reduced
+    over another process group."""
+    groups = _param_groups(model, model_parameters)
+    from zerospeed.moe.groups import model_has_experts
+
+    if model_has_experts(model):
+        from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = [g for g in split_params_into_different_moe_groups_for_optimizer(groups) if g["params"]]
+    return groups
+
+
+def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
     if model_parameters is None:
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
     items = list(model_parameters)

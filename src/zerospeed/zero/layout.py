@@ -74,11 +74,14 @@ def plan_buckets(
     params: Sequence[tuple[str, tuple[int, ...], int]],
     bucket_numel: int,
     world_size: int,
+    group_world: dict[int, int] | None = None,
 ) -> list[BucketLayout]:
     """Group ``(name, shape, group_index)`` entries, given in gradient-ready order, into buckets.
 
     A new bucket starts when the optimizer group changes or when adding the next parameter would
     exceed ``bucket_numel`` elements (a larger parameter gets a bucket of its own).
+    ``group_world`` overrides the sharding world size of some optimizer groups (expert parameters
+    of a mixture-of-experts layer are sharded over their expert-data-parallel group).
     """
     if bucket_numel < 1:
         raise ValueError(f"bucket size must be >= 1 element, got {bucket_numel}")
@@ -92,8 +95,9 @@ def plan_buckets(
     def close() -> None:
         nonlocal current, used
         if current:
-            padded = -(-used // world_size) * world_size
-            buckets.append(BucketLayout(len(buckets), current_group, tuple(current), used, padded, world_size))
+            world = (group_world or {}).get(current_group, world_size)
+            padded = -(-used // world) * world
+            buckets.append(BucketLayout(len(buckets), current_group, tuple(current), used, padded, world))
         current, used = [], 0
 
     for index, (name, shape, group_index) in enumerate(params):

@@ -82,6 +82,9 @@ class ShardView:
     master: torch.Tensor
     param_shard: torch.Tensor
     opt_tensors: list[torch.Tensor]
+    #: (rank, world) over which a replicated bucket is split when saving: its own reduction group
+    #: (MoE experts: expert-data-parallel); None: the data-parallel group
+    split: tuple[int, int] | None = None
 
 
 @dataclass
@@ -140,9 +143,31 @@ class ShardedOptimizerState:
             total += torch.linalg.vector_norm(b.reduced_grad(), dtype=torch.float32).square()
         return total
 
+    def _mixed_groups(self) -> bool:
+        return any(getattr(b, "comm_group", self.dp_group) is not self.dp_group for b in self.buckets)
+
+    def _grad_norm_sq_mixed(self) -> torch.Tensor:
+        """The global squared norm when some buckets reduce over another group (MoE experts).
+
+        Summed over the dp group, each element must count once: a sharded bucket's shards are
+        disjoint across ranks (weight 1); an unsharded bucket is replicated over the ranks of its
+        own reduction group (weight 1/size: dense buckets over dp, expert buckets over expert-dp).
+        """
+        total = torch.zeros((), dtype=torch.float32, device=self.masters[0].device if self.masters else "cpu")
+        for b in self.buckets:
+            sq = torch.linalg.vector_norm(b.reduced_grad(), dtype=torch.float32).square()
+            total += sq if self.sharded else sq / getattr(b, "comm_size", self.dp_world_size)
+        comm.all_reduce(total, group=self.dp_group)
+        return total
+
     def shard_views(self) -> list[ShardView]:
-        return [ShardView(b.layout, b.shard_start, b.shard_end, m, b.param_shard(), ts)
+        return [ShardView(b.layout, b.shard_start, b.shard_end, m, b.param_shard(), ts, self._split_of(b))
                 for b, m, ts in zip(self.buckets, self.masters, self._opt_tensors)]
+
+    def _split_of(self, b: FlatBucket) -> tuple[int, int] | None:
+        if getattr(b, "comm_group", self.dp_group) is self.dp_group:
+            return None
+        return int(getattr(b, "comm_rank", 0)), int(getattr(b, "comm_size", 1))
 
     def step(self, loss_scale: float, max_norm: float, force_skip: bool = False,
              norm_sq_hook: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepResult:
@@ -153,9 +178,12 @@ class ShardedOptimizerState:
         use it to add the other stages' contributions. Returns the unscaled pre-clip global
         norm; on overflow nothing is updated.
         """
-        norm_sq = self.grad_norm_sq_local()
-        if self.sharded:
-            comm.all_reduce(norm_sq, group=self.dp_group)
+        if self._mixed_groups():
+            norm_sq = self._grad_norm_sq_mixed()
+        else:
+            norm_sq = self.grad_norm_sq_local()
+            if self.sharded:
+                comm.all_reduce(norm_sq, group=self.dp_group)
         if norm_sq_hook is not None:
             norm_sq = norm_sq_hook(norm_sq)
         divisor = self.dp_world_size * loss_scale
@@ -248,7 +276,8 @@ class ShardedOptimizerState:
             if id(b) not in skip and not same_memory(master, shard):
                 shard.copy_(master)
             if self.sharded:
-                works.append(comm.all_gather(b.param_buffer, shard, group=self.dp_group, async_op=True))
+                works.append(comm.all_gather(b.param_buffer, shard, group=getattr(b, "comm_group", self.dp_group),
+                                             async_op=True))
         for w in works:
             w.wait()
 

@@ -130,15 +130,16 @@ class GradientReducer:
         sent = full if self.comm_dtype in (None, full.dtype) else full.to(self.comm_dtype)
         if self.prescale != 1.0:
             sent.mul_(self.prescale)
+        group = getattr(bucket, "comm_group", self.dp_group)  # expert buckets: their expert-dp group
         if self.op == "all_reduce":
-            work = comm.all_reduce(sent, group=self.dp_group, async_op=True)
+            work = comm.all_reduce(sent, group=group, async_op=True)
             received = None
         else:
             if sent is bucket.grad_buffer:  # stage 1: reduce in place into this rank's range of the buffer
                 received = bucket.reduced_grad()
             else:
                 received = torch.empty(bucket.layout.shard_numel, dtype=sent.dtype, device=sent.device)
-            work = comm.reduce_scatter(received, sent, group=self.dp_group, async_op=True)
+            work = comm.reduce_scatter(received, sent, group=group, async_op=True)
         self._pending.append(_Pending(bucket, work, sent, received))
         in_flight = sum(p.sent.numel() * p.sent.element_size() for p in self._pending
                         if p.sent is not p.bucket.grad_buffer)

@@ -49,6 +49,35 @@ class StageOptions:
     offload_param: Any = None  # config.zero.OffloadParamConfig, enabled, or None (stage 3 only)
     aio: Any = None  # config.zero.AioConfig: the NVMe I/O engine's settings
     sub_group_size: int = 1_000_000_000
+    #: parameter -> (process group, rank in it, its size) for parameters not reduced over the dp group
+    #: (mixture-of-experts expert parameters: their expert-data-parallel group); None: all use dp
+    group_of_param: Callable[[nn.Parameter], tuple[Any, int, int] | None] | None = None
+
+
+def _comm_of_groups(named: list[tuple[str, nn.Parameter]], group_of: dict[int, int],
+                    group_of_param: Callable[[nn.Parameter], tuple[Any, int, int] | None] | None
+                    ) -> dict[int, tuple[Any, int, int]]:
+    """Optimizer group index -> (process group, rank, size) for groups not reduced over the dp group.
+
+    Buckets never mix optimizer groups, so a group is the unit that picks a process group: every
+    parameter of one optimizer group must agree (expert parameters in groups of their own, as
+    ``zerospeed.moe.utils.split_params_into_different_moe_groups_for_optimizer`` makes them).
+    """
+    if group_of_param is None:
+        return {}
+    chosen: dict[int, tuple[Any, int, int] | None] = {}
+    first_name: dict[int, str] = {}
+    for name, p in named:
+        gi = group_of[id(p)]
+        spec = group_of_param(p)
+        if gi not in chosen:
+            chosen[gi], first_name[gi] = spec, name
+        elif (spec is None) != (chosen[gi] is None) or (spec is not None and spec[0] is not chosen[gi][0]):
+            raise ValueError(f"optimizer parameter group {gi} mixes expert and dense parameters ({first_name[gi]!r} "
+                             f"and {name!r}), which are reduced over different process groups; build the "
+                             "optimizer's groups with zerospeed.moe.utils.split_params_into_different_moe_groups_"
+                             "for_optimizer(...)")
+    return {gi: spec for gi, spec in chosen.items() if spec is not None}
 
 
 class DataParallelStrategy:
@@ -69,11 +98,17 @@ class DataParallelStrategy:
             bucket_numel = min(bucket_numel, options.allgather_bucket_size)
         if options.offload_optimizer is not None:  # a bucket is the offload sub-group
             bucket_numel = min(bucket_numel, options.sub_group_size * dp_world_size)
+        comm_of_group = _comm_of_groups(named, group_of, options.group_of_param)
+        group_world = {gi: size for gi, (_, _, size) in comm_of_group.items()} if sharded else None
         layouts = plan_buckets([(n, tuple(p.shape), group_of[id(p)]) for n, p in ordered], bucket_numel,
-                               dp_world_size if sharded else 1)
+                               dp_world_size if sharded else 1, group_world)
         grad_mode = "transient" if options.stage == 2 else "persistent"
-        self.buckets = [FlatBucket(layout, [ordered[s.index][1] for s in layout.slots], dp_rank, sharded, grad_mode)
-                        for layout in layouts]
+        self.buckets = []
+        for layout in layouts:
+            group, rank, size = comm_of_group.get(layout.group_index, (dp_group, dp_rank, dp_world_size))
+            bucket = FlatBucket(layout, [ordered[s.index][1] for s in layout.slots], rank, sharded, grad_mode)
+            bucket.comm_group, bucket.comm_rank, bucket.comm_size = group, rank, size  # where its collectives run
+            self.buckets.append(bucket)
         self.reducer = GradientReducer(self.buckets, "reduce_scatter" if sharded else "all_reduce", dp_group,
                                        comm_dtype=options.comm_dtype, overlap=options.overlap_comm or options.stage == 0,
                                        prescale=options.prescale)
