@@ -110,6 +110,9 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self._init_weights()
+        #: ``None``, or a function ``fn(block, x)`` run for each block instead of ``block(x)``, e.g.
+        #: ``zerospeed.checkpointing.checkpoint`` (activation checkpointing, one checkpoint per block).
+        self.checkpoint_fn = None
 
     def _init_weights(self) -> None:
         """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled down by
@@ -139,7 +142,7 @@ class GPT(nn.Module):
         pos = torch.arange(time, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if self.checkpoint_fn is None or not torch.is_grad_enabled() else self.checkpoint_fn(block, x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

@@ -38,6 +38,6 @@ def __getattr__(name: str) -> Any:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
     if name in ("zero", "pipe", "comm", "ops", "runtime", "config", "testing", "module_inject", "accelerator", "utils",
-                "moe"):
+                "moe", "checkpointing", "profiling", "monitor"):
         return importlib.import_module(f"zerospeed.{name}")
     raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")

@@ -161,8 +161,22 @@ class CommsLoggerConfig(Section):
     prof_ops: tuple[Str, ...] = ()
 
 
+def _selective_policy(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, str) and value in ("save_matmuls", "save_attention"):
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+        return tuple(value)
+    raise fail(f"{value!r} is not one of 'save_matmuls', 'save_attention' or a list of aten operator names")
+
+
 class ActivationCheckpointingConfig(Section):
-    """``activation_checkpointing``."""
+    """``activation_checkpointing`` (read by ``zerospeed.checkpointing.configure``).
+
+    ``selective_policy`` is a zerospeed key: which operators' outputs a checkpoint saves (see
+    :mod:`zerospeed.checkpointing.selective`); absent, checkpoints recompute everything.
+    """
 
     partition_activations: Bool = False
     cpu_checkpointing: Bool = False
@@ -170,6 +184,7 @@ class ActivationCheckpointingConfig(Section):
     number_checkpoints: PosInt | None = None
     synchronize_checkpoint_boundary: Bool = False
     profile: Bool = False
+    selective_policy: Annotated[Any, BeforeValidator(_selective_policy)] = None
 
 
 def _stages(value: Any) -> Any:

@@ -19,8 +19,9 @@ Decisions:
   module is seeded with the index of its key's *first* occurrence, so every owning stage builds
   identical copies. (DeepSpeed also reseeds during forward; we do not touch the RNG in forward.)
 * Activation checkpointing wraps each run of ``activation_checkpoint_interval`` consecutive layers
-  in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (or the given
-  ``activation_checkpoint_func``) when gradients are enabled. A chunk is checkpointed if it has
+  in :func:`zerospeed.checkpointing.checkpoint` (DeepSpeed's default; torch's non-reentrant
+  checkpoint unless partitioned / host-offloaded activations are configured) or the given
+  ``activation_checkpoint_func`` when gradients are enabled. A chunk is checkpointed if it has
   parameters, or, with ``checkpointable_layers``, if all its layers' class names are listed
   (DeepSpeed's rule).
 * Tied weights: ``tied_stages[key]`` lists the stages owning ``key`` (known without building
@@ -38,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from zerospeed import checkpointing
 from zerospeed.pipe.layer_spec import LayerSpec, TiedLayerSpec
 from zerospeed.pipe.partition import partition_layers
 from zerospeed.pipe.topology import PipeTopology, ProcessTopology
@@ -96,8 +97,7 @@ class PipelineModule(nn.Module):
         self.seed_fn = seed_fn
         self.base_seed = base_seed
         self.activation_checkpoint_interval = interval
-        self.activation_checkpoint_func = activation_checkpoint_func or functools.partial(
-            torch_checkpoint, use_reentrant=False)
+        self.activation_checkpoint_func = activation_checkpoint_func or checkpointing.checkpoint
         self.checkpointable_layers = list(checkpointable_layers) if checkpointable_layers else None
         self.dynamic_shape = dynamic_shape
         self.partition_method = partition_method  # kept so the pipeline engine can re-partition (virtual stages)

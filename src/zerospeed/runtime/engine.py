@@ -31,6 +31,7 @@ from zerospeed.config import ConfigError, ZeroSpeedConfig
 from zerospeed.monitor import Monitor, StepEvents
 from zerospeed.profiling.engine_hook import EngineFlopsProfiler
 from zerospeed.runtime.engine_api import DeepSpeedEngineAPI
+from zerospeed.checkpointing.settings import configure_from as configure_checkpointing_from
 from zerospeed.runtime.loss_scaler import build_loss_scaler
 from zerospeed.runtime.precision_cast import cast_to_compute_dtype
 from zerospeed.runtime.torch_backward import TorchBackwardHooks
@@ -136,6 +137,7 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         from zerospeed.runtime.autotuning_probe import AutotuningProbe
 
         self._autotuning = AutotuningProbe.attach(self)  # None unless run as an autotuning experiment
+        configure_checkpointing_from(config)  # the activation_checkpointing section, unless configure() was called
 
     def __getattr__(self, name: str) -> Any:
         """Unknown attributes come from the wrapped module (``engine.generate``, ``engine.device``...),
