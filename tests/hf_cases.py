@@ -67,7 +67,11 @@ def ds_config(stage, precision="fp32", **zero_over):
 
 
 # -- per-rank bodies ------------------------------------------------------------------------------
-def passthrough_body(stage):
+def passthrough_body(stages):
+    return {stage: _passthrough(stage) for stage in stages}
+
+
+def _passthrough(stage):
     import zerospeed
 
     model = make_llama()
@@ -93,7 +97,30 @@ def passthrough_body(stage):
     engine.backward(loss)
     engine.step()
     out["loss"] = float(loss)
+    engine.destroy()
     return out
+
+
+def world1_body(save_dir, bad_dir):
+    return {"bf16": bf16_logits_body(save_dir), "bad_input": bad_save_args(bad_dir)}
+
+
+def bad_save_args(save_dir):
+    import zerospeed
+    from zerospeed.integrations.transformers import save_pretrained
+
+    engine, *_ = zerospeed.initialize(model=make_llama(), config=ds_config(0))
+    errors = []
+    for call in (lambda: engine.save_16bit_model(save_dir, "a/b.bin"),
+                 lambda: engine.save_16bit_model(os.path.join(save_dir, "file")),
+                 lambda: save_pretrained(engine, save_dir, state_dict={}),
+                 lambda: save_pretrained(object(), save_dir)):
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, TypeError) as exc:
+            errors.append(str(exc))
+    return errors
 
 
 def bf16_logits_body(save_dir):
@@ -118,7 +145,25 @@ def bf16_logits_body(save_dir):
             "inv_freq": inv, "param_dtypes": params}
 
 
-def save_body(stage, save_dir, precision="fp32", gather=True):
+def save_body(save_root, cases):
+    out = {}
+    for stage, precision in cases:
+        folder = os.path.join(save_root, f"{stage}-{precision}")
+        out[(stage, precision)] = _save_case(stage, folder, precision)
+    out["no_gather"] = _no_gather(os.path.join(save_root, "no_gather"))
+    return out
+
+
+def _no_gather(save_dir):
+    import zerospeed
+
+    engine, *_ = zerospeed.initialize(model=make_llama(), config=ds_config(3))
+    saved = engine.save_16bit_model(save_dir)
+    engine.destroy()
+    return saved
+
+
+def _save_case(stage, save_dir, precision="fp32", gather=True):
     import zerospeed
     from zerospeed.integrations.transformers import save_pretrained
 
@@ -151,6 +196,7 @@ def save_body(stage, save_dir, precision="fp32", gather=True):
     except RuntimeError as exc:
         out["state_dict_error"] = str(exc)
     dist.barrier()
+    engine.destroy()
     return out
 
 
@@ -317,11 +363,12 @@ def trainer_body(root, runs):
         trainer.train()
         rec = {"losses": _losses(trainer), "grad_norms": [h["grad_norm"] for h in trainer.state.log_history
                                                           if "grad_norm" in h]}
-        trainer.save_model(os.path.join(folder, "final"))
         rec["logits"] = _probe_logits(trainer.model_wrapped)
         if kind != "plain":
+            trainer.save_model(os.path.join(folder, "final"))
             rec["engine_stage"] = trainer.zerospeed_engine.zero_stage
             rec["lr"] = trainer.zerospeed_engine.get_lr()
+        if kind != "plain" and stage == 3:
             resumed = _trainer(kind, folder, stage, sections)
             resumed.train(resume_from_checkpoint=os.path.join(folder, "checkpoint-2"))
             rec["resumed_losses"] = _losses(resumed)
@@ -384,3 +431,7 @@ def resize_body(new_vocab):
         engine.destroy()
     out["losses"] = losses
     return out
+
+
+def zero_init_and_resize_body(kinds, new_vocab):
+    return {"init": zero_init_body(kinds), "resize": resize_body(new_vocab)}

@@ -4,7 +4,7 @@ One launch of 2 gloo ranks runs, on a random tiny Llama and an in-memory dataset
 micro batch 2 per rank, accumulation 2, clipping at 1.0, warmup then constant lr, weight decay on
 HF's groups): the plain ``Trainer`` (DDP over gloo) as the reference, then ``ZeroSpeedTrainer`` at
 ZeRO-2 and ZeRO-3 (HF's optimizer and scheduler), and at ZeRO-3 with the config's own optimizer
-and WarmupLR scheduler sections. Each zerospeed run also resumes from ``checkpoint-2`` in a fresh
+and WarmupLR scheduler sections. Each ZeRO-3 run also resumes from ``checkpoint-2`` in a fresh
 trainer and trains to the end again.
 
 Tolerances: fp32 losses and gradient norms within 1e-5 relative of the plain Trainer (the sums run
@@ -44,11 +44,13 @@ def test_zerospeed_trainer_matches_the_plain_trainer_saves_and_resumes(tmp_path)
     sections = r0["z3_sections"]
     assert sections["losses"][:2] == pytest.approx(plain["losses"][:2], rel=TOL)  # same lr until warmup differs
     assert sections["lr"] == [2e-3, 2e-3]  # WarmupLR filled from learning_rate, warmup steps done
-    for name in ("z2", "z3", "z3_sections"):
+    for name in ("z3", "z3_sections"):
         run = r0[name]
         assert run["resumed_step"] == 4
         assert run["resumed_losses"][2:] == pytest.approx(run["losses"][2:], rel=1e-6), name
         assert torch.allclose(run["resumed_logits"], run["logits"], rtol=0, atol=1e-6), name
+    for name in ("z2", "z3", "z3_sections"):
+        run = r0[name]
         model = LlamaForCausalLM.from_pretrained(tmp_path / name / "final")
         with torch.no_grad():
             loaded = model(input_ids=batch(9, n=2)).logits.float()
