@@ -34,6 +34,8 @@ def _check_parity(results, tp):
                 # 2 layers: one all-reduce after attention and one after the MLP per block
                 # (+1 for GPT-2's vocab-parallel input embedding, tied to the LM head)
                 assert r["all_reduces"] == 2 * 2 + (kind == "gpt2"), where
+                # backward: one per block input region (q/k/v share one, gate/up or fc share one) + the LM head
+                assert r["backward_all_reduces"] == 2 * 2 + 1, where
     assert results[0]["custom"]["types"] == {"inp": "Linear", "fused": "LinearLayer", "back": "LinearAllreduce",
                                              "out": "Linear"}
     assert results[0]["llama"]["num_sharded"] == 2 * 7 + 1  # 7 linears per block + LM head

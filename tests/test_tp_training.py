@@ -10,8 +10,9 @@ tensor, gathered from the tp (and ZeRO) shards, within 1e-5 relative in Frobeniu
 gradient differences of near-zero elements into slightly larger weight differences).
 
 World 4: tp2 x dp2 at ZeRO 0, 1, 2, 3 in one process group. World 2: tp2 (stage 0), tp2 with
-ZeRO-2 and CPU optimizer offload, tp through a Megatron-style mpu, and a divergent batch across
-the tp ranks (an error at the first forward).
+ZeRO-2 and CPU optimizer offload, tp through a Megatron-style mpu, ``tp_model_init`` before
+``initialize`` (DeepSpeed's order), and a divergent batch across the tp ranks (an error at the
+first forward).
 """
 import pytest
 import torch
@@ -59,9 +60,11 @@ def test_tp2_offload_mpu_and_divergent_batch():
     cases = [(1, train_config(0, dp=1, tp=2)),
              (1, train_config(2, dp=1, tp=2, zero_optimization=offload)),
              (1, train_config(1, dp=1, tp=1), "mpu"),
-             (1, train_config(0, dp=1, tp=2), "diverge")]
+             (1, train_config(0, dp=1, tp=2), "diverge"),
+             (1, train_config(1, dp=1, tp=1), "tp_model_init")]
     runs = run_distributed(tp_training, 2, cases, timeout=110)
-    for i, where in enumerate(["tp2 zero0", "tp2 zero2 offload", "tp2 via mpu, zero1"]):
+    for i, where in [(0, "tp2 zero0"), (1, "tp2 zero2 offload"), (2, "tp2 via mpu, zero1"),
+                     (4, "tp_model_init then initialize, zero1")]:
         _check(runs[0][i], ref, where)
     errors = [r[3]["error"] for r in runs]
     assert errors[0].startswith("tensor parallelism: the micro-batch on rank 1 differs from rank 0's in tp group "

@@ -145,9 +145,10 @@ def forward_parity(kinds: list[str]) -> dict[str, Any]:
                 gen = model.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
             # training-mode forward + backward run through the autograd functions
             loss = model(ids, labels=ids).loss
+            comm.COUNTER.reset()
             loss.backward()
             out[kind] = {"err": _rel_err(got, ref), "gen_equal": torch.equal(gen, ref_gen), "all_reduces": reduces,
-                         "loss": float(loss)}
+                         "loss": float(loss), "backward_all_reduces": comm.COUNTER.count("all_reduce")}
         splits = tp_param_splits(model)
         local = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
         out[kind]["sharded_bytes"] = sum(local[n] for n in splits if n in local)
@@ -292,6 +293,9 @@ def tp_training(cases: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]
                 dp_group = g if r == dist.get_rank() else dp_group
             engine, _, _, _ = zerospeed.initialize(model=model, config=cfg,
                                                    mpu=_Mpu(tp_group, dp_group, dist.get_rank(), world))
+        elif mode == "tp_model_init":  # DeepSpeed's order: split first (builds the mesh), then initialize
+            model = zerospeed.tp_model_init(model, tp_size=dist.get_world_size(), dtype=torch.float32)
+            engine, _, _, _ = zerospeed.initialize(model=model, config=cfg)
         else:
             engine, _, _, _ = zerospeed.initialize(model=model, config=cfg)
         mesh = comm.get_mesh()
@@ -401,3 +405,86 @@ def checkpoint_round_trips(save_dir: str) -> dict[str, Any]:
         out["mismatch"] = f"{type(exc).__name__}: {exc}"
     comm.reset_mesh()
     return out if dist.get_rank() == 0 else {}
+
+
+# -- pipeline x tensor parallel ------------------------------------------------------------------------
+PP_DIM, PP_HIDDEN, PP_BLOCKS, PP_BATCH = 6, 8, 4, 8
+
+
+class TPBlock(torch.nn.Module):
+    """A residual MLP block: fc_in (column-parallel under tp) -> gelu -> fc_out (row-parallel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc_in = torch.nn.Linear(PP_HIDDEN, 2 * PP_HIDDEN)
+        self.fc_out = torch.nn.Linear(2 * PP_HIDDEN, PP_HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc_out(torch.nn.functional.gelu(self.fc_in(x)))
+
+
+PP_SPECS = {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r"^\d+\.fc_in$"], "partition_type": "column"},
+    {"patterns": [r"^\d+\.fc_out$"], "partition_type": "row"}]}
+
+
+def _pp_layers() -> list[Any]:
+    from zerospeed.pipe import LayerSpec
+
+    return ([LayerSpec(torch.nn.Linear, PP_DIM, PP_HIDDEN)] + [LayerSpec(TPBlock) for _ in range(PP_BLOCKS)]
+            + [LayerSpec(torch.nn.Linear, PP_HIDDEN, PP_DIM)])
+
+
+def _pp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(50 + step)
+    return torch.randn(PP_BATCH, PP_DIM, generator=g), torch.randn(PP_BATCH, PP_DIM, generator=g)
+
+
+def pp_reference(steps: int, gas: int) -> dict[str, Any]:
+    model = torch.nn.Module()
+    for i, spec in enumerate(_pp_layers()):
+        torch.manual_seed(77 + i)
+        model.add_module(str(i), spec.build())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x, y = _pp_batch(step)
+        total = 0.0
+        for xs, ys in zip(x.chunk(gas), y.chunk(gas)):
+            h = xs
+            for layer in model.children():
+                h = layer(h)
+            loss = torch.nn.functional.mse_loss(h, ys) / gas
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def pp_tp_training(steps: int, gas: int, zero: int) -> dict[str, Any]:
+    """pp2 x tp2: a PipelineModule of residual MLP blocks, split by partition_config."""
+    import zerospeed
+    from zerospeed.module_inject.gather import gather_tp_state_dict
+    from zerospeed.pipe import PipelineModule
+
+    net = PipelineModule(_pp_layers(), num_stages=2, loss_fn=torch.nn.functional.mse_loss, seed_layers=True,
+                         base_seed=77, partition_method="uniform")
+    cfg = {"train_batch_size": PP_BATCH, "gradient_accumulation_steps": gas, "gradient_clipping": 0.1,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "steps_per_print": 0,
+           "zero_optimization": {"stage": zero}, "pipeline": {"schedule": "1f1b"},
+           "tensor_parallel": {"autotp_size": 2, "partition_config": PP_SPECS}}
+    engine, _, _, _ = zerospeed.initialize(model=net, config=cfg)
+    losses = []
+    for step in range(steps):
+        x, y = _pp_batch(step)
+        data = iter(list(zip(x.chunk(gas), y.chunk(gas))))
+        losses.append(float(engine.train_batch(data if engine.is_first_stage() or engine.is_last_stage() else None)))
+    mesh = comm.get_mesh()
+    local = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    weights = gather_tp_state_dict(local, engine.module, mesh)
+    kinds = sorted({type(m).__name__ for m in engine.module.modules() if "Linear" in type(m).__name__})
+    comm.reset_mesh()
+    return {"losses": losses, "weights": weights, "kinds": kinds, "stage": engine.stage_id}

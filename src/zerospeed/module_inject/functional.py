@@ -6,6 +6,12 @@
 * :func:`gather_from_tp` -- forward all-gather along the last dimension, backward the local slice
   (output of the vocabulary-parallel LM head).
 
+Column-parallel layers that read the same input (q, k, v; gate, up) share one :func:`copy_to_tp`
+output, so their input gradients are summed by autograd first and all-reduced once, not once per
+layer (Megatron's fused region): the last copy is remembered per tp group until a row-parallel
+layer (or the LM head) closes the region, or the input changes (another tensor, or an in-place
+write bumping its version).
+
 Every collective goes through :mod:`zerospeed.comm` (counted). When autograd is off
 (``torch.no_grad()`` / inference mode) or the input does not require grad, the collective is
 called directly, with no ``autograd.Function`` in the way: inference pays for the communication
@@ -70,15 +76,30 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.narrow(-1, ctx.rank * ctx.local, ctx.local).contiguous(), None, None, None
 
 
+_OPEN_REGION: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id(group) -> (input, version, copy)
+
+
 def copy_to_tp(x: torch.Tensor, group: Any, tp_size: int) -> torch.Tensor:
     if tp_size == 1 or not _tracking(x):
         return x
-    return _CopyToTP.apply(x, group)
+    key = id(group)
+    open_region = _OPEN_REGION.get(key)
+    if open_region is not None and open_region[0] is x and open_region[1] == x._version:
+        return open_region[2]
+    y = _CopyToTP.apply(x, group)
+    _OPEN_REGION[key] = (x, x._version, y)
+    return y
+
+
+def close_region(group: Any) -> None:
+    """A row-parallel layer (or the LM head) ran: the next column layer starts a new region."""
+    _OPEN_REGION.pop(id(group), None)
 
 
 def reduce_from_tp(x: torch.Tensor, group: Any, tp_size: int) -> torch.Tensor:
     if tp_size == 1:
         return x
+    close_region(group)
     if not _tracking(x):
         return _all_reduce(x, group)
     return _ReduceFromTP.apply(x, group)
@@ -87,6 +108,7 @@ def reduce_from_tp(x: torch.Tensor, group: Any, tp_size: int) -> torch.Tensor:
 def gather_from_tp(x: torch.Tensor, group: Any, tp_size: int, tp_rank: int) -> torch.Tensor:
     if tp_size == 1:
         return x
+    close_region(group)
     if not _tracking(x):
         return _gather_last(x, group, tp_size)
     return _GatherFromTP.apply(x, group, tp_size, tp_rank)

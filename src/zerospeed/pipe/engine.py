@@ -84,15 +84,23 @@ class PipelineError(RuntimeError):
 
 def initialize_pipeline(model: PipelineModule, raw_config: Any, *, optimizer: Any = None,
                         model_parameters: Iterable[Any] | None = None, training_data: Any = None,
-                        lr_scheduler: Any = None, collate_fn: Callable[..., Any] | None = None
+                        lr_scheduler: Any = None, collate_fn: Callable[..., Any] | None = None,
+                        mesh: Any = None, tp_config: Any = None
                         ) -> tuple[PipelineEngine, torch.optim.Optimizer, Any, Any]:
-    """Build the pipeline engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+    """Build the pipeline engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    With a (pp, dp, tp) ``mesh`` (tensor parallelism, :mod:`zerospeed.runtime.tp_setup`) the
+    topology's "data" coordinate is the flattened (dp, tp) pair, so stages talk to the same tp rank;
+    each stage is split with AutoTP, and ZeRO, replica broadcast, loss mean and loader use the
+    mesh's dp group.
+    """
     from zerospeed.runtime.dataloader import build_dataloader
     from zerospeed.runtime.initialize import optimizer_from_config, scheduler_from_config, param_groups_of
 
     world_size, rank = comm.get_world_size(), comm.get_rank()
     check_topology(model, world_size)
-    cfg = load_pipeline_config(model, raw_config, world_size)
+    tp_size = 1 if mesh is None else mesh.tp_size
+    cfg = load_pipeline_config(model, raw_config, world_size // tp_size)
     layout = Layout(model, cfg, rank)
     actions = train_schedule(layout)
     if layout.virtual > 1 and isinstance(optimizer, torch.optim.Optimizer):
@@ -103,12 +111,22 @@ def initialize_pipeline(model: PipelineModule, raw_config: Any, *, optimizer: An
     device = comm.device_for_backend()
     container.to(device)
 
+    if mesh is not None:
+        from zerospeed.runtime.tp_setup import prepare_model
+
+        # a stage whose layers the split refuses must fail on every rank, not leave its peers waiting
+        container = agree_on_build(lambda: prepare_model(container, mesh, tp_config, optimizer))
     pipe_group, data_group = new_groups(layout)
+    if mesh is not None:
+        data_group = mesh.dp_group
     tied = TiedWeights(chunks, model.tied_stages if layout.virtual == 1 else chunks[layout.pipe_rank].tied_stages,
                        num_pp=layout.num_pp, num_dp=layout.num_dp, pipe_rank=layout.pipe_rank,
                        dp_rank=layout.dp_rank, global_rank=layout.global_rank)
     tied.broadcast_initial()
-    if layout.num_dp > 1:
+    if mesh is not None:
+        if mesh.dp_size > 1:
+            broadcast_replicas(container, data_group, src=mesh.group_ranks("data")[0])
+    elif layout.num_dp > 1:
         broadcast_replicas(container, data_group, src=layout.global_rank(layout.pipe_rank, 0))
 
     if layout.virtual == 1:
@@ -123,11 +141,16 @@ def initialize_pipeline(model: PipelineModule, raw_config: Any, *, optimizer: An
                             pipe_group=pipe_group, data_group=data_group, loss_fn=model.loss_fn,
                             dynamic_shape=model.dynamic_shape)
     engine.lr_scheduler = scheduler_from_config(cfg, lr_scheduler, opt)
+    if mesh is not None and mesh.tp_size > 1:
+        from zerospeed.runtime.tp_setup import TPNormHook
+
+        engine.tp_norm_hook = TPNormHook(engine, mesh)
     loader = None
     if training_data is not None:
         # not shuffled: DeepSpeed's pipeline engine builds its loader with shuffle=False
         # (PipelineEngine._build_data_iter), so train_batch() without an iterator sees the same order
-        loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, layout.dp_rank, layout.num_dp,
+        dp_rank, num_dp = (layout.dp_rank, layout.num_dp) if mesh is None else (mesh.dp_rank, mesh.dp_size)
+        loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, dp_rank, num_dp,
                                   collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last, seed=cfg.seed or 0,
                                   shuffle=False)
         engine.training_dataloader = loader
@@ -174,6 +197,7 @@ class PipelineEngine(ZeroSpeedEngine):
             dynamic_shape=dynamic_shape)
         self._probed_loss: bool | None = None  # None: no handshake yet; else whether it checked the loss
         self.agg_train_loss: torch.Tensor | None = None
+        self.tp_norm_hook: Callable[[torch.Tensor], torch.Tensor] | None = None  # set under tensor parallelism
         self.last_step_time_s = 0.0
 
     # -- DeepSpeed-compatible queries ---------------------------------------------------------
@@ -265,6 +289,8 @@ class PipelineEngine(ZeroSpeedEngine):
 
     def _global_norm_sq(self, norm_sq: torch.Tensor) -> torch.Tensor:
         """Data-parallel squared norm of this stage -> global over the pipeline (tied counted once)."""
+        if self.tp_norm_hook is not None:  # first the stage's norm over its tp shards
+            norm_sq = self.tp_norm_hook(norm_sq)
         twice = self.tied.counted_twice()
         if twice:
             correction = reduced_sq_norm(self.strategy.buckets, twice).to(norm_sq.device)
@@ -280,9 +306,9 @@ class PipelineEngine(ZeroSpeedEngine):
         value = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last_stage():
             value = torch.stack(losses).mean()
-            if self.layout.num_dp > 1:
+            if self.dp_world_size > 1:
                 comm.all_reduce(value, group=self.dp_group)
-                value /= self.layout.num_dp
+                value /= self.dp_world_size
         if broadcast and self.num_stages > 1:
             comm.broadcast(value, src=self.layout.global_rank(self.num_stages - 1), group=self.pipe_group)
         return value

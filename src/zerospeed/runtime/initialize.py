@@ -97,14 +97,15 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if isinstance(model, PipelineModule):
         from zerospeed.pipe.engine import initialize_pipeline
 
-        if mpu is not None or mesh_param is not None:
-            raise ValueError("initialize: mpu / mesh_param with a PipelineModule are not supported yet; pass None")
+        from zerospeed.runtime import tp_setup
 
+        mesh, tp_cfg = tp_setup.mesh_for(raw, mpu=mpu, mesh_param=mesh_param, pp=model.topology().get_dim("pipe"))
         return initialize_pipeline(model, raw, optimizer=optimizer, model_parameters=model_parameters,
-                                   training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn)
+                                   training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn,
+                                   mesh=mesh, tp_config=tp_cfg)
     from zerospeed.runtime import tp_setup
 
-    mesh, tp_cfg = tp_setup.mesh_for(raw, mpu=mpu, mesh_param=mesh_param)
+    mesh, tp_cfg = tp_setup.mesh_for(raw, mpu=mpu, mesh_param=mesh_param, model=model)
     dp_world_size = comm.get_world_size() if mesh is None else mesh.dp_size
     dp_rank = comm.get_rank() if mesh is None else mesh.dp_rank
     cfg = load_config(raw, dp_world_size=dp_world_size)

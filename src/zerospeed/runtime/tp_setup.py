@@ -48,9 +48,20 @@ def _mesh_param_degrees(mesh_param: Any) -> dict[str, int]:
     raise MeshError(f"mesh_param: {mesh_param!r} is not a (pp, dp, tp) tuple or a dict with keys pp, dp, tp")
 
 
-def mesh_for(raw: Any, mpu: Any = None, mesh_param: Any = None, pp: int = 1) -> tuple[Mesh | None, TensorParallelConfig]:
-    """The mesh ``initialize`` should use (None: plain data parallelism) and the tensor_parallel section."""
+def mesh_for(raw: Any, mpu: Any = None, mesh_param: Any = None, pp: int = 1,
+             model: nn.Module | None = None) -> tuple[Mesh | None, TensorParallelConfig]:
+    """The mesh ``initialize`` should use (None: plain data parallelism) and the tensor_parallel section.
+
+    A model already split by ``tp_model_init`` keeps the mesh that call built.
+    """
     tp_cfg = tensor_parallel_of(raw)
+    current = comm.get_mesh()
+    if (mpu is None and mesh_param is None and model is not None and current is not None and current.tp_size > 1
+            and is_split(model)):
+        if tp_cfg.enabled and tp_cfg.size != current.tp_size:
+            raise MeshError(f"initialize: tensor_parallel degree {tp_cfg.size} but the model was split over "
+                            f"tp={current.tp_size} (tp_model_init)")
+        return current, tp_cfg
     if mpu is not None:
         if mesh_param is not None:
             raise MeshError("initialize: give mpu or mesh_param, not both")
@@ -64,7 +75,7 @@ def mesh_for(raw: Any, mpu: Any = None, mesh_param: Any = None, pp: int = 1) -> 
     if tp_cfg.enabled and tp != tp_cfg.size:
         raise MeshError(f"initialize: mesh_param tp={tp} but tensor_parallel.autotp_size is {tp_cfg.size}")
     pp = degrees.get("pp", pp)
-    if tp == 1 and pp == 1 and mesh_param is None:
+    if tp == 1 and mesh_param is None:
         return None, tp_cfg
     return comm.build_mesh(pp=pp, tp=tp, dp=degrees.get("dp")), tp_cfg
 
