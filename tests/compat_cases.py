@@ -259,7 +259,7 @@ class AttnNet(nn.Module):
         self.out = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
+        h = nn.functional.relu(self.inp(x), inplace=True)  # in place on a view (Linear on 3-D input)
         h, _ = self.attn(h, h, h, need_weights=False)
         h = self.block(h)
         return nn.functional.mse_loss(self.out(h).mean(dim=1), y)

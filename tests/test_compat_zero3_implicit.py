@@ -4,7 +4,9 @@
 ``out_proj``; ``nn.TransformerEncoderLayer``'s no-grad fast path reads all its children's weights.
 Both are detected: at world size 2, stage 3 matches a single process (losses and weights to 1e-5
 relative, fp32; the eval loss through the fast path too). A module of the user's that does the same
-gets an error naming the parameter and register_external_parameter.
+gets an error naming the parameter and register_external_parameter. The model also applies an
+in-place ReLU to a Linear's 3-D output (a view), whose own grad node then leaves the graph: the
+backward re-gather must still happen (it hooks the view's base too).
 """
 
 import pytest

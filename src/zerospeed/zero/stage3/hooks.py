@@ -235,6 +235,9 @@ class Stage3Runtime(BucketGatherer):
             for b in plan.buckets:
                 b.fwd_refs = max(0, b.fwd_refs - 1)
             outs = [t for t in tensors_in(output) if t.requires_grad] if grad_on else []
+            # an output that is a view (nn.Linear on 3-D input) and is then modified in place
+            # (ReLU(inplace=True)) leaves its own grad node out of the graph; its base's node stays
+            outs += [t._base for t in outs if t._base is not None and t._base.requires_grad]
             if outs:
                 register_multi_grad_hook(outs, lambda _grad, plan=plan: self._pre_backward(plan), mode="any")
             for b in plan.buckets:
