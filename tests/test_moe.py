@@ -156,3 +156,21 @@ def test_checkpoint_loads_at_another_expert_parallel_degree(tmp_path, save_stage
                 torch.testing.assert_close(t, by_name[name], rtol=0, atol=0, msg=name)
     if load_world == 2:  # same data per rank: the step after loading matches the one after saving
         assert abs(loaded[0]["__next_loss__"].item() - saved[0]["__next_loss__"].item()) < 1e-5
+
+
+def test_hf_mixtral_blocks_replaced_give_the_same_logits() -> None:
+    from zerospeed.moe.hf import HFMoEBlock, expert_parallel
+
+    ref = moe_cases.tiny_mixtral()
+    model = expert_parallel(moe_cases.tiny_mixtral(), ep_size=1)
+    assert sum(isinstance(m, HFMoEBlock) for m in model.modules()) == 2
+    x = moe_cases.mixtral_tokens(0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no Mixtral-style MoE block .* in Sequential"):
+        expert_parallel(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_hf_mixtral_trains_at_ep2_matching_one_process() -> None:
+    for r in run_distributed(moe_cases.hf_mixtral_parity, 2, 2, timeout=240):
+        assert r["first_logits"] < 1e-5 and r["loss"] < 1e-5 and r["weight"] < 1e-5, r
