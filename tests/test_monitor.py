@@ -4,6 +4,7 @@ W&B offline, the user's own events, and the errors of bad events and config keys
 import csv
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -137,29 +138,36 @@ def test_bad_events_are_refused_before_anything_is_written(tmp_path, events, mes
     monitor.close()
 
 
-def _wandb_history(path):
-    """History rows of an offline W&B run file: a LevelDB-style log (7-byte file header, 32 KiB
-    blocks, records framed as crc32 / little-endian length / kind) of wandb Record protobufs."""
+def _wandb_records(path, kind):
+    """Records of one type in an offline W&B run file: a LevelDB-style log (7-byte file header,
+    32 KiB blocks, records framed as crc32 / little-endian length / kind) of wandb Record protobufs."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    data, pos, block, pending, rows = path.read_bytes(), 7, 32768, b"", []
+    data, pos, block, pending, out = path.read_bytes(), 7, 32768, b"", []
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, frame = struct.unpack("<IHB", data[pos:pos + 7])
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST fragment
+        if frame in (1, 4):  # FULL or LAST fragment
             record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
+            try:
+                record.ParseFromString(pending)
+            except Exception:  # a record still being written
+                break
             pending = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
-    return rows
+            if record.WhichOneof("record_type") == kind:
+                out.append(record)
+    return out
+
+
+def _wandb_history(path):
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in _wandb_records(path, "history")]
 
 
 @pytest.mark.timeout(120)
@@ -174,6 +182,10 @@ def test_wandb_offline_run_records_the_events(tmp_path, monkeypatch):
     monitor.close()
     (run_dir,) = [p for p in (tmp_path / "wandb").iterdir() if p.name.startswith("offline-run-")]
     (log,) = run_dir.glob("*.wandb")
+    # wandb's service finishes writing the file after run.finish() returns: wait for its exit record
+    deadline = time.monotonic() + 60
+    while not _wandb_records(log, "exit") and time.monotonic() < deadline:
+        time.sleep(0.2)
     history = [{k: v for k, v in row.items() if not k.startswith("_") or k == "_step"} for row in _wandb_history(log)]
     assert history == [{"Train/Samples/train_loss": 2.0, "Train/Samples/lr": 0.1, "_step": 4},
                        {"Train/Samples/train_loss": 1.5, "_step": 8}]
