@@ -9,7 +9,8 @@ tensor, gathered from the tp (and ZeRO) shards, within 1e-5 relative in Frobeniu
 (||w - w_ref|| / ||w_ref||) and 5e-5 in max-abs over the tensor's max-abs (Adam turns ~1e-7
 gradient differences of near-zero elements into slightly larger weight differences).
 
-World 4: tp2 x dp2 at ZeRO 0, 1, 2, 3 in one process group. World 2: tp2 (stage 0), tp2 with
+World 4: tp2 x dp2 at ZeRO 0, 1, 2, 3 and tp4 (ZeRO-2, a model with 4 KV heads) in one process
+group, and the loader initialize returns (same micro-batch within a tp group, different across dp). World 2: tp2 (stage 0), tp2 with
 ZeRO-2 and CPU optimizer offload, tp through a Megatron-style mpu, ``tp_model_init`` before
 ``initialize`` (DeepSpeed's order), and a divergent batch across the tp ranks (an error at the
 first forward).
@@ -42,10 +43,12 @@ def _check(run, ref, where):
 def test_tp2_x_dp2_every_zero_stage_matches_single_process():
     ref = reference_training(dp=2)
     assert min(ref["norms"]) > 0.05  # clipping is active
-    cases = [(2, train_config(stage, dp=2, tp=2)) for stage in range(4)] + [(2, train_config(1, 2, 2), "loader")]
+    cases = [(2, train_config(stage, dp=2, tp=2)) for stage in range(4)] + [(2, train_config(1, 2, 2), "loader"),
+                                                                             (1, train_config(2, 1, 4), "tp4")]
     runs = run_distributed(tp_training, 4, cases, timeout=140)
     for stage, run in enumerate(runs[0][:4]):
         _check(run, ref, f"tp2xdp2 zero{stage}")
+    _check(runs[0][5], reference_training(dp=1, kv_heads=4), "tp4 zero2")
     firsts = [r[4]["first_batch"] for r in runs]  # ranks 0, 1 are dp replica 0's tp group; 2, 3 replica 1's
     assert torch.equal(firsts[0], firsts[1]) and torch.equal(firsts[2], firsts[3])
     assert not torch.equal(firsts[0], firsts[2])

@@ -211,12 +211,12 @@ MICRO = 2
 SEQ = 8
 
 
-def tiny_llama(seed: int = 0) -> torch.nn.Module:
+def tiny_llama(seed: int = 0, kv_heads: int = 2) -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(seed)
     cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=32,
                          tie_word_embeddings=False)
     return tf.LlamaForCausalLM(cfg)
 
@@ -237,9 +237,9 @@ def train_config(stage: int, dp: int, tp: int, **extra: Any) -> dict[str, Any]:
     return cfg
 
 
-def reference_training(dp: int) -> dict[str, Any]:
+def reference_training(dp: int, kv_heads: int = 2) -> dict[str, Any]:
     """One process, the whole global batch per step (HF's mean loss over equal-size micro-batches)."""
-    model = tiny_llama()
+    model = tiny_llama(kv_heads=kv_heads)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses, norms = [], []
     for batch in train_batches(dp):
@@ -267,7 +267,7 @@ def tp_training(cases: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]
     for case in cases:
         dp, cfg = case[0], case[1]
         mode = case[2] if len(case) > 2 else "config"
-        model = tiny_llama()
+        model = tiny_llama(kv_heads=4 if mode == "tp4" else 2)  # tp4 needs 4 KV heads
         if mode == "loader":  # the loader initialize returns: the same micro-batch on every rank of a tp group
             data = torch.utils.data.TensorDataset(torch.arange(64).reshape(16, 4))
             engine, _, loader, _ = zerospeed.initialize(model=model, config=cfg, training_data=data)

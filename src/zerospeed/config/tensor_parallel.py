@@ -18,6 +18,10 @@ Decisions:
   ``kernel_inject``) must stay false: zerospeed has no fused inference kernels to inject.
 * ``tp.mpu`` / ``tp.tp_group`` (Python objects in DeepSpeed) cannot come from JSON; pass the mpu
   to ``initialize(mpu=...)``.
+* Accepted for DeepSpeed configs, with no effect (said here so nobody expects one):
+  ``tp_overlap_comm`` (each tp all-reduce is issued as soon as autograd reaches it; overlapping it
+  with the next matmul is not built), ``tp_grain_size`` (splits are exact or an error, never
+  rounded to a grain), ``keep_module_on_host`` (AutoTP splits the model where it already is).
 """
 
 from __future__ import annotations
