@@ -147,13 +147,8 @@ class ServerProcess:
             self.proc.wait(10)
 
 
-USE_FAKE = True  # TEMPORARY until the real engine lands
-
-
 def serve_argv(model_dir: Path, *flags: str) -> list[str]:
-    if USE_FAKE:
-        return [sys.executable, str(Path(__file__).parent / "serve_fake_main.py"), str(model_dir),
-                "--port", "0", *flags]
+    """The ``zerospeed serve`` command line (through the launcher's entry point), any free port."""
     return [sys.executable, "-m", "zerospeed.launcher.runner", "serve", str(model_dir),
             "--port", "0", *flags]
 

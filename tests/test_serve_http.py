@@ -114,6 +114,27 @@ def test_chat_streaming_and_not_agree(client, tokenizer):
         full.usage.prompt_tokens
 
 
+def test_greedy_output_matches_hf_generate(client, model_dir, tokenizer):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    for prompt in ["To be or not to be", "Knowledge is power. Time", "東京は"]:
+        ids = tokenizer.encode(prompt).ids
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
+                                 do_sample=False, pad_token_id=0)
+        ref = out[0, len(ids):].tolist()
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      logprobs=2, extra_body={"ignore_eos": True})
+        c = r.choices[0]
+        assert c.text == tokenizer.decode(ref)
+        assert c.logprobs.tokens == [tokenizer.decode([t]) for t in ref]
+        assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(ids)
+        for lp, top in zip(c.logprobs.token_logprobs, c.logprobs.top_logprobs):
+            assert lp <= 0 and 1 <= len(top) <= 2 and max(top.values()) >= lp - 1e-5  # greedy: best
+
+
 def test_seed_stop_and_token_prompts(client, tokenizer):
     kw = dict(model=MODEL, prompt="A journey of", max_tokens=12, temperature=1.0, top_p=0.9,
               extra_body={"ignore_eos": True, "top_k": 50})
@@ -155,7 +176,9 @@ def test_seed_stop_and_token_prompts(client, tokenizer):
     ("/v1/completions", {"prompt": "fox " * 400}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {}, 400, "prompt"),

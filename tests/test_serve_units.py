@@ -156,6 +156,13 @@ def test_command_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     assert err.startswith("zerospeed serve: error:") and needle in err and err.count("\n") == 1
 
 
+def test_command_bad_model_folder_exits_1(tmp_path, capsys):
+    assert launcher_main(["serve", str(tmp_path), "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zerospeed serve: error:") and str(tmp_path) in err and "config.json" in err
+    assert err.count("\n") == 1
+
+
 # -- the Python API --------------------------------------------------------------------------------
 
 

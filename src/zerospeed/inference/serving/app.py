@@ -58,7 +58,6 @@ class ServerState:
     chat_template: ChatTemplate | None
     model_name: str
     max_model_len: int
-    vocab_size: int | None
     api_key: str | None
     created: int
 
@@ -160,13 +159,25 @@ class Handlers:
     def check_prompt(self, ids: list[int], field: str) -> None:
         if not ids:
             raise bad_request(field, "is empty (no tokens)")
-        bad = [t for t in ids if t < 0 or (self.s.vocab_size is not None and t >= self.s.vocab_size)]
-        if bad:
-            raise bad_request(field, f"token id {bad[0]} is outside the vocabulary "
-                              f"[0, {self.s.vocab_size})")
+        if any(not isinstance(t, int) or t < 0 for t in ids):
+            raise bad_request(field, "token ids must be non-negative integers")
         if len(ids) >= self.s.max_model_len:
             raise bad_request(field, f"{len(ids)} tokens leave no room to generate in the "
                               f"context of {self.s.max_model_len} tokens")
+
+    def encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        if not self.s.tokenizer.available:
+            raise bad_request(field, "this model folder has no tokenizer; send token ids")
+        return self.s.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def top_entries(self, top: list[dict[int, float]] | None, i: int) -> dict[str, float]:
+        if not top or i >= len(top) or not top[i]:
+            return {}
+        out: dict[str, float] = {}
+        for t, lp in top[i].items():  # tokens with the same text (partial UTF-8) keep the best
+            key, value = self.s.tokenizer.token_text(t), finite_logprob(lp)
+            out[key] = max(value, out.get(key, value))
+        return out
 
     def check_fits(self, ids: list[int], max_tokens: int) -> None:
         if len(ids) + max_tokens > self.s.max_model_len:
@@ -207,7 +218,7 @@ class Handlers:
         self.check_model(req.model)
         prompts = []
         for p in req.prompts():
-            ids = self.s.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            ids = self.encode(p, "prompt") if isinstance(p, str) else list(p)
             self.check_prompt(ids, "prompt")
             prompts.append(ids)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
@@ -221,12 +232,14 @@ class Handlers:
         base = {"id": rid, "object": "text_completion", "created": created,
                 "model": self.s.model_name}
 
-        def logprobs_of(token_ids: list[int], lps: list[float] | None) -> dict[str, Any] | None:
+        def logprobs_of(token_ids: list[int], lps: list[float] | None,
+                        top: list[dict[int, float]] | None) -> dict[str, Any] | None:
             if not want_logprobs or lps is None:
                 return None
             tokens = [self.s.tokenizer.token_text(t) for t in token_ids]
             return {"tokens": tokens, "token_logprobs": [finite_logprob(x) for x in lps],
-                    "top_logprobs": [{} for _ in tokens], "text_offset": []}
+                    "top_logprobs": [self.top_entries(top, i) for i in range(len(tokens))],
+                    "text_offset": []}
 
         async def chunks(g: Generation) -> AsyncIterator[str]:
             try:
@@ -235,7 +248,7 @@ class Handlers:
                         continue
                     chunk = dict(base, choices=[{
                         "index": d.index, "text": d.text,
-                        "logprobs": logprobs_of(d.token_ids, d.logprobs),
+                        "logprobs": logprobs_of(d.token_ids, d.logprobs, d.top_logprobs),
                         "finish_reason": d.finish_reason}])
                     if req.include_usage():
                         chunk["usage"] = None
@@ -252,7 +265,8 @@ class Handlers:
         def final(g: Generation) -> dict[str, Any]:
             return dict(base, choices=[
                 {"index": i, "text": c.stream.text,
-                 "logprobs": logprobs_of(c.token_ids, c.logprobs if want_logprobs else None),
+                 "logprobs": logprobs_of(c.token_ids, c.logprobs if want_logprobs else None,
+                                         c.top_logprobs),
                  "finish_reason": c.finish_reason}
                 for i, c in enumerate(g.choices)], usage=g.usage())
 
@@ -265,13 +279,13 @@ class Handlers:
         self.check_model(req.model)
         template = require(self.s.chat_template)
         text = template.render(req.template_messages())
-        ids = self.s.tokenizer.encode(text, add_special_tokens=not template.adds_bos)
+        ids = self.encode(text, "messages", add_special_tokens=not template.adds_bos)
         self.check_prompt(ids, "messages")
         requested = req.requested_max_tokens()
         max_tokens = self.s.max_model_len - len(ids) if requested is None else requested
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         try:
-            params = req.sampling_params(max_tokens, 0 if req.logprobs else None)
+            params = req.sampling_params(max_tokens, req.engine_logprobs())
             self.check_fits(ids, max_tokens)
         except ApiError as e:
             if e.param == "max_tokens" and field != "max_tokens":
@@ -283,14 +297,17 @@ class Handlers:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.s.model_name}
 
-        def logprobs_of(token_ids: list[int], lps: list[float] | None) -> dict[str, Any] | None:
+        def logprobs_of(token_ids: list[int], lps: list[float] | None,
+                        top: list[dict[int, float]] | None) -> dict[str, Any] | None:
             if not req.logprobs or lps is None:
                 return None
             content = []
-            for t, lp in zip(token_ids, lps):
+            for i, (t, lp) in enumerate(zip(token_ids, lps)):
                 tok = self.s.tokenizer.token_text(t)
+                alts = [{"token": k, "logprob": v, "bytes": list(k.encode())}
+                        for k, v in self.top_entries(top, i).items()]
                 content.append({"token": tok, "logprob": finite_logprob(lp),
-                                "bytes": list(tok.encode()), "top_logprobs": []})
+                                "bytes": list(tok.encode()), "top_logprobs": alts})
             return {"content": content}
 
         async def chunks(g: Generation) -> AsyncIterator[str]:
@@ -305,7 +322,8 @@ class Handlers:
             try:
                 async for d in g.events():
                     if d.text or d.finish_reason is None and d.logprobs:
-                        yield chunk({"content": d.text}, None, logprobs_of(d.token_ids, d.logprobs))
+                        yield chunk({"content": d.text}, None,
+                                    logprobs_of(d.token_ids, d.logprobs, d.top_logprobs))
                     if d.finish_reason is not None:
                         yield chunk({}, d.finish_reason)
             except GenerationFailed as e:
@@ -323,7 +341,7 @@ class Handlers:
                     "model": self.s.model_name,
                     "choices": [{"index": 0,
                                  "message": {"role": "assistant", "content": c.stream.text},
-                                 "logprobs": logprobs_of(c.token_ids, c.logprobs),
+                                 "logprobs": logprobs_of(c.token_ids, c.logprobs, c.top_logprobs),
                                  "finish_reason": c.finish_reason}],
                     "usage": g.usage()}
 

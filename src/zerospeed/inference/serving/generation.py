@@ -36,6 +36,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -47,6 +48,7 @@ class _Choice:
     num_generated: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 class GenerationFailed(Exception):
@@ -167,6 +169,9 @@ class Generation:
         if out.new_logprobs is not None:
             logprobs = [float(x) for x in out.new_logprobs]
             choice.logprobs.extend(logprobs)
+        top = getattr(out, "new_top_logprobs", None)
+        if top is not None:
+            choice.top_logprobs.extend(top)
         choice.num_generated = max(out.num_generated_tokens, len(choice.token_ids))
         reason = None
         if choice.stream.stopped:
@@ -179,7 +184,7 @@ class Generation:
         if reason is not None:
             choice.finished = True
             choice.finish_reason = reason
-        return Delta(index, text, ids, logprobs, reason)
+        return Delta(index, text, ids, logprobs, reason, top)
 
     def usage(self) -> dict[str, int]:
         p, g = self.num_prompt_tokens, self.num_generated_tokens

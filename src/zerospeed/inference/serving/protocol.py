@@ -10,8 +10,9 @@ Decisions:
   ``max_tokens`` 16 for completions and "the rest of the context" for chat.
 * vLLM's extra fields that clients pass through ``extra_body`` are accepted: ``top_k`` (0 or -1: off),
   ``min_tokens``, ``ignore_eos``, ``stop_token_ids``.
-* Log-probabilities: the engine returns the chosen token's log-probability only, so completions'
-  ``logprobs`` may be 0 and chat's ``top_logprobs`` 0; more alternatives are a 400.
+* Log-probabilities: completions' ``logprobs`` (0-5 alternatives) and chat's ``logprobs`` +
+  ``top_logprobs`` (0-20) are passed to the engine, which returns the chosen token's
+  log-probability and the requested number of alternatives.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from zerospeed.inference.api import SamplingParams
 
 MAX_STOP_SEQUENCES = 4
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits
+MAX_CHAT_TOP_LOGPROBS = 20
 
 
 class ApiError(Exception):
@@ -151,9 +154,9 @@ class CompletionRequest(_SamplingFields):
             raise bad_request("echo", "is not supported")
         if self.suffix:
             raise bad_request("suffix", "is not supported")
-        if self.logprobs is not None and self.logprobs != 0:
-            raise bad_request("logprobs", "only 0 is supported (the chosen token's "
-                              f"log-probability), got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise bad_request("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got "
+                              f"{self.logprobs}")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as strings or token-id lists; raises a 400 for an empty list."""
@@ -198,9 +201,16 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request("tools", "tool calling is not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise bad_request("response_format", "only {'type': 'text'} is supported")
-        if self.top_logprobs not in (None, 0):
-            raise bad_request("top_logprobs", "only 0 is supported (the chosen token's "
-                              f"log-probability), got {self.top_logprobs}")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
+                raise bad_request("top_logprobs", f"must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got "
+                                  f"{self.top_logprobs}")
+            if not self.logprobs and self.top_logprobs:
+                raise bad_request("top_logprobs", "needs logprobs=true")
+
+    def engine_logprobs(self) -> int | None:
+        """The engine's ``logprobs`` (alternatives per token), None when not asked for."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \

@@ -119,19 +119,6 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _vocab_size(tokenizer: Any) -> int | None:
-    fn = getattr(tokenizer, "get_vocab_size", None)
-    if callable(fn):
-        try:
-            return int(fn(with_added_tokens=True))
-        except TypeError:
-            return int(fn())
-    try:
-        return len(tokenizer)
-    except TypeError:
-        return None
-
-
 def serve(model_dir: str | os.PathLike | None = None, *, engine: Any = None,
           host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_waiting: int = DEFAULT_MAX_WAITING,
@@ -174,7 +161,7 @@ def serve(model_dir: str | os.PathLike | None = None, *, engine: Any = None,
     state = ServerState(
         engine_loop=engine_loop, tokenizer=TokenizerAdapter(engine.tokenizer),
         chat_template=template, model_name=name, max_model_len=int(engine.max_model_len),
-        vocab_size=_vocab_size(engine.tokenizer), api_key=api_key, created=int(time.time()))
+        api_key=api_key, created=int(time.time()))
     config = uvicorn.Config(build_app(state), log_level=log_level, access_log=False,
                             lifespan="off", timeout_graceful_shutdown=shutdown_timeout,
                             timeout_keep_alive=30)

@@ -29,7 +29,14 @@ class TokenizerAdapter:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
+    @property
+    def available(self) -> bool:
+        """False for a model folder without a tokenizer: token-id prompts only, no text out."""
+        return self.tokenizer is not None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("the model folder has no tokenizer; send token ids")
         try:
             out = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except TypeError:
@@ -38,22 +45,18 @@ class TokenizerAdapter:
         return [int(i) for i in ids]
 
     def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
         try:
             return self.tokenizer.decode(list(ids), skip_special_tokens=True)
         except TypeError:
             return self.tokenizer.decode(list(ids))
 
     def token_text(self, token_id: int) -> str:
-        """One token's surface form, for log-probability entries."""
-        for name in ("id_to_token", "convert_ids_to_tokens"):
-            fn = getattr(self.tokenizer, name, None)
-            if fn is not None:
-                try:
-                    tok = fn(int(token_id))
-                except Exception:  # noqa: BLE001 - fall back to decoding
-                    continue
-                if isinstance(tok, str):
-                    return tok
+        """One token's text for log-probability entries (its decoded text, as OpenAI gives it;
+        ``token_id:N`` without a tokenizer)."""
+        if self.tokenizer is None:
+            return f"token_id:{int(token_id)}"
         return self.decode([token_id])
 
 
