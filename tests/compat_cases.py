@@ -344,3 +344,39 @@ def unregistered_reader_error() -> str:
     except RuntimeError as e:
         return f"{e} | cause: {type(e.__cause__).__name__}"
     return "no error"
+
+
+# -- bf16 masters / optimizer states and torch_autocast (issue 20, point 7) -------------------------
+def precision_run(extra: dict, stage: int = 2, steps: int = 8) -> dict:
+    import torch.distributed as dist
+
+    import zerospeed
+
+    torch.manual_seed(1234)
+    model = nn.Sequential(nn.Linear(7, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
+    cfg = {"train_batch_size": 16, "gradient_accumulation_steps": 1, "steps_per_print": 0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 10_000, "allgather_bucket_size": 10_000}}
+    cfg.update(extra)
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step)
+        out = engine(x.chunk(world)[rank])
+        loss = nn.functional.mse_loss(out.float(), y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    state_dtypes = sorted({str(v.dtype) for s in engine.optimizer.state.values() for v in s.values()
+                           if torch.is_tensor(v) and v.numel() > 1})
+    numel = sum(p.numel() for p in model.parameters())
+    return {"losses": losses, "memory": engine.memory_breakdown(), "numel": numel, "state_dtypes": state_dtypes,
+            "out_dtype": str(out.dtype), "param_dtype": str(next(model.parameters()).dtype)}
+
+
+def precision_runs(cases: list[dict]) -> list[dict]:
+    """Each case a config overlay; an optional "_stage" key picks the ZeRO stage (default 2)."""
+    return [precision_run({k: v for k, v in c.items() if k != "_stage"}, stage=c.get("_stage", 2)) for c in cases]

@@ -85,7 +85,6 @@ def _timers_off(value: Any) -> bool:
 NOT_YET: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("sequence_parallel_size", _at_most_one, "sequence parallelism"),
     ("compile", _compile_off, "DeepCompile"),
-    ("torch_autocast", _enabled_off, "torch autocast mixed precision"),
     ("data_efficiency", _enabled_off, "data efficiency: curriculum sampling, random-LTD"),
     ("hybrid_engine", _enabled_off, "the RLHF hybrid engine"),
     ("weight_quantization", _falsy, "weight quantization"),

@@ -54,6 +54,7 @@ from .compression import CompressionConfig
 from .autotuning import AutotuningConfig
 from .zero import AioConfig, ZeroConfig
 from .flops_profiler import FlopsProfilerConfig
+from .torch_autocast import TorchAutocastConfig
 
 Precision = Literal["fp32", "fp16", "bf16"]
 
@@ -117,6 +118,7 @@ class ZeroSpeedConfig(Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     compression_training: CompressionConfig | None = None
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
 

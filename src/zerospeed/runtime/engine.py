@@ -34,6 +34,7 @@ from zerospeed.runtime.engine_api import DeepSpeedEngineAPI
 from zerospeed.checkpointing.settings import configure_from as configure_checkpointing_from
 from zerospeed.runtime.loss_scaler import build_loss_scaler
 from zerospeed.runtime.precision_cast import cast_to_compute_dtype
+from zerospeed.runtime.precision_options import autocast_context, autocast_settings, master_dtype
 from zerospeed.runtime.torch_backward import TorchBackwardHooks
 from zerospeed.zero.factory import BUILT_STAGES, build_strategy
 from zerospeed.zero.offload import check_offload
@@ -91,6 +92,7 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
                                   "Use stage 0, or set zero_allow_untested_optimizer: true if it is element-wise")
         self.module = model
         self.config = config
+        self._autocast = autocast_settings(config)  # validated before anything is built
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.dp_group = dp_group
@@ -110,7 +112,7 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
                                overlap_comm=bool(zcfg.overlap_comm), comm_dtype=comm_dtype, prescale=prescale,
                                offload_optimizer=_enabled(zcfg.offload_optimizer),
                                offload_param=_enabled(zcfg.offload_param), aio=config.aio,
-                               sub_group_size=int(zcfg.sub_group_size))
+                               sub_group_size=int(zcfg.sub_group_size), master_dtype=master_dtype(config))
         options = _with_expert_groups(options, model)
         check_offload(options, optimizer)
         self.strategy = build_strategy(model, optimizer, options, zcfg, dp_group, self.dp_rank, self.dp_world_size)
@@ -195,7 +197,8 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
             check, self.batch_check = self.batch_check, None
             check(args, kwargs)
         try:
-            out = self._torch_backward.attach(self.module(*args, **kwargs))
+            with autocast_context(*self._autocast, self.device.type):  # torch_autocast section
+                out = self._torch_backward.attach(self.module(*args, **kwargs))
         except Exception as error:  # ZeRO-3: name a submodule parameter read without being gathered
             explain = getattr(self.strategy, "explain_forward_error", None)
             hint = explain(error) if explain is not None else None

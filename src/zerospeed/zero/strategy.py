@@ -49,6 +49,7 @@ class StageOptions:
     offload_param: Any = None  # config.zero.OffloadParamConfig, enabled, or None (stage 3 only)
     aio: Any = None  # config.zero.AioConfig: the NVMe I/O engine's settings
     sub_group_size: int = 1_000_000_000
+    master_dtype: torch.dtype = torch.float32  # bf16 with bf16.bf16_master_weights_and_grads
     #: parameter -> (process group, rank in it, its size) for parameters not reduced over the dp group
     #: (mixture-of-experts expert parameters: their expert-data-parallel group); None: all use dp
     group_of_param: Callable[[nn.Parameter], tuple[Any, int, int] | None] | None = None
@@ -112,7 +113,7 @@ class DataParallelStrategy:
         self.reducer = GradientReducer(self.buckets, "reduce_scatter" if sharded else "all_reduce", dp_group,
                                        comm_dtype=options.comm_dtype, overlap=options.overlap_comm or options.stage == 0,
                                        prescale=options.prescale)
-        self.state = ShardedOptimizerState(self.buckets, optimizer, torch.float32, sharded, dp_group, dp_world_size,
+        self.state = ShardedOptimizerState(self.buckets, optimizer, options.master_dtype, sharded, dp_group, dp_world_size,
                                            options=options)
 
     def begin_backward(self, boundary: bool) -> None:

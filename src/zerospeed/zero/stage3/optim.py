@@ -22,7 +22,8 @@ from zerospeed.zero.stage3.bucket import Stage3Bucket
 class Stage3OptimizerState(ShardedOptimizerState):
     def __init__(self, buckets: list[Stage3Bucket], optimizer: torch.optim.Optimizer,
                  dp_group: dist.ProcessGroup | None, dp_world_size: int, options: Any = None) -> None:
-        super().__init__(buckets, optimizer, torch.float32, True, dp_group, dp_world_size,  # type: ignore[arg-type]
+        master = getattr(options, "master_dtype", torch.float32)
+        super().__init__(buckets, optimizer, master, True, dp_group, dp_world_size,  # type: ignore[arg-type]
                          options=options)
         for b, master in zip(buckets, self.masters):
             b.master = None if master is b.shard else master
