@@ -14,6 +14,7 @@ consecutive, non-overlapping windows of the corpus, ``y`` being ``x`` shifted le
 
 from __future__ import annotations
 
+import os
 import random
 
 import torch
@@ -90,6 +91,66 @@ class SyntheticTextDataset(Dataset):
         self.seed = seed
         corpus = make_corpus(num_samples * seq_len + 1, seed)
         self.data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not -self.num_samples <= index < self.num_samples:
+            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
+        start = (index % self.num_samples) * self.seq_len
+        window = self.data[start : start + self.seq_len + 1]
+        return window[:-1].clone(), window[1:].clone()
+
+
+# -- real text: the Python standard library's own source ----------------------------------------
+def stdlib_source_files() -> list[str]:
+    """The top-level ``*.py`` files of this interpreter's standard library, sorted by name: real
+    text every machine with Python already has, identical in every process."""
+    import glob
+    import sysconfig
+
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    if not files:
+        raise FileNotFoundError(f"no .py files in the standard library at {sysconfig.get_paths()['stdlib']}")
+    return files
+
+
+def stdlib_corpus(max_bytes: int = 2_000_000, held_out_fraction: float = 0.05) -> tuple[bytes, bytes]:
+    """(train bytes, held-out bytes) from the standard library's source, split by file.
+
+    Files are read in name order until ``max_bytes``; the last files (about ``held_out_fraction``
+    of the bytes) are held out, so held-out text comes from modules the model never trained on.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    for path in stdlib_source_files():
+        with open(path, "rb") as f:
+            text = f.read()
+        chunks.append(text)
+        size += len(text)
+        if size >= max_bytes:
+            break
+    held_out_bytes = int(size * held_out_fraction)
+    train, held, acc = [], [], 0
+    for text in reversed(chunks):
+        (held if acc < held_out_bytes else train).append(text)
+        acc += len(text)
+    return b"".join(reversed(train)), b"".join(reversed(held))
+
+
+class ByteTextDataset(Dataset):
+    """Next-byte pairs ``(x, y)`` of length ``seq_len`` from consecutive non-overlapping windows of
+    ``data`` (bytes), like :class:`SyntheticTextDataset` but over any text."""
+
+    vocab_size = 256
+
+    def __init__(self, data: bytes, seq_len: int) -> None:
+        if seq_len < 1 or len(data) < seq_len + 1:
+            raise ValueError(f"need at least seq_len + 1 = {seq_len + 1} bytes, got {len(data)}")
+        self.seq_len = seq_len
+        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.num_samples = (len(data) - 1) // seq_len
 
     def __len__(self) -> int:
         return self.num_samples

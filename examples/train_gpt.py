@@ -4,9 +4,12 @@
 
 It is a DeepSpeed training script with the import changed: ``zerospeed.initialize`` reads the
 DeepSpeed JSON config; the loop calls ``engine(x, y)``, ``engine.backward(loss)``,
-``engine.step()``. Rank 0 shows a progress bar (tokens/s, loss, loss scale) and ends with a
-summary: final and held-out loss, throughput, and every rank's bytes of parameters, gradients and
-optimizer states next to what the ZeRO formulas predict.
+``engine.step()``. The text is real: the Python standard library's own source files, one token
+per byte (``--data synthetic`` uses the generated grammar instead); the last modules are held out.
+Rank 0 shows a progress bar (tokens/s, loss, loss scale), evaluates the held-out loss every
+``--eval_every`` steps, and ends with a summary (final and held-out loss, throughput, every rank's
+bytes of parameters, gradients and optimizer states next to what the ZeRO formulas predict), a
+short sample of generated code, and a PNG of the loss curves and tokens/s (``--plot``).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import zerospeed  # noqa: E402
 from zerospeed import comm  # noqa: E402
 from zerospeed.zero.memory import estimate_model_state_bytes  # noqa: E402
 
-from data import SyntheticTextDataset  # noqa: E402
+from data import ByteTextDataset, SyntheticTextDataset, decode, encode, stdlib_corpus  # noqa: E402
 from gpt_model import GPT, gpt_small  # noqa: E402
+from plot import plot_training  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -36,6 +40,11 @@ def parse_args() -> argparse.Namespace:
                    help="DeepSpeed-format JSON config")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps to train")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", choices=["stdlib", "synthetic"], default="stdlib",
+                   help="stdlib: the Python standard library's source (real text); synthetic: generated grammar")
+    p.add_argument("--eval_every", type=int, default=10, help="held-out loss every N steps (and at the end)")
+    p.add_argument("--plot", default=os.path.join("runs", "train_gpt.png"), help="where to write the PNG")
+    p.add_argument("--sample_bytes", type=int, default=0, help="bytes of code to generate at the end (0: none)")
     p.add_argument("--local_rank", type=int, default=None, help="accepted for DeepSpeed launchers; unused")
     return p.parse_args()
 
@@ -45,9 +54,10 @@ def mib(n: float) -> str:
 
 
 @torch.no_grad()
-def held_out_loss(engine: zerospeed.ZeroSpeedEngine, seq_len: int, batches: int = 4) -> float:
+def held_out_loss(engine: zerospeed.ZeroSpeedEngine, data: torch.utils.data.Dataset, batches: int = 4) -> float:
+    """Mean loss over the first ``batches`` x 8 held-out windows (every rank runs the same batches:
+    under ZeRO-3 every rank must take part in each forward)."""
     engine.eval()
-    data = SyntheticTextDataset(seq_len=seq_len, num_samples=batches * 8, seed=1)
     total = 0.0
     for i in range(batches):
         x = torch.stack([data[8 * i + j][0] for j in range(8)])
@@ -55,6 +65,20 @@ def held_out_loss(engine: zerospeed.ZeroSpeedEngine, seq_len: int, batches: int 
         total += engine(x, y).item()
     engine.train()
     return total / batches
+
+
+@torch.no_grad()
+def generate(engine: zerospeed.ZeroSpeedEngine, prompt: str, num_bytes: int, seq_len: int) -> str:
+    """Sample ``num_bytes`` bytes after ``prompt`` (temperature 0.8, same generator on every rank)."""
+    engine.eval()
+    g = torch.Generator().manual_seed(0)
+    ids = encode(prompt).unsqueeze(0)
+    for _ in range(num_bytes):
+        logits = engine(ids[:, -seq_len:])[0, -1].float()
+        nxt = torch.multinomial(torch.softmax(logits / 0.8, dim=-1).cpu(), 1, generator=g)
+        ids = torch.cat([ids, nxt.view(1, 1).to(ids.device)], dim=1)
+    engine.train()
+    return decode(ids[0])
 
 
 def main() -> None:
@@ -68,7 +92,16 @@ def main() -> None:
     num_params = sum(p.numel() for p in model.parameters())  # before initialize: stage 3 partitions them
     with open(args.config) as f:
         config = json.load(f)
-    dataset = SyntheticTextDataset(seq_len=gpt_cfg.seq_len, num_samples=4096, seed=0)
+    if args.data == "stdlib":
+        train_text, held_text = stdlib_corpus()
+        dataset = ByteTextDataset(train_text, gpt_cfg.seq_len)
+        held_out = ByteTextDataset(held_text, gpt_cfg.seq_len)
+        source = f"Python {sys.version_info.major}.{sys.version_info.minor} stdlib source, " \
+                 f"{len(train_text) / 1e6:.1f} MB train / {len(held_text) / 1e3:.0f} KB held out"
+    else:
+        dataset = SyntheticTextDataset(seq_len=gpt_cfg.seq_len, num_samples=4096, seed=0)
+        held_out = SyntheticTextDataset(seq_len=gpt_cfg.seq_len, num_samples=32, seed=1)
+        source = "synthetic grammar"
     engine, _, loader, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(),
                                                 training_data=dataset, config=config)
     gas = engine.gradient_accumulation_steps()
@@ -76,13 +109,17 @@ def main() -> None:
     if rank == 0:
         print(f"zerospeed demo: GPT {num_params / 1e6:.2f}M parameters, ZeRO stage {engine.zero_stage}, "
               f"{engine.config.precision}, {world} processes, global batch {engine.train_batch_size()} "
-              f"({engine.train_micro_batch_size_per_gpu()} per rank x {gas} accumulation)", flush=True)
+              f"({engine.train_micro_batch_size_per_gpu()} per rank x {gas} accumulation); data: {source}",
+              flush=True)
     bar = tqdm(total=args.steps, disable=rank != 0, unit="step", dynamic_ncols=True, file=sys.stdout)
     losses: list[float] = []
+    speeds: list[float] = []
+    evals: list[tuple[int, float]] = []
     start = time.perf_counter()
     epoch = 0
     data_iter = iter(loader)
     while engine.global_steps < args.steps:
+        step_start = time.perf_counter()
         step_loss = torch.zeros(())
         for _ in range(gas):
             try:
@@ -98,13 +135,18 @@ def main() -> None:
             step_loss += loss.detach().float() / gas
         comm.all_reduce(step_loss)
         losses.append(step_loss.item() / world)
+        speeds.append(tokens_per_step / (time.perf_counter() - step_start))
+        if args.eval_every and engine.global_steps % args.eval_every == 0 and engine.global_steps < args.steps:
+            evals.append((engine.global_steps, held_out_loss(engine, held_out)))
         elapsed = time.perf_counter() - start
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(losses) / elapsed:,.0f}",
                         scale=f"{engine.loss_scale:g}", lr=f"{engine.get_lr()[0]:.2e}")
         bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - start
-    eval_loss = held_out_loss(engine, gpt_cfg.seq_len)
+    eval_loss = held_out_loss(engine, held_out)
+    evals.append((engine.global_steps, eval_loss))
+    sample = generate(engine, "def ", args.sample_bytes, gpt_cfg.seq_len) if args.sample_bytes else ""
     memories = comm.all_gather_object(engine.memory_breakdown())
     if rank == 0:
         final = sum(losses[-5:]) / min(5, len(losses))
@@ -125,6 +167,14 @@ def main() -> None:
                   + ", ".join(f"rank {r}: {mib(m['optimizer_states_nvme']).strip()} on disk, "
                               f"{mib(m['offload_buffers']).strip()} of swap buffers in memory"
                               for r, m in enumerate(memories)))
+
+    if rank == 0:
+        if sample:
+            print("\nsample (temperature 0.8, prompt 'def '):\n" + "-" * 60 + "\n" + sample + "\n" + "-" * 60)
+        title = (f"GPT {num_params / 1e6:.2f}M on {source}\nZeRO-{engine.zero_stage}, {engine.config.precision}, "
+                 f"{world} processes, global batch {engine.train_batch_size()} x {gpt_cfg.seq_len} tokens")
+        path = plot_training(args.plot, losses, evals, speeds, title)
+        print(f"plot: {path}", flush=True)
 
 
 if __name__ == "__main__":
