@@ -143,9 +143,12 @@ def test_activation_quantization_dynamic_and_static() -> None:
         layer.register_forward_hook(lambda m, i, o: seen.__setitem__("x", m.quantize_input(i[0])))
         model.train()
         model(batch(0))
+        if calibration == "static":  # the first step calibrates: unquantized, range recorded
+            assert _levels(seen["x"]) > 15 and not layer.act_seen
+            scheduler_of(model).step()
+            assert layer.act_seen and layer.act_high > 0 and layer.act_low < 0
+            model(batch(1))
         assert _levels(seen["x"]) <= 15
-        if calibration == "static":
-            assert layer.act_seen and layer.act_high > 0
 
 
 def test_layer_reduction_without_and_with_teacher() -> None:

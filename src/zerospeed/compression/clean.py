@@ -208,7 +208,7 @@ def _final_state(layer: CompressedLayer) -> _Final:
         bits, sym = layer.wq_bits, layer.wq.symmetric
         gsize = layer.weight.numel() // layer.wq.groups
     act_bits, act_sym, act_range = 0, True, None
-    if layer.aq is not None and layer.aq_on:
+    if layer.aq is not None and layer.aq_on and layer.act_calibrated:
         act_bits, act_sym = layer.aq.bits, layer.aq.symmetric
         if layer.aq.static:
             act_range = (layer.act_low.detach().clone(), layer.act_high.detach().clone())

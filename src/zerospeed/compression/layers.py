@@ -9,7 +9,7 @@ Forward: ``w_eff = M_struct * fakequant(M_sparse * M_struct * w)`` (masks first 
 ignores pruned weights; structured masks again after, because a binary grid has no zero) and the input
 activation is fake-quantized when activation quantization is on.  Masks are buffers (saved with the
 model, identical on every data-parallel rank because they are computed from the gathered weight or from
-all-reduced scores); learnable ``topk`` scores are Parameters named ``*_mask_scores``.
+all-reduced scores and ranges); learnable ``topk`` scores are Parameters named ``*_mask_scores``.
 
 The schedule is pushed in by :meth:`set_step` (from :class:`~zerospeed.compression.scheduler.CompressionScheduler`)
 as plain Python ints/bools, which torch.compile guards on: a schedule change recompiles once, it never
@@ -123,6 +123,7 @@ class CompressedLayer(nn.Module):
         self.prune: dict[str, PruneSpec] = {}
         self.wq_bits = 0
         self.aq_on = False
+        self.act_calibrated = False
         self.on: dict[str, bool] = {}
         self.refresh: dict[str, bool] = {}
         self.ratio: dict[str, float] = {}
@@ -158,6 +159,9 @@ class CompressedLayer(nn.Module):
             self.register_buffer("act_low", torch.zeros(()))
             self.register_buffer("act_high", torch.zeros(()))
             self.register_buffer("act_seen", torch.zeros((), dtype=torch.bool))
+            # this step's range, folded into act_low/high (EMA) by the scheduler after a global min/max
+            self.register_buffer("act_batch_low", torch.full((), float("inf")), persistent=False)
+            self.register_buffer("act_batch_high", torch.full((), float("-inf")), persistent=False)
 
     def add_pruning(self, what: str, spec: PruneSpec) -> None:
         shape = {"sparse": self.canonical(self.weight).shape, "row": (self.out_features,),
@@ -186,6 +190,7 @@ class CompressedLayer(nn.Module):
                 self.wq_mix.fill_(max(0.0, 1.0 - self.wq.mix_change_ratio * max(0, step - self.wq.offset + 1)))
         if self.aq is not None:
             self.aq_on = step >= self.aq.offset
+            self.act_calibrated = bool(self.act_seen) if self.aq.static else True
         for what, spec in self.prune.items():
             on = step >= spec.offset
             self.on[what] = on
@@ -281,12 +286,24 @@ class CompressedLayer(nn.Module):
             return fake_quantize_activation(x, self.aq.bits, self.aq.symmetric)
         if self.training:
             with torch.no_grad():
-                low, high = x.detach().float().amin(), x.detach().float().amax()
-                m = torch.where(self.act_seen, STATIC_MOMENTUM, 0.0)
-                self.act_low.copy_(m * self.act_low + (1 - m) * low)
-                self.act_high.copy_(m * self.act_high + (1 - m) * high)
-                self.act_seen.fill_(True)
+                xf = x.detach().float()
+                torch.minimum(self.act_batch_low, xf.amin(), out=self.act_batch_low)
+                torch.maximum(self.act_batch_high, xf.amax(), out=self.act_batch_high)
+        if not self.act_calibrated:
+            return x  # the first step only calibrates the range
         return fake_quantize_activation(x, self.aq.bits, self.aq.symmetric, self.act_low, self.act_high)
+
+    @torch.no_grad()
+    def fold_activation_range(self) -> None:
+        """After a step (and the scheduler's global min/max of the batch range): update the EMA."""
+        if not torch.isfinite(self.act_batch_low) or not torch.isfinite(self.act_batch_high):
+            return
+        m = STATIC_MOMENTUM if bool(self.act_seen) else 0.0
+        self.act_low.mul_(m).add_((1 - m) * self.act_batch_low)
+        self.act_high.mul_(m).add_((1 - m) * self.act_batch_high)
+        self.act_seen.fill_(True)
+        self.act_batch_low.fill_(float("inf"))
+        self.act_batch_high.fill_(float("-inf"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.effective_weight()

@@ -36,27 +36,39 @@ class CompressionScheduler:
         for layer in self.layers.values():
             layer.set_step(self.training_steps)
 
-    def _rank_local_state(self) -> list[torch.Tensor]:
-        found: list[torch.Tensor] = []
-        for layer in self.layers.values():
-            for name in ("act_low", "act_high", "sparse_snip_score"):
-                buf = getattr(layer, name, None)
-                if isinstance(buf, torch.Tensor):
-                    found.append(buf)
-        return found
+    def _buffers(self, name: str) -> list[torch.Tensor]:
+        return [b for layer in self.layers.values() if isinstance(b := getattr(layer, name, None), torch.Tensor)]
 
-    def step(self, dp_group: Any = None) -> None:
-        """Advance one optimizer step: average rank-local state over ``dp_group``, then re-schedule."""
-        self.training_steps += 1
-        tensors = self._rank_local_state()
-        if tensors and comm.is_initialized() and comm.get_world_size(dp_group) > 1:
-            flat = torch.cat([t.reshape(-1).float() for t in tensors])
-            comm.all_reduce(flat, group=dp_group)
+    @staticmethod
+    def _reduce(tensors: list[torch.Tensor], op: Any, dp_group: Any, mean: bool = False) -> None:
+        """One all-reduce of ``tensors`` flattened together, written back in place."""
+        if not tensors or not comm.is_initialized() or comm.get_world_size(dp_group) == 1:
+            return
+        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        comm.all_reduce(flat, op=op, group=dp_group)
+        if mean:
             flat /= comm.get_world_size(dp_group)
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    @torch.no_grad()
+    def step(self, dp_group: Any = None) -> None:
+        """Advance one optimizer step: make rank-local state global over ``dp_group``, then re-schedule.
+
+        Static activation ranges: this step's min and max are reduced with MIN / MAX (so the range is
+        the whole global batch's, the same at any data-parallel size), then folded into the EMA.
+        snip_momentum scores are averaged (replicated, not world-size invariant: |w * g| of a shard's
+        gradient is not linear in the batch).
+        """
+        self.training_steps += 1
+        self._reduce(self._buffers("act_batch_low"), comm.ReduceOp.MIN, dp_group)
+        self._reduce(self._buffers("act_batch_high"), comm.ReduceOp.MAX, dp_group)
+        for layer in self.layers.values():
+            if layer.aq is not None and layer.aq.static:
+                layer.fold_activation_range()
+        self._reduce(self._buffers("sparse_snip_score"), comm.ReduceOp.SUM, dp_group, mean=True)
         self._apply()
 
     def state_dict(self) -> dict[str, int]:

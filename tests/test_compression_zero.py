@@ -1,0 +1,59 @@
+"""Compression under ZeRO 1-3 on gloo: world 2 equals world 1, masks and ranges replicated, checkpoints.
+
+Tolerance: losses 1e-5 relative between world sizes (the data-parallel sum changes the float
+summation order; weights that sit exactly between two quantization levels could in principle round
+differently, which these seeds do not hit); weights 1e-5 of each tensor's largest value (SGD: see
+compression_cases.zero_config); masks equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compression_cases import ZERO_COMPRESSION, batch, ds, tiny_gpt, zero_compressed_runs
+
+from zerospeed.compression import init_compression, redundancy_clean, scheduler_of
+from zerospeed.testing import run_distributed
+
+TOL = 1e-5
+STEPS = 4
+
+
+@pytest.mark.timeout(240)
+def test_zero_stages_world2_equal_world1_and_checkpoint_round_trip(tmp_path) -> None:
+    stages = [1, 2, 3]
+    one = run_distributed(zero_compressed_runs, 1, stages, STEPS, timeout=200)[0]
+    two = run_distributed(zero_compressed_runs, 2, stages, STEPS, str(tmp_path), timeout=200)
+    for a, b in zip(one, two[0]):
+        label = f"stage {a['stage']}"
+        assert max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"])) < TOL, label
+        assert a["bits"] == b["bits"] == 10, label  # 12 -> 8, one bit every 2 steps: 10 bits at step 4
+        assert a["masks"].keys() == b["masks"].keys() and len(a["masks"]) == 4 * 2 + 4 * 2 * 2, label
+        for name, mask in a["masks"].items():
+            assert torch.allclose(mask, b["masks"][name], rtol=TOL, atol=1e-7), f"{label}: {name}"
+            assert torch.equal(b["masks"][name], two[1][stages.index(a["stage"])]["masks"][name]), name  # ranks agree
+        for name, t in a["state"].items():  # max abs error over the tensor's max abs value
+            err = (t.float() - b["state"][name].float()).abs().max() / t.float().abs().max().clamp_min(1e-12)
+            assert err < TOL, f"{label}: {name}: {err}"
+        assert two[1][stages.index(a["stage"])]["state"] == {}  # consolidated on rank 0 only
+    fc_mask = one[0]["masks"]["blocks.1.mlp.fc.row_mask"]
+    assert int(fc_mask.sum()) == 64  # exactly half the rows kept
+    resumed = two[0][-1]
+    assert resumed["stage"] == "resumed"
+    uninterrupted = two[0][2]
+    assert max(abs(x - y) / abs(y) for x, y in zip(resumed["losses"], uninterrupted["losses"])) < TOL
+    assert resumed["bits"] == uninterrupted["bits"]
+    for name, mask in uninterrupted["masks"].items():
+        assert torch.equal(mask, resumed["masks"][name]), name
+
+    # the stage-3 state gathered from two ranks cleans into the same smaller model as world 1's
+    outputs = []
+    for state in (one[2]["state"], two[0][2]["state"]):
+        model = init_compression(tiny_gpt(), ds(ZERO_COMPRESSION))
+        model.load_state_dict(state)
+        scheduler_of(model).load_state_dict({"training_steps": STEPS})
+        redundancy_clean(model, ds(ZERO_COMPRESSION)).eval()
+        assert model.blocks[0].mlp.fc.out_features == 64
+        with torch.no_grad():
+            outputs.append(model(batch(9)))
+    assert torch.allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
