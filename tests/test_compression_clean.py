@@ -144,8 +144,15 @@ def test_safetensors_round_trip_of_cleaned_model(tmp_path) -> None:
     assert path.stat().st_size < model_bytes(tiny_gpt()) * 0.4
     loaded = load_compressed(tiny_gpt(seed=5), path).eval()
     assert len(loaded.blocks) == 2
+    from gpt_model import GPT
+
+    with torch.device("meta"):  # a skeleton that never holds fp32 weights
+        skeleton = GPT(model.cfg)
+    on_meta = load_compressed(skeleton, path).eval()
+    assert not any(t.is_meta for t in on_meta.state_dict().values())
     with torch.no_grad():
         assert torch.equal(loaded(batch(3)), model(batch(3)))
+        assert torch.equal(on_meta(batch(3)), model(batch(3)))
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:

@@ -261,3 +261,31 @@ def test_errors() -> None:
     model = init_compression(tiny_gpt(), ds({"weight_quantization": wq(8, ["blocks"])}))
     with pytest.raises(ValueError, match="already compressed"):
         init_compression(model, ds({"weight_quantization": wq(8, ["blocks"])}))
+
+
+def test_bf16_engine_with_real_gpt2_config() -> None:
+    """The DeepSpeedExamples GPT-2 W4/8-A8 config on a random HF GPT-2, trained by the engine in bf16
+    at ZeRO-2 (one process): the fake-quantized layers run in bf16 and the loss goes down."""
+    import json
+
+    from compression_cases import DS_CONFIGS, tiny_gpt2
+
+    path = DS_CONFIGS / "compression__gpt2__config__ds_config_W4or8A8_Qgroup64_fp32.json"
+    if not path.exists():
+        pytest.skip(f"{path} is not there")
+    raw = json.loads(path.read_text())
+    raw.update({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 2}, "steps_per_print": 0})
+    model = init_compression(tiny_gpt2(), raw).train()
+    engine, *_ = zerospeed.initialize(model=model, config=raw)
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(6):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    c_fc = model.transformer.h[0].mlp.c_fc
+    assert c_fc.weight.dtype == torch.bfloat16 and c_fc.wq_bits == 4 and c_fc.aq_on
+    assert model.transformer.h[0].attn.c_attn.wq_bits == 8
+    assert losses[-1] < losses[0]

@@ -93,6 +93,11 @@ def _rebuild(model: nn.Module, name: str, spec: dict[str, Any]) -> None:
     parent, child = _parent(model, name)
     current = getattr(parent, child)
     kind = spec["type"]
+    with torch.device("meta"):  # shapes only: load_state_dict(assign=True) brings the tensors
+        _rebuild_on_meta(parent, child, current, kind, spec)
+
+
+def _rebuild_on_meta(parent: nn.Module, child: str, current: nn.Module, kind: str, spec: dict[str, Any]) -> None:
     if kind == "QuantizedLinear":
         new: nn.Module = QuantizedLinear(spec["in_features"], spec["out_features"], spec["bits"], spec["group_size"],
                                          spec["symmetric"], spec["bias"], spec["act_bits"], spec["act_symmetric"],
@@ -109,7 +114,8 @@ def _rebuild(model: nn.Module, name: str, spec: dict[str, Any]) -> None:
             for attr in ("weight", "bias", "running_mean", "running_var"):
                 t = getattr(current, attr, None)
                 if t is not None:
-                    t.data = torch.empty(spec["num_features"], dtype=t.dtype)
+                    new_t = torch.empty(spec["num_features"], dtype=t.dtype)
+                    setattr(current, attr, nn.Parameter(new_t) if isinstance(t, nn.Parameter) else new_t)
             return
         current.weight = nn.Parameter(torch.empty(spec["weight"], dtype=current.weight.dtype))
         if spec["bias"] is not None:
@@ -153,7 +159,9 @@ def load_compressed(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module
     tensors = load_file(os.fspath(path))
     for alias, source in aliases.items():
         tensors[alias] = tensors[source]
-    model.load_state_dict(tensors, strict=True)
+    # assign: the loaded tensors become the parameters, so a skeleton built on the meta device
+    # (``with torch.device("meta"): Model(...)``) loads without ever holding its fp32 weights
+    model.load_state_dict(tensors, strict=True, assign=True)
     return model
 
 

@@ -154,30 +154,36 @@ class QuantizedLinear(_Packed):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self.kernel
+        flat = x.reshape(-1, self.in_features)
         if kernel == "int_mm":
-            flat = x.reshape(-1, self.in_features)
             low, high = self._act_range()
             if low is None:
-                xf = flat.detach().float()
-                low, high = xf.amin(), xf.amax()
-            x_scale = (torch.maximum(low.abs(), high.abs()) / 127).clamp_min(1e-12)
-            xq = torch.round(flat.float() / x_scale).clamp(-127, 127).to(torch.int8)
+                low, high = torch.aminmax(flat.detach())
+            x_scale = (torch.maximum(low.abs(), high.abs()).float() / 127).clamp_min(1e-12)
+            # the same rounding as fake_quantize_activation: round(x / s), clamped
+            xq = (flat.float() / x_scale).round_().clamp_(-127, 127).to(torch.int8)
             acc = torch._int_mm(xq, self.codes().t())
-            y = acc.float() * (x_scale * self.row_scale())
+            # int32 -> fp32 scaled, written over the int32 accumulator (same size): one big tensor, not two
+            y = torch.mul(acc, x_scale * self.row_scale(), out=acc.view(torch.float32))
             if self.bias is not None:
-                y = y + self.bias
+                y.add_(self.bias)
             return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         if self.act_bits:
             low, high = self._act_range()
-            x = fake_quantize_activation(x, self.act_bits, self.act_symmetric, low, high)
-        if kernel == "rowscale":
+            flat = fake_quantize_activation(flat, self.act_bits, self.act_symmetric, low, high)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if kernel == "rowscale" and flat.shape[0] < self.in_features:
+            # few tokens: scaling the (tokens x out) output is cheaper than the (out x in) weight
             codes = self.codes().to(x.dtype)
             if self.zero is not None:
                 codes = codes - self.zero.repeat_interleave(self.rows_per_group)[:, None].to(x.dtype)
-            y = F.linear(x, codes) * self.row_scale().to(x.dtype)
-            return y if self.bias is None else y + self.bias.to(x.dtype)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantized(x.dtype), bias)
+            y = F.linear(flat, codes)
+            y.mul_(self.row_scale().to(x.dtype))
+            if bias is not None:
+                y.add_(bias)
+        else:
+            y = F.linear(flat, self.dequantized(x.dtype), bias)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         act = f", act_bits={self.act_bits}" if self.act_bits else ""

@@ -78,10 +78,10 @@ def quantize(w: torch.Tensor, bits: int, num_groups: int, symmetric: bool = True
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, num_groups: int) -> torch.Tensor:
-    g = q.reshape(num_groups, -1).float()
+    g = q.reshape(num_groups, -1).to(torch.float32, copy=True)  # one new tensor, then in place
     if zero is not None:
-        g = g - zero[:, None]
-    return (g * scale[:, None]).view(q.shape)
+        g.sub_(zero[:, None])
+    return g.mul_(scale[:, None]).view(q.shape)
 
 
 def fake_quantize(w: torch.Tensor, bits: int, num_groups: int, symmetric: bool = True,
@@ -147,12 +147,10 @@ def unpack(packed: torch.Tensor, bits: int, numel: int, zero_offset: bool) -> to
         return packed if zero_offset else packed.to(torch.int16)
     per_byte = 8 // width
     mask = (1 << width) - 1
-    wide = packed.to(torch.int32)
-    parts = [(wide >> (i * width)) & mask for i in range(per_byte)]
-    codes = torch.stack(parts, dim=1).reshape(-1)[:numel]
+    parts = [(packed >> (i * width)) & mask for i in range(per_byte)]  # uint8 all the way
+    codes = torch.stack(parts, dim=1).reshape(-1)[:numel].view(torch.int8)
     if zero_offset:
         if bits == 1:
-            codes = codes * 2 - 1
-        else:
-            codes = codes - (1 if bits <= 2 else 2 ** (bits - 1))
-    return codes.to(torch.int8)
+            return codes * 2 - 1
+        return codes - (1 if bits <= 2 else 2 ** (bits - 1))
+    return codes

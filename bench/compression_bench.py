@@ -1,0 +1,276 @@
+"""Compression: held-out loss, bytes on disk, forward latency and peak memory of compressed demo GPTs.
+
+Run from the repository root::
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python bench/compression_bench.py
+
+One run: train the demo GPT (``gpt_small``, 4 layers) on the synthetic text for ``--steps`` steps, then
+fine-tune copies of it for ``--qat_steps`` more steps: plainly (the dense reference) and compressed:
+
+* ``w8a8``  : zerospeed QAT, int8 weights (every Linear and Embedding, 64 row-aligned groups) + int8
+  activations (blocks), ``--qat_steps`` fine-tuning, ``redundancy_clean`` -> ``torch._int_mm`` kernels;
+* ``w4``    : zerospeed QAT, int4 weights (64 groups), same fine-tuning, cleaned (packed two per byte);
+* ``rows50+lr4to2``: 50% of the MLP rows pruned (l1) and layer reduction 4 -> 2 (teacher layers 1, 3)
+  trained with ``distillation_loss`` against the dense model for ``--qat_steps``, cleaned;
+* ``zs-int8-wo`` : zerospeed ``quantize(bits=8)`` weight-only post-training quantization;
+* ``torchao-int8-wo``: torchao ``Int8WeightOnlyConfig`` (what a user would pick instead);
+
+and measure each against the dense model: held-out loss (seed-1 text the model never saw), bytes of
+the saved file (safetensors for zerospeed and dense; ``torch.save`` for torchao, whose tensor
+subclasses safetensors cannot hold), forward latency of one ``--batch`` x 64-token batch (one thread,
+``torch.no_grad``, ``--reps`` rounds with the models interleaved; min and median), and peak memory: in a
+fresh process per model, the rise of the peak RSS (VmHWM, reset after imports) while loading the file
+into a meta-device skeleton and running one forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "src"))
+
+import torch  # noqa: E402
+
+from common import command_line, current_rss_bytes, write_results  # noqa: E402
+
+SEQ = 64
+
+
+def _data(seed: int, num: int):
+    from data import SyntheticTextDataset
+
+    ds = SyntheticTextDataset(seq_len=SEQ, num_samples=num, seed=seed)
+    xs, ys = zip(*(ds[i] for i in range(num)))
+    return torch.stack(xs), torch.stack(ys)
+
+
+def _batches(x, y, batch: int, steps: int, offset: int = 0):
+    n = x.shape[0]
+    for s in range(steps):
+        i = ((s + offset) * batch) % (n - batch)
+        yield x[i:i + batch], y[i:i + batch]
+
+
+@torch.no_grad()
+def held_out_loss(model, x, y, batch: int = 32) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, x.shape[0], batch):
+        total += model(x[i:i + batch], y[i:i + batch]).item() * x[i:i + batch].shape[0]
+        count += x[i:i + batch].shape[0]
+    return total / count
+
+
+def train(model, x, y, steps: int, lr: float, batch: int, offset: int = 0, scheduler=None, teacher=None):
+    from zerospeed.compression import distillation_loss
+
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    for xb, yb in _batches(x, y, batch, steps, offset):
+        if teacher is None:
+            loss = model(xb, yb)
+        else:
+            logits = model(xb)
+            with torch.no_grad():
+                t_logits = teacher(xb)
+            hard = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), yb.view(-1))
+            loss = distillation_loss(logits, t_logits, temperature=2.0, hard_loss=hard, alpha=0.5)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    return model
+
+
+def compression_config(kind: str) -> dict:
+    if kind == "w8a8":
+        return {"weight_quantization": {
+                    "shared_parameters": {"enabled": True, "quantize_groups": 64},
+                    "different_groups": {"wq": {"params": {"start_bits": 8, "target_bits": 8,
+                                                           "quantization_period": 0}, "modules": ["*"]}}},
+                "activation_quantization": {
+                    "shared_parameters": {"enabled": True, "range_calibration": "dynamic"},
+                    "different_groups": {"aq": {"params": {"bits": 8}, "modules": ["blocks", "lm_head"]}}}}
+    if kind == "w4":
+        return {"weight_quantization": {
+                    "shared_parameters": {"enabled": True, "quantize_groups": 64},
+                    "different_groups": {"wq": {"params": {"start_bits": 4, "target_bits": 4,
+                                                           "quantization_period": 0}, "modules": ["*"]}}}}
+    if kind == "rows50+lr4to2":
+        return {"row_pruning": {"shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "l1"},
+                                "different_groups": {"rp": {"params": {"dense_ratio": 0.5}, "modules": ["mlp.fc"],
+                                                            "related_modules": [["mlp.proj"]]}}},
+                "layer_reduction": {"enabled": True, "keep_number_layer": 2, "module_name_prefix": "blocks",
+                                    "teacher_layer": [1, 3], "other_module_name": ["tok_emb", "pos_emb", "ln_f"]}}
+    raise ValueError(kind)
+
+
+# --------------------------------------------------------------------------- the measuring child
+
+def _vm_hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def child(path: str, kind: str, batch: int) -> None:
+    """Peak memory of loading ``path`` and running one forward, in this fresh process."""
+    torch.set_num_threads(1)
+    from gpt_model import GPT, gpt_small
+
+    from zerospeed.compression import load_compressed
+
+    cfg = gpt_small()
+    x = torch.randint(0, cfg.vocab_size, (batch, SEQ), generator=torch.Generator().manual_seed(0))
+    if kind == "torchao":
+        import torchao.quantization  # noqa: F401  (imported before the baseline so its import is not counted)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS high-water mark (Linux)
+    base = current_rss_bytes()
+    if kind == "torchao":
+        model.load_state_dict(torch.load(path, weights_only=False), assign=True)
+    else:
+        load_compressed(model, path)
+    with torch.no_grad():
+        model.eval()(x)
+    print(json.dumps({"peak_mem_bytes": _vm_hwm_bytes() - base}))
+
+
+def peak_memory(path: Path, kind: str, args) -> int:
+    cmd = [sys.executable, __file__, "--child", str(path), "--child_kind", kind, "--batch", str(args.batch)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"measuring {path.name} failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mem_bytes"]
+
+
+@torch.no_grad()
+def latencies(models: dict[str, torch.nn.Module], batch: int, reps: int) -> dict[str, list[float]]:
+    """Forward times (s) of one batch, the models interleaved round by round so that load from other
+    processes on a shared machine falls on all of them alike."""
+    x = torch.randint(0, 256, (batch, SEQ), generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for model in models.values():
+        model.eval()
+        for _ in range(3):
+            model(x)
+    for _ in range(reps):
+        for name, model in models.items():
+            t0 = time.perf_counter()
+            model(x)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=400, help="dense training steps before compression")
+    parser.add_argument("--qat_steps", type=int, default=100,
+                        help="compression fine-tuning steps (the dense reference trains as many more)")
+    parser.add_argument("--train_batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=16, help="latency batch (x 64 tokens)")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child_kind", default="zerospeed", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.child_kind, args.batch)
+        return
+    torch.set_num_threads(1)
+    from gpt_model import GPT, gpt_small
+
+    from zerospeed.compression import init_compression, quantize, redundancy_clean, save_compressed, scheduler_of
+
+    torch.manual_seed(0)
+    cfg = gpt_small()
+    train_x, train_y = _data(seed=0, num=4096)
+    test_x, test_y = _data(seed=1, num=256)
+    t0 = time.perf_counter()
+    base = train(GPT(cfg), train_x, train_y, args.steps, 3e-3, args.train_batch)
+    train_s = time.perf_counter() - t0
+    # the dense reference gets the same extra steps the compressed models are fine-tuned for
+    dense = train(copy.deepcopy(base), train_x, train_y, args.qat_steps, 1e-3, args.train_batch, offset=args.steps)
+    models: dict[str, torch.nn.Module] = {"dense-fp32": dense}
+    for kind in ("w8a8", "w4", "rows50+lr4to2"):
+        model = copy.deepcopy(base)
+        conf = {"compression_training": compression_config(kind)}
+        init_compression(model, conf)
+        teacher = dense.eval() if kind.startswith("rows") else None
+        lr = 1e-3
+        train(model, train_x, train_y, args.qat_steps, lr, args.train_batch, offset=args.steps,
+              scheduler=scheduler_of(model), teacher=teacher)
+        models[f"simulated-{kind}"] = model
+        simulated_loss = held_out_loss(model, test_x, test_y)
+        redundancy_clean(model, conf)
+        models[kind] = model
+        models[f"simulated-{kind}"] = simulated_loss
+    models["zs-int8-wo"] = quantize(copy.deepcopy(dense), bits=8)
+    models["torchao-int8-wo"] = quantize(copy.deepcopy(dense), bits=8, backend="torchao")
+
+    dense_loss = held_out_loss(dense, test_x, test_y)
+    names = ("dense-fp32", "w8a8", "w4", "rows50+lr4to2", "zs-int8-wo", "torchao-int8-wo")
+    timed = latencies({n: models[n] for n in names}, args.batch, args.reps)
+    rows, tmp = [], Path(tempfile.mkdtemp(prefix="zs-compress-bench-"))
+    try:
+        for name in names:
+            model = models[name]
+            if name.startswith("torchao"):
+                path = tmp / f"{name}.pt"
+                torch.save(model.state_dict(), path)
+                peak = peak_memory(path, "torchao", args)
+            else:
+                path = tmp / f"{name}.safetensors"
+                save_compressed(model, path)
+                peak = peak_memory(path, "zerospeed", args)
+            loss = held_out_loss(model, test_x, test_y)
+            ts = sorted(timed[name])
+            rows.append({"model": name, "held_out_loss": loss, "loss_vs_dense": loss / dense_loss - 1,
+                         "simulated_loss": models.get(f"simulated-{name}"), "bytes_on_disk": path.stat().st_size,
+                         "latency_min_ms": 1e3 * ts[0], "latency_median_ms": 1e3 * ts[len(ts) // 2],
+                         "peak_mem_bytes": peak})
+    finally:
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    dense_row = rows[0]
+    for row in rows:
+        row["bytes_x_dense"] = row["bytes_on_disk"] / dense_row["bytes_on_disk"]
+        row["latency_min_x_dense"] = row["latency_min_ms"] / dense_row["latency_min_ms"]
+        row["latency_median_x_dense"] = row["latency_median_ms"] / dense_row["latency_median_ms"]
+        row["peak_mem_x_dense"] = row["peak_mem_bytes"] / max(dense_row["peak_mem_bytes"], 1)
+        print(json.dumps(row), flush=True)
+    params = {"model": "gpt_small (4 layers, d_model 192, 6 heads, seq 64, vocab 256)", "train_steps": args.steps,
+              "compression_steps": args.qat_steps, "train_batch": args.train_batch, "latency_batch": args.batch,
+              "reps": args.reps, "threads": 1, "dense_train_s": round(train_s, 1)}
+    notes = ["The machine was shared with other jobs (2 cores, several helpers): latencies are medians and "
+             "noisy; ratios within one run are the comparable figures.",
+             "w8a8 and w4 quantize every Linear and Embedding (the tied LM head is stored as its own int "
+             "copy); LayerNorms and biases stay fp32.",
+             "torchao bytes are a torch.save file (its tensor subclasses do not fit safetensors).",
+             "peak_mem is the rise of peak RSS (VmHWM reset after imports) in a fresh process while loading the "
+             "file into a meta-device skeleton and running one forward.",
+             "latency: the models are timed round-robin in one process; min is the least disturbed by the other "
+             "processes sharing the cores, and the targets are judged on it."]
+    json_path, md_path = write_results("compression", rows, params=params, notes=notes, command=command_line())
+    print(f"wrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()
