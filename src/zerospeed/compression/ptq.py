@@ -5,13 +5,13 @@ Every ``nn.Linear`` and HF ``Conv1D`` whose name matches ``modules`` (regexes; d
 per scale (default: one scale per output row).  Symmetric, nearest rounding.
 
 torchao (0.18, installed with the ``quant`` extra) was evaluated on this torch (2.13, CPU), one
-thread, in ``bench/compression_bench.py`` (see the committed results): its ``Int8WeightOnlyConfig``
-runs ``linear`` at about fp32 speed with 1-byte weights, the same as zerospeed's row-scaled path,
-but its tensors are subclasses that safetensors cannot store and that
-:func:`~.io.save_compressed` could not describe.  Decision: zerospeed's ``QuantizedLinear`` is the
-default (packed int4 two per byte, safetensors round trip, the same layer ``redundancy_clean`` builds);
-``backend="torchao"`` applies torchao's int8/int4 weight-only configs for users who want them (no
-safetensors save for those).
+thread, in ``bench/compression_bench.py`` (``bench/results/compression-20261123-211400.md``, the
+demo GPT): its ``Int8WeightOnlyConfig`` gave the same forward latency as this module's int8
+``QuantizedLinear`` (1.29x fp32 each on the loaded 2-core machine), the same bytes (0.29x) and a
+higher peak memory (0.95x vs 0.75x of fp32), and its tensors are subclasses that safetensors cannot
+store.  Decision: zerospeed's ``QuantizedLinear`` is the default (packed int4 two per byte,
+safetensors round trip, the same layer ``redundancy_clean`` builds); ``backend="torchao"`` applies
+torchao's int8 / int4 weight-only configs for users who want them (saved with ``torch.save`` only).
 """
 
 from __future__ import annotations
