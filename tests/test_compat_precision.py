@@ -67,6 +67,8 @@ def _errors() -> list[str]:
         _engine_error({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}),
         _engine_error({**AUTOCAST, "fp16": {"enabled": True}}),
         _engine_error({"torch_autocast": {"enabled": True, "dtype": "fp16"}}),
+        _engine_error({"gradient_allreduce_op": "sum"}),
+        _engine_error({"data_types": {"grad_accum_dtype": "bf16"}}),
     ]
 
 
@@ -78,3 +80,5 @@ def test_unsupported_precision_combinations_name_the_key():
     assert "fp16.fp16_master_weights_and_grads" in errors[2]
     assert "torch_autocast.enabled" in errors[3] and "fp16" in errors[3]
     assert "torch_autocast.dtype" in errors[4]
+    assert "gradient_allreduce_op" in errors[5] and "'sum'" in errors[5]
+    assert "data_types.grad_accum_dtype" in errors[6]

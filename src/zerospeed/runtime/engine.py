@@ -34,7 +34,8 @@ from zerospeed.runtime.engine_api import DeepSpeedEngineAPI
 from zerospeed.checkpointing.settings import configure_from as configure_checkpointing_from
 from zerospeed.runtime.loss_scaler import build_loss_scaler
 from zerospeed.runtime.precision_cast import cast_to_compute_dtype
-from zerospeed.runtime.precision_options import autocast_context, autocast_settings, master_dtype
+from zerospeed.runtime.precision_options import (autocast_context, autocast_settings, check_unbuilt_values,
+                                                 master_dtype)
 from zerospeed.runtime.torch_backward import TorchBackwardHooks
 from zerospeed.zero.factory import BUILT_STAGES, build_strategy
 from zerospeed.zero.offload import check_offload
@@ -93,6 +94,7 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         self.module = model
         self.config = config
         self._autocast = autocast_settings(config)  # validated before anything is built
+        check_unbuilt_values(config)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.dp_group = dp_group

@@ -150,7 +150,7 @@ _OFF_QUERIES: dict[str, Any] = {
         "zero_hpz_partition_size", "zero_save_muon_momentum_buffer_in_memory", "managed_gradient_accumulation",
         "use_node_local_storage", "load_universal_checkpoint", "is_sanity_checks_enabled",
         "zero_log_trace_cache_warnings", "zero_allgather_sequential", "zero_nvme_offload_optimizer",
-        "is_deepcompile_enabled", "is_deepcompile_active", "torch_autocast_lower_precision_safe_modules",
+        "is_deepcompile_enabled", "is_deepcompile_active",
         "zero_elastic_checkpoint", "zero_round_robin_gradients",
     ), False),
     **dict.fromkeys((
@@ -235,12 +235,14 @@ class DeepSpeedEngineAPI:
         return bool(self.config.fp16.auto_cast)  # type: ignore[attr-defined]
 
     def torch_autocast_enabled(self) -> bool:
-        section = getattr(self.config, "torch_autocast", None)  # type: ignore[attr-defined]
-        return bool(section is not None and getattr(section, "enabled", False))
+        return bool(self._autocast[0])  # type: ignore[attr-defined]
 
     def torch_autocast_dtype(self) -> torch.dtype | None:
-        section = getattr(self.config, "torch_autocast", None)  # type: ignore[attr-defined]
-        return getattr(section, "torch_dtype", None) if self.torch_autocast_enabled() else None
+        enabled, dtype = self._autocast  # type: ignore[attr-defined]
+        return (dtype or torch.get_autocast_dtype(self.device.type)) if enabled else None
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str] | None:
+        return self.config.torch_autocast.lower_precision_safe_modules  # type: ignore[attr-defined]
 
     def dynamic_loss_scale(self) -> bool:
         return self.fp16_enabled() and self.config.fp16.loss_scale == 0  # type: ignore[attr-defined]

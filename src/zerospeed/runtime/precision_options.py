@@ -74,3 +74,19 @@ def autocast_context(enabled: bool, dtype: torch.dtype | None, device_type: str)
     if not enabled:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=dtype or torch.get_autocast_dtype(device_type))
+
+
+def check_unbuilt_values(config: ZeroSpeedConfig) -> None:
+    """Values of parsed keys that would change the math in a way zerospeed does not build: refused
+    by name instead of being ignored (see tests/test_compat_config_fields.py for the keys that are
+    deliberately accepted and ignored)."""
+    if config.gradient_allreduce_op != "mean":
+        raise ConfigError("gradient_allreduce_op", f"{config.gradient_allreduce_op!r} is not supported by zerospeed; "
+                          "gradients are averaged over data-parallel ranks ('mean')")
+    dt = config.data_types
+    for name in ("grad_accum_dtype", "param_dtype", "buffer_dtype"):
+        value = getattr(dt, name)
+        if value is not None and value != config.precision:
+            raise ConfigError(f"data_types.{name}", f"{value!r} differs from the training precision "
+                              f"{config.precision!r}; zerospeed accumulates gradients in the bucket dtype and keeps "
+                              "parameters and buffers in the training precision")
