@@ -19,6 +19,7 @@ _LAZY = {
     "load_config": ("zerospeed.config", "load_config"),
     "ConfigError": ("zerospeed.config.errors", "ConfigError"),
     "tp_model_init": ("zerospeed.module_inject", "tp_model_init"),
+    "init_inference": ("zerospeed.inference.v1", "init_inference"),
     # DeepSpeed's top-level names (issue 20: scripts switch by changing the import)
     "add_config_arguments": ("zerospeed.arguments", "add_config_arguments"),
     "DeepSpeedEngine": ("zerospeed.runtime.engine", "ZeroSpeedEngine"),
@@ -29,7 +30,7 @@ _LAZY = {
 }
 
 __all__ = ["ConfigError", "DeepSpeedEngine", "PipelineModule", "ZeroSpeedEngine", "__version__", "add_config_arguments",
-           "get_accelerator", "init_distributed", "initialize", "load_config", "log_dist", "logger", "shutdown",
+           "get_accelerator", "init_distributed", "init_inference", "initialize", "load_config", "log_dist", "logger", "shutdown",
            "tp_model_init"]
 
 
@@ -38,6 +39,6 @@ def __getattr__(name: str) -> Any:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
     if name in ("zero", "pipe", "comm", "ops", "runtime", "config", "testing", "module_inject", "accelerator", "utils",
-                "moe", "checkpointing", "profiling", "monitor"):
+                "moe", "checkpointing", "profiling", "monitor", "inference"):
         return importlib.import_module(f"zerospeed.{name}")
     raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")

@@ -70,7 +70,7 @@ class AttentionMetadata:
                 tables[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
             offs = torch.arange(block_size, dtype=torch.int64)
             dec_slots = (tables.unsqueeze(-1) * block_size + offs).view(num_decodes, -1)[:, :max(lens)]
-            dec_slots = dec_slots.to(device)
+            dec_slots = dec_slots.contiguous().to(device)
             dec_lens = torch.tensor(lens, dtype=torch.int64, device=device)
         prefills = []
         start = num_decodes
@@ -137,7 +137,7 @@ class AttentionMetadata:
             if chunk.ctx_slots is None:
                 kp, vp = k[s:s + n], v[s:s + n]
             else:
-                kp, vp = k_cache[chunk.ctx_slots], v_cache[chunk.ctx_slots]
+                kp, vp = k_cache.index_select(0, chunk.ctx_slots), v_cache.index_select(0, chunk.ctx_slots)
             kp = kp.transpose(0, 1).unsqueeze(0)
             vp = vp.transpose(0, 1).unsqueeze(0)
             mask = self._prefill_mask(i, window)
@@ -147,8 +147,10 @@ class AttentionMetadata:
         return out.view(T, hq * d)
 
     def _decode(self, q, k_cache, v_cache, scale, window, gqa) -> torch.Tensor:
-        kd = k_cache[self.decode_ctx_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[self.decode_ctx_slots].transpose(1, 2)
+        B, L = self.decode_ctx_slots.shape
+        flat = self.decode_ctx_slots.view(-1)
+        kd = k_cache.index_select(0, flat).view(B, L, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache.index_select(0, flat).view(B, L, *v_cache.shape[1:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=self._decode_mask(window), scale=scale,
                                            enable_gqa=gqa)
         return o.squeeze(2)

@@ -90,6 +90,7 @@ class InferenceEngine:
         self._num_forwards = 0
         self._forward_s = 0.0
         self._worker_hook = None  # set by tp_runtime on rank 0: broadcasts each batch
+        self.spmd = False  # every rank schedules and samples the same (init_inference); no broadcast
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
@@ -215,7 +216,7 @@ class InferenceEngine:
 
     @torch.inference_mode()
     def run_forward(self, ids: list[int], items: list[tuple[int, int, list[int]]], num_decodes: int,
-                    copies: list[tuple[int, int]], rows: list[int]) -> torch.Tensor:
+                    copies: list[tuple[int, int]], rows: list[int], all_ranks: bool = False) -> torch.Tensor:
         """The part every tensor-parallel rank runs identically."""
         start = time.perf_counter()
         for src, dst in copies:
@@ -224,7 +225,7 @@ class InferenceEngine:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, meta, self.kv)
         logits = None
-        if self.tp.rank == 0 and rows:
+        if rows and (self.tp.rank == 0 or all_ranks or self.spmd):
             idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
         self._num_forwards += 1

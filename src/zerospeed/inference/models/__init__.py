@@ -19,7 +19,7 @@ from zerospeed.inference.models.spec import ARCHITECTURES, ModelLoadError, Model
 _CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM"}
 
 __all__ = ["ARCHITECTURES", "CausalLM", "ModelLoadError", "ModelSpec", "TPInfo", "build_model", "load_model",
-           "load_spec", "spec_from_config"]
+           "load_spec", "model_from_hf", "spec_from_config"]
 
 
 def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device | str,
@@ -40,6 +40,18 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: torch
                max_positions: int | None = None, tp: TPInfo = TPInfo()) -> tuple[CausalLM, ModelSpec]:
     spec = load_spec(model_dir)
     reader = TensorReader(model_dir, dtype, device)  # reads the index/header first: bad folders fail fast
+    model = build_model(spec, max_positions or spec.max_position_embeddings, dtype, device, tp)
+    family = importlib.import_module(f"zerospeed.inference.models.{spec.family}")
+    family.load_weights(model, reader)
+    reader.finish(model)
+    return model, spec
+
+
+def model_from_hf(hf_model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str,
+                  max_positions: int | None = None, tp: TPInfo = TPInfo()) -> tuple[CausalLM, ModelSpec]:
+    """Our implementation of an in-memory HF model, weights copied (``init_inference`` kernel injection)."""
+    spec = spec_from_config(hf_model.config.to_dict(), f"{type(hf_model).__name__}.config")
+    reader = TensorReader(f"<{type(hf_model).__name__}>", dtype, device, state_dict=hf_model.state_dict())
     model = build_model(spec, max_positions or spec.max_position_embeddings, dtype, device, tp)
     family = importlib.import_module(f"zerospeed.inference.models.{spec.family}")
     family.load_weights(model, reader)

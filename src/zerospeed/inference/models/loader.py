@@ -51,14 +51,19 @@ def _files(model_dir: str) -> list[str]:
 
 
 class TensorReader:
-    def __init__(self, model_dir: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(self, model_dir: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
         self.model_dir = model_dir
         self.dtype = dtype
         self.device = torch.device(device)
         self._location: dict[str, str] = {}
         self._loaded: dict[str, dict[str, torch.Tensor]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
-        for path in _files(model_dir):
+        if state_dict is not None:  # an in-memory HF model's tensors (init_inference)
+            self._loaded["<memory>"] = state_dict
+            self._location = {k: "<memory>" for k in state_dict}
+            self._shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
+        for path in ([] if state_dict is not None else _files(model_dir)):
             for name, shape in self._scan(path).items():
                 self._location[name] = path
                 self._shapes[name] = shape
@@ -80,7 +85,7 @@ class TensorReader:
     def _read(self, name: str) -> torch.Tensor:
         path = self._location[name]
         if path in self._loaded:
-            t = self._loaded[path][name]
+            t = self._loaded[path][name].detach()
         else:
             from safetensors import safe_open
 

@@ -1,0 +1,279 @@
+"""Inference serving benchmark: zerospeed's engine against what a user of this machine would pick.
+
+One random-init Llama-style model (19.4M parameters, vocab 32k, fp32) saved to disk; the same
+requests for every system: 32 prompts of 16-256 tokens, 64 new tokens each, greedy, EOS ignored.
+
+Systems (each in its own subprocess, so peak RSS is its own):
+  zerospeed   ``build_engine`` continuous batching (Dynamic SplitFuse, paged KV cache)
+  hf_static8  HF ``generate``, padded (left) batches of 8 in arrival order
+  hf_static1  HF ``generate``, one request at a time
+  hf_cb       transformers' continuous batching (``generate_batch``, paged attention)
+vLLM's CPU build is not run here (it needs its own Python 3.11 virtualenv; see README).
+
+Modes: ``offline`` (all requests at t=0) and ``online`` (Poisson arrivals at ``--rate`` req/s;
+zerospeed and HF batch 1, the two that serve requests as they come).
+
+Reported per system: generated tokens/s, time to first token (mean, p50), inter-token latency
+(p50, p95), peak RSS, KV-cache bytes, whether its tokens equal HF batch-1's, and ratios to HF
+static batching. Usage::
+
+    OMP_NUM_THREADS=2 PYTHONPATH=src python bench/inference_bench.py [--systems ...] [--modes ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import command_line, format_bytes, peak_rss_bytes, write_results  # noqa: E402
+
+NUM_PROMPTS, MIN_LEN, MAX_LEN, NEW_TOKENS, VOCAB = 32, 16, 256, 64, 32000
+MODEL_DIR = Path(tempfile.gettempdir()) / "zerospeed_inference_bench_model"
+
+
+def make_model(path: Path) -> int:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=640, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2)
+    model = tf.LlamaForCausalLM(cfg)
+    model.save_pretrained(str(path))
+    return sum(p.numel() for p in model.parameters())
+
+
+def requests(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(MIN_LEN, MAX_LEN))] for _ in range(NUM_PROMPTS)]
+
+
+def arrivals(rate: float, seed: int = 1) -> list[float]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(NUM_PROMPTS):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def summarise(times: list[list[float]], arrive: list[float], start: float, end: float, tokens: list[list[int]]) -> dict:
+    ttft = [ts[0] - (start + a) for ts, a in zip(times, arrive)]
+    itl = [b - a for ts in times for a, b in zip(ts, ts[1:])]
+    n = sum(len(t) for t in tokens)
+    return {"generated_tokens": n, "wall_s": end - start, "tokens_per_s": n / (end - start),
+            "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": _pct(ttft, 0.5),
+            "itl_p50_ms": 1e3 * _pct(itl, 0.5), "itl_p95_ms": 1e3 * _pct(itl, 0.95)}
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def run_zerospeed(prompts, arrive, args) -> dict:
+    from zerospeed.inference import SamplingParams, build_engine
+
+    engine = build_engine(str(MODEL_DIR), max_num_batched_tokens=args.token_budget, block_size=16,
+                          max_num_seqs=64, kv_cache_memory=args.kv_bytes)
+    sp = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    engine.generate([prompts[0][:16]], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm up
+    times = [[] for _ in prompts]
+    toks = [[] for _ in prompts]
+    start = time.perf_counter()
+    nxt = 0
+    while nxt < len(prompts) or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while nxt < len(prompts) and arrive[nxt] <= now:
+            engine.add_request(str(nxt), prompts[nxt], sp)
+            nxt += 1
+        if not engine.has_unfinished():
+            time.sleep(min(0.001, max(0.0, arrive[nxt] - now)))
+            continue
+        outs = engine.step()
+        t = time.perf_counter()
+        for o in outs:
+            i = int(o.request_id)
+            toks[i].extend(o.new_token_ids)
+            times[i].extend([t] * len(o.new_token_ids))
+    end = time.perf_counter()
+    res = summarise(times, arrive, start, end, toks)
+    st = engine.stats()
+    res.update(kv_cache_bytes=st.kv_cache_bytes, preemptions=st.num_preemptions, forwards=st.extra["num_forwards"])
+    return res | {"tokens": toks}
+
+
+def _hf_model():
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype="float32").eval()
+
+
+class _Clock:
+    """A logits processor that records when each generation step happens (one token per row)."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.steps.append(time.perf_counter())
+        return scores
+
+
+def run_hf_static(prompts, arrive, args, batch: int) -> dict:
+    import torch
+    from transformers import LogitsProcessorList
+
+    model = _hf_model()
+    kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+              pad_token_id=0)
+    model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    times = [[] for _ in prompts]
+    toks = [[] for _ in prompts]
+    kv_peak = 0
+    start = time.perf_counter()
+    i = 0
+    while i < len(prompts):
+        now = time.perf_counter() - start
+        if arrive[i] > now:  # online: wait for the next request
+            time.sleep(arrive[i] - now)
+        # a static batch takes whatever has arrived, up to `batch`
+        now = time.perf_counter() - start
+        group = [j for j in range(i, min(i + batch, len(prompts))) if arrive[j] <= now] or [i]
+        maxlen = max(len(prompts[j]) for j in group)
+        ids = torch.zeros(len(group), maxlen, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, j in enumerate(group):
+            ids[r, maxlen - len(prompts[j]):] = torch.tensor(prompts[j])
+            mask[r, maxlen - len(prompts[j]):] = 1
+        clock = _Clock()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, logits_processor=LogitsProcessorList([clock]), **kw)
+        cfg = model.config
+        kv_peak = max(kv_peak, 2 * cfg.num_hidden_layers * len(group) * (maxlen + NEW_TOKENS)
+                      * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4)
+        for r, j in enumerate(group):
+            toks[j] = out[r, maxlen:].tolist()
+            times[j] = clock.steps[:len(toks[j])]
+        i = group[-1] + 1
+    end = time.perf_counter()
+    return summarise(times, arrive, start, end, toks) | {"kv_cache_bytes": kv_peak, "tokens": toks}
+
+
+def run_hf_cb(prompts, arrive, args) -> dict:
+    from transformers import GenerationConfig
+
+    model = _hf_model()
+    model.set_attn_implementation("sdpa_paged") if hasattr(model, "set_attn_implementation") else None
+    gc = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    start = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=gc, record_timestamps=True, progress_bar=False)
+    end = time.perf_counter()
+    toks, times = [], []
+    for k in sorted(out, key=lambda r: int(r.split("_")[-1]) if r.split("_")[-1].isdigit() else r):
+        o = out[k]
+        toks.append(list(o.generated_tokens))
+        ts = getattr(o, "timestamps", None) or []
+        times.append([start + t if t < 1e6 else t for t in ts] if ts else [end] * len(o.generated_tokens))
+    return summarise(times, arrive, start, end, toks) | {"kv_cache_bytes": None, "tokens": toks}
+
+
+def worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    prompts = requests()
+    arrive = [0.0] * len(prompts) if args.mode == "offline" else arrivals(args.rate)
+    fn = {"zerospeed": run_zerospeed, "hf_static8": lambda p, a, x: run_hf_static(p, a, x, 8),
+          "hf_static1": lambda p, a, x: run_hf_static(p, a, x, 1), "hf_cb": run_hf_cb}[args.worker]
+    res = fn(prompts, arrive, args)
+    res["peak_rss_bytes"] = peak_rss_bytes()
+    Path(args.out).write_text(json.dumps(res))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--systems", default="zerospeed,hf_static8,hf_static1,hf_cb")
+    ap.add_argument("--modes", default="offline,online")
+    ap.add_argument("--rate", type=float, default=4.0, help="online mode: requests per second")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--token-budget", type=int, default=512)
+    ap.add_argument("--kv-bytes", type=int, default=256 << 20)
+    ap.add_argument("--worker")
+    ap.add_argument("--mode", default="offline")
+    ap.add_argument("--out")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if not (MODEL_DIR / "config.json").exists():
+        MODEL_DIR.mkdir(parents=True, exist_ok=True)
+        make_model(MODEL_DIR)
+    rows = []
+    ref = None
+    for mode in args.modes.split(","):
+        for system in args.systems.split(","):
+            if mode == "online" and system not in ("zerospeed", "hf_static1"):
+                continue
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                cmd = [sys.executable, __file__, "--worker", system, "--mode", mode, "--out", f.name,
+                       "--rate", str(args.rate), "--threads", str(args.threads),
+                       "--token-budget", str(args.token_budget), "--kv-bytes", str(args.kv_bytes)]
+                t0 = time.time()
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+                if proc.returncode != 0:
+                    rows.append({"mode": mode, "system": system, "error": proc.stderr.strip().splitlines()[-1:]})
+                    print(system, mode, "FAILED", proc.stderr[-2000:], flush=True)
+                    continue
+                res = json.loads(Path(f.name).read_text())
+            tokens = res.pop("tokens")
+            if system == "hf_static1" and mode == "offline":
+                ref = tokens
+            res["tokens_match_hf_batch1"] = None if ref is None else sum(a == b for a, b in zip(tokens, ref))
+            res = {"mode": mode, "system": system, **res}
+            rows.append(res)
+            print(f"{mode:8s} {system:11s} {res['tokens_per_s']:8.1f} tok/s  ttft {res['ttft_mean_s']:.3f}s  "
+                  f"itl p50 {res['itl_p50_ms']:.1f} p95 {res['itl_p95_ms']:.1f} ms  rss "
+                  f"{format_bytes(res['peak_rss_bytes'])} ({time.time() - t0:.0f}s)", flush=True)
+    # token matches against batch 1 for rows measured before it
+    for r in rows:
+        if r.get("tokens_match_hf_batch1") is None and "error" not in r and ref is not None:
+            r["tokens_match_hf_batch1"] = "see rerun"
+    for mode in args.modes.split(","):
+        base = {r["system"]: r for r in rows if r["mode"] == mode and "error" not in r}
+        for r in rows:
+            if r["mode"] != mode or "error" in r:
+                continue
+            for b in ("hf_static8", "hf_static1"):
+                if b in base:
+                    r[f"throughput_vs_{b}"] = r["tokens_per_s"] / base[b]["tokens_per_s"]
+                    r[f"rss_vs_{b}"] = r["peak_rss_bytes"] / base[b]["peak_rss_bytes"]
+                    r[f"itl_p95_vs_{b}"] = r["itl_p95_ms"] / base[b]["itl_p95_ms"]
+    if not args.no_write:
+        paths = write_results("inference_bench", rows, command=command_line(),
+                              params={"prompts": NUM_PROMPTS, "prompt_len": [MIN_LEN, MAX_LEN],
+                                      "new_tokens": NEW_TOKENS, "vocab": VOCAB, "rate": args.rate,
+                                      "threads": args.threads, "token_budget": args.token_budget,
+                                      "kv_bytes": args.kv_bytes},
+                              notes=["machine shared with other jobs (2 cores, several helpers): absolute figures "
+                                     "are noisy, ratios are from one run",
+                                     "vLLM CPU not run (needs its own Python 3.11 virtualenv)"])
+        print(paths)
+
+
+if __name__ == "__main__":
+    main()
