@@ -4,7 +4,7 @@ World 2: train tp2 (ZeRO-1) 2 steps and save; load at tp1 x dp2 (ZeRO-2) and che
 the next step (loss and weights, so the Adam moments came along) against the run that went on
 from the save; save there and load back at tp2 (ZeRO-3), whose next step must equal the tp1
 engine's. ``zerospeed-consolidate`` turns the tp2 checkpoint into a safetensors file that
-``LlamaForCausalLM.from_pretrained`` loads. A model of other sizes gets an error naming a
+``LlamaForCausalLM.from_pretrained`` loads; ``engine.save_16bit_model`` writes the full weights. A model of other sizes gets an error naming a
 parameter. fp32 tolerance: 1e-5 relative (losses; weights in Frobenius norm).
 """
 import json
@@ -47,6 +47,9 @@ def test_tp_checkpoint_round_trips_and_consolidates(tmp_path):
 
     loaded = tf.LlamaForCausalLM.from_pretrained(hf_dir)
     _same({k: v for k, v in loaded.state_dict().items()}, out["saved"], "consolidated -> from_pretrained")
+    from safetensors.torch import load_file
+
+    _same(load_file(str(tmp_path / "16bit" / "model.safetensors")), out["saved"], "engine.save_16bit_model under tp")
     index = json.loads((tmp_path / "tp2" / "t" / "index.json").read_text())
     assert index["params"]["model.layers.0.self_attn.o_proj.weight"]["shape"] == [32, 32]  # full shapes
     assert index["world_size"] == 2 and len(os.listdir(tmp_path / "tp2" / "t")) == 3  # 2 rank files + index

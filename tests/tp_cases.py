@@ -254,9 +254,8 @@ def reference_training(dp: int, kv_heads: int = 2) -> dict[str, Any]:
 
 
 def full_weights(engine: Any, mesh: Any) -> dict[str, torch.Tensor]:
-    from zerospeed.module_inject.gather import gather_tp_state_dict
-
-    return gather_tp_state_dict(engine.consolidated_state_dict(), engine.module, mesh)
+    """The engine's consolidated state dict: gathered over ZeRO and tp shards (full on dp rank 0)."""
+    return engine.consolidated_state_dict()
 
 
 def tp_training(cases: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -365,6 +364,7 @@ def checkpoint_round_trips(save_dir: str) -> dict[str, Any]:
     for b in batches[:2]:
         _step(a, b)
     a.save_checkpoint(os.path.join(save_dir, "tp2"), tag="t")
+    a.save_16bit_model(os.path.join(save_dir, "16bit"), "model.safetensors")  # fp32 here: the full weights
     out["saved"] = _gathered(a)
     out["next_loss"] = _step(a, batches[2])
     out["next_weights"] = _gathered(a)
@@ -464,7 +464,7 @@ def pp_reference(steps: int, gas: int) -> dict[str, Any]:
     return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def pp_tp_training(steps: int, gas: int, zero: int) -> dict[str, Any]:
+def pp_tp_training(steps: int, gas: int, zero: int, save_dir: str) -> dict[str, Any]:
     """pp2 x tp2: a PipelineModule of residual MLP blocks, split by partition_config."""
     import zerospeed
     from zerospeed.module_inject.gather import gather_tp_state_dict
@@ -486,5 +486,10 @@ def pp_tp_training(steps: int, gas: int, zero: int) -> dict[str, Any]:
     local = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     weights = gather_tp_state_dict(local, engine.module, mesh)
     kinds = sorted({type(m).__name__ for m in engine.module.modules() if "Linear" in type(m).__name__})
+    try:
+        engine.save_checkpoint(save_dir, tag="t")
+        refused = "no error"
+    except Exception as exc:  # noqa: BLE001
+        refused = f"{type(exc).__name__}: {exc}"
     comm.reset_mesh()
-    return {"losses": losses, "weights": weights, "kinds": kinds, "stage": engine.stage_id}
+    return {"losses": losses, "weights": weights, "kinds": kinds, "stage": engine.stage_id, "refused": refused}

@@ -60,7 +60,7 @@ class TPCheckpointLayout:
 
     def __init__(self, model: nn.Module, mesh: Any) -> None:
         self.splits: dict[str, TPSplit] = tp_param_splits(model)
-        self.mesh = mesh
+        self.model, self.mesh = model, mesh
         self.tp_rank = mesh.tp_rank
         self.rank = comm.get_rank()
         self.world_size = comm.get_world_size()
@@ -87,6 +87,12 @@ class TPCheckpointLayout:
             if a < b:
                 out.append((full + a - lo, a - local_start, b - a))
         return out
+
+    def gather_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors from every tp rank's local state dict (collective over the tp group)."""
+        from zerospeed.module_inject.gather import gather_tp_state_dict
+
+        return gather_tp_state_dict(local, self.model, self.mesh)
 
     def to_full(self, pieces: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
         """Saved piece records ``[shard, key_offset, param_start, numel]`` in full coordinates.

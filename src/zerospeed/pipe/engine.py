@@ -142,9 +142,10 @@ def initialize_pipeline(model: PipelineModule, raw_config: Any, *, optimizer: An
                             dynamic_shape=model.dynamic_shape)
     engine.lr_scheduler = scheduler_from_config(cfg, lr_scheduler, opt)
     if mesh is not None and mesh.tp_size > 1:
-        from zerospeed.runtime.tp_setup import TPNormHook
+        from zerospeed.runtime.tp_setup import PipelineTPCheckpoints, TPNormHook
 
         engine.tp_norm_hook = TPNormHook(engine, mesh)
+        engine.checkpoint_layout = PipelineTPCheckpoints()
     loader = None
     if training_data is not None:
         # not shuffled: DeepSpeed's pipeline engine builds its loader with shuffle=False

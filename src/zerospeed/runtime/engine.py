@@ -135,6 +135,7 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         #: tensor parallelism (runtime/tp_setup.py): tp-aware global norm, first-forward batch check
         self.norm_sq_hook: Any = None
         self.batch_check: Any = None
+        self.checkpoint_layout: Any = None  # full-tensor coordinates of tp shards (checkpoints, state dicts)
         self.monitor = Monitor(config)  # tensorboard / csv_monitor / wandb writers (rank 0)
         self._step_events = StepEvents(self.monitor, dp_group)
         self._flops_hook = EngineFlopsProfiler(config.flops_profiler, self)  # profiles step profile_step
@@ -304,14 +305,17 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) module state dict on data-parallel rank 0, ``{}`` on the others.
 
-        Every rank must call it: under stage 3 it all-gathers the partitioned parameters.
+        Every rank must call it: under stage 3 it all-gathers the partitioned parameters, under
+        tensor parallelism the tp shards (then every tp rank of data-parallel rank 0 holds it all).
         """
         gather = getattr(self.strategy, "consolidated_state_dict", None)
         if gather is not None:
-            return gather()
-        if self.dp_rank != 0:
-            return {}
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            state = gather()
+        elif self.dp_rank != 0:
+            state = {}
+        else:
+            state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        return state if self.checkpoint_layout is None else self.checkpoint_layout.gather_full(state)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -17,14 +17,14 @@ Decisions:
   gradient on every tp rank) once, so clipping sees the unsharded model's norm.
 * Checkpoints stay in the name-and-offset format, in full-tensor coordinates
   (:mod:`zerospeed.module_inject.ckpt_layout`), so they load at any tp / dp degree and stage.
-* Every rank of a tp group must see the same micro-batch. The first forward compares a checksum of
-  every tensor argument over the tp group; a difference is an error naming the ranks (a divergent
+* Every rank of a tp group must see the same micro-batch. The first forward compares a SHA-256 of
+  every tensor argument's bytes over the tp group; a difference is an error naming the ranks (a divergent
   batch would otherwise train silently on garbage).
 """
 
 from __future__ import annotations
 
-import math
+import hashlib
 from typing import Any
 
 import torch
@@ -123,17 +123,19 @@ class TPNormHook:
         return sharded + replicated
 
 
-def _checksum(value: Any, out: list[float]) -> None:
+def _digest(value: Any, h: Any) -> None:
+    """Feed every tensor of a (nested) batch into the hash ``h``: dtype, shape and exact bytes."""
     if torch.is_tensor(value):
-        t = value.detach()
-        out.append(float(t.double().sum()) if t.is_floating_point() or not t.is_complex() else 0.0)
-        out.append(float(t.numel()))
+        t = value.detach().contiguous().cpu()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _checksum(v, out)
+            _digest(v, h)
     elif isinstance(value, dict):
         for k in sorted(value, key=str):
-            _checksum(value[k], out)
+            h.update(str(k).encode())
+            _digest(value[k], h)
 
 
 class BatchCheck:
@@ -143,14 +145,13 @@ class BatchCheck:
         self.mesh = mesh
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        sums: list[float] = []
-        _checksum((args, kwargs), sums)
-        everyone = comm.all_gather_object(sums, group=self.mesh.tp_group)
+        h = hashlib.sha256()
+        _digest((args, kwargs), h)
+        mine = h.hexdigest()
+        everyone = comm.all_gather_object(mine, group=self.mesh.tp_group)
         ranks = self.mesh.group_ranks("model")
         for i, other in enumerate(everyone):
-            same = len(other) == len(sums) and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
-                                                   for a, b in zip(other, sums))
-            if not same:
+            if other != mine:
                 raise ValueError(f"tensor parallelism: the micro-batch on rank {ranks[i]} differs from rank "
                                  f"{self.mesh.rank}'s in tp group {ranks}; every rank of a tp group must get the same "
                                  "batch (use the loader initialize returns, or shard data by the mesh's dp_rank)")
@@ -165,3 +166,21 @@ def attach(engine: Any, mesh: Mesh) -> None:
     engine.norm_sq_hook = TPNormHook(engine, mesh)
     engine.batch_check = BatchCheck(mesh)
     engine.checkpoint_layout = TPCheckpointLayout(engine.module, mesh)
+
+
+class PipelineTPCheckpoints:
+    """Stands in for the checkpoint layout of a pipeline x tensor-parallel engine: refuses, by name.
+
+    Saving, loading and consolidating such an engine would need the pipeline's stages merged into
+    one index as well, which is not built; an explicit error beats files written on top of each
+    other by the tp ranks.
+    """
+
+    def __init__(self) -> None:
+        self.group, self.rank, self.world_size = None, comm.get_rank(), comm.get_world_size()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("checkpoints and consolidated state dicts of a pipeline x tensor-parallel engine "
+                                  "are not supported yet (pp x dp and tp x dp engines are)")
+
+    to_full = gather_full = full_shape = runs = is_split = _refuse
