@@ -25,6 +25,9 @@ CASES = [  # (section dict, key in the error, bad value, good value)
     ({}, "zero_optimization.stage3_collective_timeout_s", 1e20, 86400.0),
     ({}, "zero_optimization.offload_param.buffer_size", 0, 1),
     ({}, "zero_optimization.offload_optimizer.cpuadam_cores_perc", 0.0, 0.01),
+    ({}, "autotuning.exp_timeout", 1e20, 86400.0),
+    ({}, "autotuning.exp_timeout", 0, 1.0),
+    ({}, "flops_profiler.recompute_fwd_factor", 1.5, 1.0),
 ]
 
 

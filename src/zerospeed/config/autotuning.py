@@ -25,11 +25,13 @@ Decisions:
 
 from __future__ import annotations
 
+import threading
+
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, model_validator
 
-from .fields import Bool, NonNegInt, PosFloat, PosInt, Section, Str, fail, one_of
+from .fields import Bool, NonNegInt, PosInt, Section, Str, bounded, fail, one_of
 
 METRICS = ("throughput", "latency", "flops")
 TUNERS = ("gridsearch", "random", "model_based")
@@ -87,7 +89,8 @@ class AutotuningConfig(Section):
     model_info: Annotated[dict[str, Any], BeforeValidator(_model_info)] = {}
     mp_size: PosInt = 1
     memory_budget: NonNegInt = 0
-    exp_timeout: PosFloat = 600.0
+    exp_timeout: Annotated[float, bounded(float, 0.0, threading.TIMEOUT_MAX, "the longest wait the platform can "
+                                                                            "time", low_open=True)] = 600.0
 
     @model_validator(mode="after")
     def _ranges(self) -> AutotuningConfig:

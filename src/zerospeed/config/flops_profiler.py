@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator
 
-from .fields import Bool, NonNegFloat, NonNegInt, PosFloat, Section, Str, fail
+from .fields import Bool, NonNegInt, PosFloat, Section, Str, bounded, fail
 
 
 def _depth(value: Any) -> Any:
@@ -24,7 +24,8 @@ class FlopsProfilerConfig(Section):
     """``flops_profiler``: profile one training step (per-module FLOPs, MACs, params, latency, MFU)."""
 
     enabled: Bool = False
-    recompute_fwd_factor: NonNegFloat = 0.0
+    recompute_fwd_factor: Annotated[float, bounded(float, 0.0, 1.0, "the share of the forward pass recomputed "
+                                                                    "in backward")] = 0.0
     profile_step: NonNegInt = 1
     module_depth: Annotated[int, BeforeValidator(_depth)] = -1
     top_modules: NonNegInt = 1
