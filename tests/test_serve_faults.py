@@ -82,6 +82,16 @@ def test_disconnect_mid_stream_frees_blocks_at_once(server):
     assert 'zerospeed_requests_finished_total{finish_reason="abort"} 1.0' in m
 
 
+def test_non_streaming_client_that_gives_up_frees_blocks(server):
+    body = dict(_body(900), stream=False)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    _wait_for(lambda: _idle(server), timeout=5.0)
+    m = _metrics(server)
+    assert metric(m, "zerospeed_kv_blocks_free") == NUM_BLOCKS
+    assert 'zerospeed_requests_finished_total{finish_reason="abort"} 2.0' in m
+
+
 def test_full_waiting_queue_gives_429_with_retry_after(server):
     with httpx.Client(timeout=30) as c1, httpx.Client(timeout=30) as c2:
         with c1.stream("POST", server.url + "/v1/completions", json=_body(900)) as running:

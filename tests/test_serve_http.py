@@ -71,7 +71,7 @@ def test_models_health_and_api_key(server):
 
 def test_completion_streaming_and_not_agree(client, tokenizer):
     kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=10, temperature=0,
-              extra_body={"ignore_eos": True})
+              logprobs=1, extra_body={"ignore_eos": True})
     full = client.completions.create(**kw)
     choice = full.choices[0]
     assert choice.finish_reason == "length"
@@ -86,6 +86,12 @@ def test_completion_streaming_and_not_agree(client, tokenizer):
     assert text == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    # held-back text never loses a token's log-probability: chunks carry them all, in order
+    streamed = [(t, lp) for c in chunks if c.choices
+                for t, lp in zip(c.choices[0].logprobs.tokens, c.choices[0].logprobs.token_logprobs)]
+    assert len(streamed) == 10
+    assert [t for t, _ in streamed] == choice.logprobs.tokens
+    assert [lp for _, lp in streamed] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-5)
     assert len({c.id for c in chunks}) == 1
 
 

@@ -37,7 +37,12 @@ from pydantic import BaseModel, ValidationError
 
 from zerospeed.inference.serving.chat_template import ChatTemplate, require
 from zerospeed.inference.serving.engine_loop import EngineLoop
-from zerospeed.inference.serving.generation import Generation, GenerationFailed, finite_logprob
+from zerospeed.inference.serving.generation import (
+    Generation,
+    GenerationFailed,
+    coalesce,
+    finite_logprob,
+)
 from zerospeed.inference.serving.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -243,9 +248,7 @@ class Handlers:
 
         async def chunks(g: Generation) -> AsyncIterator[str]:
             try:
-                async for d in g.events():
-                    if not d.text and d.finish_reason is None:
-                        continue
+                async for d in coalesce(g.events()):
                     chunk = dict(base, choices=[{
                         "index": d.index, "text": d.text,
                         "logprobs": logprobs_of(d.token_ids, d.logprobs, d.top_logprobs),
@@ -320,8 +323,8 @@ class Handlers:
 
             yield chunk({"role": "assistant", "content": ""}, None)
             try:
-                async for d in g.events():
-                    if d.text or d.finish_reason is None and d.logprobs:
+                async for d in coalesce(g.events()):
+                    if d.text or d.logprobs:
                         yield chunk({"content": d.text}, None,
                                     logprobs_of(d.token_ids, d.logprobs, d.top_logprobs))
                     if d.finish_reason is not None:

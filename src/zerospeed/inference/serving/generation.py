@@ -191,6 +191,25 @@ class Generation:
         return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
 
+async def coalesce(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """Deltas worth a streamed chunk (new text or a finish); the tokens and log-probabilities of
+    the ones skipped (text held back) ride along with the next chunk of the same choice."""
+    pending: dict[int, Delta] = {}
+    async for d in deltas:
+        p = pending.pop(d.index, None)
+        if p is not None:
+            d = Delta(d.index, p.text + d.text, p.token_ids + d.token_ids,
+                      None if p.logprobs is None and d.logprobs is None
+                      else (p.logprobs or []) + (d.logprobs or []),
+                      d.finish_reason,
+                      None if p.top_logprobs is None and d.top_logprobs is None
+                      else (p.top_logprobs or []) + (d.top_logprobs or []))
+        if d.text or d.finish_reason is not None:
+            yield d
+        else:
+            pending[d.index] = d
+
+
 def finite_logprob(x: float) -> float:
     """JSON has no -inf; clamp to a very unlikely value as OpenAI-compatible servers do."""
     return x if math.isfinite(x) else -9999.0

@@ -1,17 +1,78 @@
 """``zerospeed serve --tensor-parallel N``: N ranks started through the launcher, rank 0 serves HTTP.
 
-Not available yet: the engine's tensor-parallel mode (``build_engine(..., tensor_parallel=N)``
-with ``run_worker_loop``/``shutdown``) has not landed, so N > 1 is a clear error.
+Decisions:
+
+* The command re-enters itself under torchrun (the launcher's ``run_torchrun``, ``--standalone``
+  on this machine, ``--module`` this file) with the same arguments; each worker initialises the
+  default process group (gloo on CPU, NCCL on GPU, through ``zerospeed.comm``) and builds its
+  shard of the engine with ``build_engine(..., tensor_parallel=N)``.
+* Rank 0 runs the HTTP server exactly as one rank does (the engine thread drives the
+  tensor-parallel engine, which broadcasts each ragged batch); ranks > 0 run
+  ``engine.run_worker_loop()`` until rank 0's ``engine.shutdown()`` releases them.
+* Ranks > 0 ignore SIGINT/SIGTERM: shutdown is rank 0's decision (it finishes or cancels the
+  in-flight requests first), so a worker never leaves rank 0 blocked in a collective.
+* Before anything starts, a build without the engine's tensor-parallel runtime is a clear
+  usage error instead of N processes failing one by one.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import signal
 import sys
+
+RUNTIME_MODULE = "zerospeed.inference.tp_runtime"
+
+
+def available() -> bool:
+    """Whether the engine's tensor-parallel runtime is part of this build."""
+    return importlib.util.find_spec(RUNTIME_MODULE) is not None
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
-    print("zerospeed serve: error: --tensor-parallel: only 1 is supported until the inference "
-          f"engine's tensor-parallel mode lands (got {args.tensor_parallel})", file=sys.stderr,
-          flush=True)
-    return 2
+    """From the command: start ``args.tensor_parallel`` ranks through torchrun."""
+    if not available():
+        print("zerospeed serve: error: --tensor-parallel: the inference engine's "
+              f"tensor-parallel runtime ({RUNTIME_MODULE}) is not in this build; use "
+              f"--tensor-parallel 1 (got {args.tensor_parallel})", file=sys.stderr, flush=True)
+        return 2
+    if "RANK" in os.environ:  # already a torchrun worker (someone ran `zerospeed --num_procs N`)
+        return worker_main(args)
+    from zerospeed.launcher.runner import run_torchrun
+
+    torchrun_argv = ["--standalone", "--nnodes", "1", "--nproc_per_node", str(args.tensor_parallel),
+                     "--module", __name__, *argv]
+    return run_torchrun(torchrun_argv)
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """One rank of a tensor-parallel server."""
+    from zerospeed.comm.dist import get_rank, get_world_size, init_distributed
+    from zerospeed.inference.engine import build_engine
+    from zerospeed.inference.serving.cli import _error, engine_kwargs, run_server
+
+    rank = int(os.environ.get("RANK", "0"))
+    if rank > 0:  # rank 0 decides when to stop
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    init_distributed()
+    if get_world_size() != args.tensor_parallel:
+        return _error(f"--tensor-parallel: {args.tensor_parallel} but the world has "
+                      f"{get_world_size()} ranks", 2)
+    try:
+        engine = build_engine(args.model_dir, tensor_parallel=args.tensor_parallel,
+                              **engine_kwargs(args))
+    except (ValueError, OSError) as e:
+        return _error(f"{args.model_dir}: {e}", 1)
+    if get_rank() == 0:
+        return run_server(args, engine=engine)
+    engine.run_worker_loop()
+    return 0
+
+
+if __name__ == "__main__":
+    from zerospeed.inference.serving.cli import build_parser
+
+    sys.exit(worker_main(build_parser().parse_args(sys.argv[1:])))
