@@ -201,3 +201,18 @@ def test_bad_monitor_keys_give_one_clear_line(raw, key):
     with pytest.raises(ConfigError) as info:
         load_config({"train_batch_size": 1, **raw})
     assert str(info.value).startswith(f"zerospeed config: {key}: ") and "\n" not in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_engine_feeds_the_monitor(tmp_path):
+    from pipe_cases import config as pipe_config
+    from pipe_cases import pipeline_runs
+
+    cfg = pipe_config("1f1b", 4, tensorboard={"enabled": True, "output_path": str(tmp_path), "job_name": "pipe"})
+    (r0,), (r1,) = run_distributed(pipeline_runs, 2, [(cfg, 2)])
+    tb = _read_tensorboard(str(tmp_path / "pipe"))
+    batch = cfg["train_batch_size"]
+    assert [s for s, _ in tb["Train/Samples/train_loss"]] == [batch * (i + 1) for i in range(len(r0["losses"]))]
+    assert [v for _, v in tb["Train/Samples/train_loss"]] == pytest.approx(r0["losses"], rel=1e-6)
+    assert [v for _, v in tb["Train/Samples/grad_norm"]] == pytest.approx(r0["norms"], rel=1e-5)
+    assert r0["losses"] == r1["losses"]

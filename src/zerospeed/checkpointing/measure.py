@@ -31,9 +31,12 @@ def note_kept(tensors: list[torch.Tensor]) -> None:
 
 
 class SavedTensorBytes(torch.autograd.graph.saved_tensors_hooks):
-    def __init__(self) -> None:
+    """``ignore``: tensors whose storages are not activations (pass ``model.parameters()``: a
+    matmul saves its weight, which is model state, not activation memory)."""
+
+    def __init__(self, ignore: Any = ()) -> None:
         self.by_device: dict[str, int] = defaultdict(int)
-        self._seen: set[tuple[str, int]] = set()
+        self._seen: set[tuple[str, int]] = {(t.device.type, t.untyped_storage().data_ptr()) for t in ignore}
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> "SavedTensorBytes":

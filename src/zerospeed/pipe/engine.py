@@ -262,6 +262,8 @@ class PipelineEngine(ZeroSpeedEngine):
         self._reduce_and_step()
         self.agg_train_loss = self._mean_loss(losses, broadcast=True)
         self.last_step_time_s = time.perf_counter() - t0
+        self._step_events.on_backward(self.agg_train_loss)  # monitors: the step's loss, lr, norm, memory
+        self._step_events.on_step(self)
         return self.agg_train_loss
 
     def _reduce_and_step(self) -> None:
