@@ -364,6 +364,7 @@ def trainer_body(root, runs):
         rec = {"losses": _losses(trainer), "grad_norms": [h["grad_norm"] for h in trainer.state.log_history
                                                           if "grad_norm" in h]}
         rec["logits"] = _probe_logits(trainer.model_wrapped)
+        rec["eval_loss"] = trainer.evaluate(eval_dataset=trainer_dataset(8))["eval_loss"]
         if kind != "plain":
             trainer.save_model(os.path.join(folder, "final"))
             rec["engine_stage"] = trainer.zerospeed_engine.zero_stage

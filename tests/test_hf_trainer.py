@@ -9,7 +9,8 @@ trainer and trains to the end again.
 
 Tolerances: fp32 losses and gradient norms within 1e-5 relative of the plain Trainer (the sums run
 in a different order: measured ~1e-7); a resumed run repeats the uninterrupted run's last losses and
-final logits to 1e-6; ``save_model`` writes a folder whose ``from_pretrained`` logits equal the trained
+final logits to 1e-6; ``trainer.evaluate()`` after training gives the plain Trainer's eval loss to
+1e-5; ``save_model`` writes a folder whose ``from_pretrained`` logits equal the trained
 engine's exactly.
 """
 
@@ -41,6 +42,7 @@ def test_zerospeed_trainer_matches_the_plain_trainer_saves_and_resumes(tmp_path)
         assert _rel(run["losses"], plain["losses"]) < TOL, (name, run["losses"], plain["losses"])
         assert _rel(run["grad_norms"], plain["grad_norms"]) < TOL, name
         assert (run["logits"] - plain["logits"]).abs().max() < 1e-4, name
+        assert abs(run["eval_loss"] - plain["eval_loss"]) < TOL * plain["eval_loss"], name  # trainer.evaluate()
     sections = r0["z3_sections"]
     assert sections["losses"][:2] == pytest.approx(plain["losses"][:2], rel=TOL)  # same lr until warmup differs
     assert sections["lr"] == [2e-3, 2e-3]  # WarmupLR filled from learning_rate, warmup steps done
