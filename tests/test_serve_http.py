@@ -120,23 +120,28 @@ def test_chat_streaming_and_not_agree(client, tokenizer):
         full.usage.prompt_tokens
 
 
-def test_greedy_output_matches_hf_generate(client, model_dir, tokenizer):
+def test_greedy_output_matches_pipeline_and_hf_generate(client, model_dir, tokenizer):
     import torch
     from transformers import LlamaForCausalLM
 
+    from zerospeed.inference import pipeline
+
+    prompts = ["To be or not to be", "Knowledge is power. Time", "東京は"]
+    expected = pipeline(str(model_dir))(prompts, max_new_tokens=12, ignore_eos=True)
     model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    for prompt in ["To be or not to be", "Knowledge is power. Time", "東京は"]:
+    for prompt, ref in zip(prompts, expected):
         ids = tokenizer.encode(prompt).ids
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
                                  do_sample=False, pad_token_id=0)
-        ref = out[0, len(ids):].tolist()
+        assert ref.generated_tokens == out[0, len(ids):].tolist()  # the reference agrees with HF
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                                       logprobs=2, extra_body={"ignore_eos": True})
         c = r.choices[0]
-        assert c.text == tokenizer.decode(ref)
-        assert c.logprobs.tokens == [tokenizer.decode([t]) for t in ref]
-        assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(ids)
+        assert c.text == ref.generated_text
+        assert c.logprobs.tokens == [tokenizer.decode([t]) for t in ref.generated_tokens]
+        assert r.usage.completion_tokens == ref.generated_length == 12
+        assert r.usage.prompt_tokens == ref.prompt_length == len(ids)
         for lp, top in zip(c.logprobs.token_logprobs, c.logprobs.top_logprobs):
             assert lp <= 0 and 1 <= len(top) <= 2 and max(top.values()) >= lp - 1e-5  # greedy: best
 

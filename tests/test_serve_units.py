@@ -150,6 +150,7 @@ def test_openai_parameters_map_to_sampling_params():
     (["serve", ".", "--kv-cache-memory", "lots"], "--kv-cache-memory: expected bytes"),
     (["serve", ".", "--bogus"], "unrecognized arguments: --bogus"),
     (["serve", ".", "--tensor-parallel", "0"], "--tensor-parallel: must be at least 1"),
+    (["serve", ".", "--max-waiting", "0"], "--max-waiting: must be at least 1"),
 ])
 def test_command_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     assert launcher_main(argv) == 2

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 (default $ZEROSPEED_API_KEY)")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients use (default: the folder's name)")
-    p.add_argument("--max-waiting", type=_non_negative("--max-waiting"), default=None,
+    p.add_argument("--max-waiting", type=_positive("--max-waiting"), default=None,
                    help="requests allowed to wait for a slot; more get 429 (default 1024)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish on SIGTERM (default 30)")

@@ -71,8 +71,8 @@ class EngineLoop:
     """Runs ``engine.step()`` in a dedicated thread and routes its outputs to per-request sinks."""
 
     def __init__(self, engine: Any, max_waiting: int, idle_poll_s: float = 1.0) -> None:
-        if max_waiting < 0:
-            raise ValueError(f"max_waiting: must be at least 0, got {max_waiting}")
+        if max_waiting < 1:  # a new request waits for one step at least
+            raise ValueError(f"max_waiting: must be at least 1, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
         self._idle_poll_s = idle_poll_s

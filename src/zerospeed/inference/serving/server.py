@@ -136,8 +136,8 @@ def serve(model_dir: str | os.PathLike | None = None, *, engine: Any = None,
     if unknown:
         raise ServeError(f"{unknown[0]}: not an argument of serve() (engine arguments: "
                          f"{', '.join(ENGINE_KEYS)})")
-    if max_waiting < 0:
-        raise ServeError(f"max_waiting: must be at least 0, got {max_waiting}")
+    if max_waiting < 1:  # every new request waits for a step: 0 would refuse them all
+        raise ServeError(f"max_waiting: must be at least 1, got {max_waiting}")
     if shutdown_timeout < 0:
         raise ServeError(f"shutdown_timeout: must be at least 0, got {shutdown_timeout}")
     if model_dir is not None and not Path(model_dir).is_dir():

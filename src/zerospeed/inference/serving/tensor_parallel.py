@@ -11,6 +11,8 @@ Decisions:
   ``engine.run_worker_loop()`` until rank 0's ``engine.shutdown()`` releases them.
 * Ranks > 0 ignore SIGINT/SIGTERM: shutdown is rank 0's decision (it finishes or cancels the
   in-flight requests first), so a worker never leaves rank 0 blocked in a collective.
+* SIGTERM/SIGINT to the command reach torchrun's agent, which passes them to the ranks and waits
+  for them; the command then exits 0 like a one-rank server (torchrun itself would report 143).
 * Before anything starts, a build without the engine's tensor-parallel runtime is a clear
   usage error instead of N processes failing one by one.
 """
@@ -44,7 +46,12 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
 
     torchrun_argv = ["--standalone", "--nnodes", "1", "--nproc_per_node", str(args.tensor_parallel),
                      "--module", __name__, *argv]
-    return run_torchrun(torchrun_argv)
+    status = run_torchrun(torchrun_argv)
+    if status in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+        # torchrun's agent passed the signal on to the ranks and waited for them: rank 0 finished
+        # its in-flight requests and released the others, as a one-rank server does on SIGTERM
+        return 0
+    return status
 
 
 def worker_main(args: argparse.Namespace) -> int:
