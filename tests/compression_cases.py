@@ -168,3 +168,54 @@ def zero_compressed_runs(stages: list[int], steps: int = 4, ckpt_dir: str | None
         out.append({"stage": "resumed", "losses": first + train(resumed, 2, steps),
                     "masks": _masks(resumed.module), "bits": resumed.module.blocks[0].mlp.fc.wq_bits})
     return out
+
+
+PIPE_COMPRESSION = {
+    "weight_quantization": wq(4, [r"^\d+\.lin$"], start=8, period=1),
+    "row_pruning": prune(0.5, [r"^\d+\.lin$"], offset=1),
+}
+
+
+def pipe_reference(steps: int) -> dict:
+    """pipe_cases' single-process reference with the same compression, the schedule stepped by hand."""
+    from pipe_cases import BETAS, CLIP, EPS, LR, Reference, micro_batches, mse
+
+    from zerospeed.compression import init_compression, scheduler_of
+
+    model = init_compression(Reference(), {"compression_training": PIPE_COMPRESSION})
+    model.blocks = [getattr(model, str(i)) for i in range(1, len(model.blocks) + 1)]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        pieces = micro_batches(step, 0, 1, 2)
+        total = 0.0
+        for x, y in pieces:
+            loss = mse(model(x), y) / len(pieces)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        scheduler_of(model).step()
+        losses.append(total)
+    return {"losses": losses, "bits": model.blocks[0].lin.wq_bits}
+
+
+def pipe_compressed_run(steps: int) -> dict:
+    """Two pipeline stages (1F1B), each compressing its own blocks; the engine steps the schedule."""
+    import zerospeed
+    from pipe_cases import config, make_pipeline, micro_batches
+
+    from zerospeed.compression import init_compression
+
+    cfg = config("1f1b", 2, compression_training=PIPE_COMPRESSION)
+    model = init_compression(make_pipeline(2), cfg)
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    losses = []
+    for step in range(steps):
+        data = iter(micro_batches(step, 0, 1, 2))
+        needs = engine.is_first_stage() or engine.is_last_stage()
+        losses.append(float(engine.train_batch(data if needs else None)))
+    layers = [m for m in model.modules() if hasattr(m, "wq_bits")]
+    return {"losses": losses, "bits": [m.wq_bits for m in layers],
+            "kept_rows": [int(m.row_mask.sum()) for m in layers]}

@@ -57,3 +57,18 @@ def test_zero_stages_world2_equal_world1_and_checkpoint_round_trip(tmp_path) -> 
         with torch.no_grad():
             outputs.append(model(batch(9)))
     assert torch.allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(150)
+def test_pipeline_stages_compress_their_layers_like_one_process() -> None:
+    """2-stage 1F1B pipeline: each stage's wrapped blocks follow the schedule the pipeline engine
+    advances; losses equal the single-process compressed reference (1e-5 relative)."""
+    from compression_cases import pipe_compressed_run, pipe_reference
+
+    steps = 3
+    ref = pipe_reference(steps)
+    ranks = run_distributed(pipe_compressed_run, 2, steps, timeout=120)
+    for r in ranks:
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"])) < TOL
+        assert r["bits"] and set(r["bits"]) == {ref["bits"]} == {5}  # 8 bits, minus one per step
+        assert all(k == 4 for k in r["kept_rows"])  # HIDDEN 8 rows, dense_ratio 0.5

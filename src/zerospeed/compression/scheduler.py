@@ -93,10 +93,18 @@ def compression_scheduler_for(model: nn.Module, config: Any) -> CompressionSched
     section = getattr(config, "compression_training", None)
     if section is None or not section.any_enabled:
         return None
-    found = scheduler_of(model)
-    if found is None:
-        from zerospeed.config import ConfigError
+    from zerospeed.config import ConfigError
 
+    tp = getattr(config, "tensor_parallel", None)
+    if tp is not None and getattr(tp, "size", 1) > 1:
+        raise ConfigError("compression_training", "is not supported together with tensor parallelism yet "
+                          f"(tensor_parallel size {tp.size}); train the compressed model without it")
+    # the model itself, or (pipeline: the engine's container) the module init_compression was given
+    found = [s for m in model.modules() if (s := scheduler_of(m)) is not None]
+    if not found:
         raise ConfigError("compression_training", "is enabled but the model was not compressed: call "
                           "zerospeed.compression.init_compression(model, config) before initialize()")
-    return found
+    if len(found) > 1:
+        raise ValueError("compression: init_compression was applied to several parts of this model; apply it "
+                         "once, to the model given to initialize()")
+    return found[0]

@@ -283,6 +283,8 @@ class PipelineEngine(ZeroSpeedEngine):
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.strategy.zero_grad()
+        if self.compression_scheduler is not None:
+            self.compression_scheduler.step(self.dp_group)
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
         self.micro_steps += self.micro_batches
