@@ -377,7 +377,25 @@ def trainer_body(root, runs):
             rec["resumed_step"] = resumed.state.global_step
         out[name] = rec
         dist.barrier()
+    out["misaligned"] = _misaligned(os.path.join(root, "misaligned"))
     return out
+
+
+def _misaligned(folder):
+    """3 micro-batches per rank per epoch with accumulation 2: refused, not silently shifted."""
+    from transformers import TrainingArguments
+
+    from zerospeed.integrations.transformers import ZeroSpeedTrainer
+
+    args = TrainingArguments(output_dir=folder, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=3, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")
+    trainer = ZeroSpeedTrainer(model=make_llama(), args=args, train_dataset=trainer_dataset(12),
+                               ds_config=trainer_ds_config(2))
+    try:
+        trainer.train()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 # -- resize_token_embeddings under ZeRO-3 ---------------------------------------------------------

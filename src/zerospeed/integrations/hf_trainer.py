@@ -33,7 +33,8 @@ Accelerate is replaced):
 The loss the Trainer computes is already divided for gradient accumulation (or normalised by
 ``num_items_in_batch``), so the engine's own division is off (``scale_wrt_gas=False``), as HF does
 for DeepSpeed. Accumulation must then agree: the engine's ``gradient_accumulation_steps`` is the
-Trainer's.
+Trainer's, and an epoch whose micro-batches per rank are not a multiple of it (the Trainer would step
+on a short window at the epoch's end) is refused at that point with an error saying so.
 """
 
 from __future__ import annotations
@@ -135,6 +136,14 @@ class EngineAccelerator:
         engine = self._engine
         if engine is None:
             return self._accelerator.backward(loss, **kwargs)
+        sync = bool(self._accelerator.gradient_state.sync_gradients)
+        if sync != engine.is_gradient_accumulation_boundary():
+            raise RuntimeError(
+                "ZeroSpeedTrainer: the Trainer ends an accumulation window after a number of micro-batches that is "
+                f"not gradient_accumulation_steps ({engine.gradient_accumulation_steps()}): an epoch's micro-batches "
+                "per rank are not a multiple of it, and the zerospeed engine steps only every "
+                "gradient_accumulation_steps micro-batches. Make the per-rank batches per epoch a multiple of "
+                "gradient_accumulation_steps (dataset size, dataloader_drop_last) or use gradient_accumulation_steps 1")
         object.__setattr__(self, "_skipped_before", engine.skipped_steps)
         engine.backward(loss, scale_wrt_gas=False)
         engine.step()
