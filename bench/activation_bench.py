@@ -107,7 +107,7 @@ def main() -> None:
     p.add_argument("--no_write", action="store_true")
     args = p.parse_args()
 
-    from common import command_line, format_bytes, write_results
+    from common import command_line, write_results
     from gpt_model import GPT, GPTConfig, gpt_bench
 
     import zerospeed.checkpointing as zck
@@ -185,7 +185,6 @@ def main() -> None:
     if not args.no_write:
         paths = write_results("activation_bench", rows, params=vars(args), notes=notes, command=command_line())
         print("results:", *paths)
-    del format_bytes
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

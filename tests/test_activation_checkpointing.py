@@ -262,6 +262,22 @@ def test_configure_reads_the_config_section_and_arguments_override():
     assert not ck.is_configured() and not ck.settings.current().partition_activations
 
 
+def test_engine_config_applies_unless_the_user_configured():
+    from zerospeed.checkpointing.settings import configure_from
+
+    with_section = load_config({"train_batch_size": 1, "activation_checkpointing": {"cpu_checkpointing": True}})
+    without = load_config({"train_batch_size": 1})
+    configure_from(with_section)
+    assert ck.is_configured() and ck.settings.current().cpu_checkpointing
+    configure_from(without)  # a later engine without the section: back to the defaults
+    assert not ck.is_configured() and not ck.settings.current().cpu_checkpointing
+    ck.configure(None, partition_activations=True)  # the user's explicit call wins over any engine
+    configure_from(with_section)
+    configure_from(without)
+    s = ck.settings.current()
+    assert s.partition_activations and not s.cpu_checkpointing
+
+
 def test_profile_and_contiguous_run_and_match():
     ck.configure(None, partition_activations=True, contiguous_checkpointing=True, profile=True, synchronize=True)
     ck.reset_profile_stats()

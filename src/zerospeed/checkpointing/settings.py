@@ -42,6 +42,7 @@ class Settings:
 _SETTINGS: Settings = Settings()
 _MPU: Any = None
 _CONFIGURED = False
+_BY_USER = False  # configure() called by the user (not by an engine from its config)
 
 
 def _section(deepspeed_config: Any) -> Any:
@@ -62,7 +63,7 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
               checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None, profile: bool | None = None,
               policy: Any = None) -> None:
     """Set how :func:`zerospeed.checkpointing.checkpoint` stores and recomputes (DeepSpeed's signature)."""
-    global _SETTINGS, _MPU, _CONFIGURED
+    global _SETTINGS, _MPU, _CONFIGURED, _BY_USER
     if mpu_ is not None and not callable(getattr(mpu_, "get_model_parallel_group", None)):
         raise TypeError(f"checkpointing.configure: mpu_ must provide get_model_parallel_group(), "
                         f"got {type(mpu_).__name__}")
@@ -103,13 +104,21 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
     _SETTINGS = Settings(**values)
     _MPU = mpu_
     _CONFIGURED = True
+    _BY_USER = True
 
 
 def configure_from(config: ZeroSpeedConfig) -> None:
-    """The engine's call: apply the config's ``activation_checkpointing`` section when the user's
-    config has one and ``configure`` has not been called (an explicit ``configure`` wins)."""
-    if not _CONFIGURED and "activation_checkpointing" in config.raw:
+    """The engine's call. An explicit ``configure`` by the user wins; otherwise the engine's config
+    decides: its ``activation_checkpointing`` section is applied, and without one the settings an
+    earlier engine applied are reset (the newest engine's config is what holds)."""
+    global _BY_USER
+    if _BY_USER:
+        return
+    if "activation_checkpointing" in config.raw:
         configure(None, deepspeed_config=config)
+        _BY_USER = False
+    elif _CONFIGURED:
+        reset()
 
 
 def is_configured() -> bool:
@@ -119,10 +128,11 @@ def is_configured() -> bool:
 def reset() -> None:
     """Back to the unconfigured defaults (DeepSpeed's ``reset`` also frees its buffers: nothing is
     buffered across steps here)."""
-    global _SETTINGS, _MPU, _CONFIGURED
+    global _SETTINGS, _MPU, _CONFIGURED, _BY_USER
     _SETTINGS = Settings()
     _MPU = None
     _CONFIGURED = False
+    _BY_USER = False
 
 
 def current() -> Settings:

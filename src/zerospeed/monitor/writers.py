@@ -87,7 +87,8 @@ class WandbWriter:
         try:
             import wandb
         except ImportError as exc:  # pragma: no cover - wandb is in the monitor extra
-            raise ImportError("wandb.enabled: the wandb package is not installed (pip install 'zerospeed[monitor]')") from exc
+            raise ImportError("wandb.enabled: the wandb package is not installed "
+                              "(pip install 'zerospeed[monitor]')") from exc
         self._wandb = wandb
         mode = None if (os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY")) else "offline"
         self._run = wandb.init(project=section.project, group=section.group, entity=section.team, mode=mode)

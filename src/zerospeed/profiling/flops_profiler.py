@@ -229,7 +229,8 @@ class FlopsProfiler:
         if self.peak_flops:
             return float(self.peak_flops), "given"
         dtype = _dtype_of(self.model)
-        return measure_peak_flops(_device_of(self.model), dtype), f"measured {str(dtype).replace('torch.', '')} matmul probe"
+        name = str(dtype).replace("torch.", "")
+        return measure_peak_flops(_device_of(self.model), dtype), f"measured {name} matmul probe"
 
     def mfu(self) -> float:
         peak, _ = self.peak()
