@@ -337,7 +337,14 @@ def _trainer(kind, out_dir, stage=None, sections=False):
                              warmup_steps=1, lr_scheduler_type="constant_with_warmup", logging_steps=1,
                              save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, seed=0,
                              data_seed=0, disable_tqdm=True, optim="adamw_torch", save_only_model=False)
-    model = make_llama(seed=0)
+    if kind == "zs_init":  # built under zero.Init: HF's init on gathered parameters, same weights
+        from zerospeed import zero
+
+        torch.manual_seed(0)
+        with zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+            model = make_llama(seed=0)
+    else:
+        model = make_llama(seed=0)
     if kind == "plain":
         return Trainer(model=model, args=args, train_dataset=trainer_dataset())
     return ZeroSpeedTrainer(model=model, args=args, train_dataset=trainer_dataset(),
@@ -369,7 +376,7 @@ def trainer_body(root, runs):
             trainer.save_model(os.path.join(folder, "final"))
             rec["engine_stage"] = trainer.zerospeed_engine.zero_stage
             rec["lr"] = trainer.zerospeed_engine.get_lr()
-        if kind != "plain" and stage == 3:
+        if kind == "zs" and stage == 3:
             resumed = _trainer(kind, folder, stage, sections)
             resumed.train(resume_from_checkpoint=os.path.join(folder, "checkpoint-2"))
             rec["resumed_losses"] = _losses(resumed)

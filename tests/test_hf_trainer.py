@@ -3,7 +3,7 @@
 One launch of 2 gloo ranks runs, on a random tiny Llama and an in-memory dataset (4 optimizer steps,
 micro batch 2 per rank, accumulation 2, clipping at 1.0, warmup then constant lr, weight decay on
 HF's groups): the plain ``Trainer`` (DDP over gloo) as the reference, then ``ZeroSpeedTrainer`` at
-ZeRO-2 and ZeRO-3 (HF's optimizer and scheduler), and at ZeRO-3 with the config's own optimizer
+ZeRO-2 and ZeRO-3 (HF's optimizer and scheduler), at ZeRO-3 on a model built under ``zero.Init``, and at ZeRO-3 with the config's own optimizer
 and WarmupLR scheduler sections. Each ZeRO-3 run also resumes from ``checkpoint-2`` in a fresh
 trainer and trains to the end again.
 
@@ -20,7 +20,8 @@ import torch
 from hf_cases import batch, trainer_body
 from zerospeed.testing import run_distributed
 
-RUNS = [("plain", "plain", None, False), ("z2", "zs", 2, False), ("z3", "zs", 3, False), ("z3_sections", "zs", 3, True)]
+RUNS = [("plain", "plain", None, False), ("z2", "zs", 2, False), ("z3", "zs", 3, False),
+        ("z3_init", "zs_init", 3, False), ("z3_sections", "zs", 3, True)]
 TOL = 1e-5
 
 
@@ -36,7 +37,7 @@ def test_zerospeed_trainer_matches_the_plain_trainer_saves_and_resumes(tmp_path)
     r0 = results[0]
     plain = r0["plain"]
     assert len(plain["losses"]) == 4
-    for name in ("z2", "z3"):
+    for name in ("z2", "z3", "z3_init"):
         run = r0[name]
         assert run["engine_stage"] == int(name[1])
         assert _rel(run["losses"], plain["losses"]) < TOL, (name, run["losses"], plain["losses"])
@@ -51,7 +52,7 @@ def test_zerospeed_trainer_matches_the_plain_trainer_saves_and_resumes(tmp_path)
         assert run["resumed_step"] == 4
         assert run["resumed_losses"][2:] == pytest.approx(run["losses"][2:], rel=1e-6), name
         assert torch.allclose(run["resumed_logits"], run["logits"], rtol=0, atol=1e-6), name
-    for name in ("z2", "z3", "z3_sections"):
+    for name in ("z2", "z3", "z3_init", "z3_sections"):
         run = r0[name]
         model = LlamaForCausalLM.from_pretrained(tmp_path / name / "final")
         with torch.no_grad():
