@@ -25,6 +25,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from zerospeed.comm import health
 from zerospeed.comm.counter import COUNTER
 
 ReduceOp = dist.ReduceOp
@@ -60,6 +61,16 @@ class _ThenWork:
         return self._done
 
 
+def _issue(op: str, start: Any, async_op: bool) -> Any:
+    """Start a collective (``start(async_op)``) so that a peer that stopped participating is named
+    (:mod:`zerospeed.comm.health`): a checked call, or a checked Work handle."""
+    work = health.CheckedWork(start(True), op)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def _world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
@@ -76,7 +87,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: dist.Process
     COUNTER.record("all_reduce", tensor.numel(), tensor.element_size(), wire_numel=0 if single else None)
     if single:
         return _DoneWork() if async_op else None
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _issue("all_reduce", lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: Any, op: Any = ReduceOp.SUM,
@@ -98,7 +109,7 @@ def reduce_scatter(output: torch.Tensor, input: Any, op: Any = ReduceOp.SUM,
     if _emulate_with_all_reduce(group):
         COUNTER.record("reduce_scatter", input.numel(), input.element_size(), wire_numel=2 * input.numel())
         mine = input.reshape(-1).narrow(0, dist.get_rank(group) * output.numel(), output.numel())
-        work = dist.all_reduce(input, op=op, group=group, async_op=True)
+        work = health.CheckedWork(dist.all_reduce(input, op=op, group=group, async_op=True), "reduce_scatter")
         if mine.data_ptr() == output.data_ptr():  # in place: the sum already sits in the output
             if async_op:
                 return work
@@ -113,13 +124,15 @@ def reduce_scatter(output: torch.Tensor, input: Any, op: Any = ReduceOp.SUM,
     start, end = input.data_ptr(), input.data_ptr() + input.numel() * input.element_size()
     if start <= output.data_ptr() < end:  # output aliases input: reduce into a temporary
         temp = torch.empty_like(output)
-        work = _reduce_scatter_single(temp, input, op=op, group=group, async_op=True)
+        work = health.CheckedWork(_reduce_scatter_single(temp, input, op=op, group=group, async_op=True),
+                                  "reduce_scatter")
         finish = _ThenWork(work, lambda: output.copy_(temp))
         if async_op:
             return finish
         finish.wait()
         return None
-    return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    return _issue("reduce_scatter",
+                  lambda a: _reduce_scatter_single(output, input, op=op, group=group, async_op=a), async_op)
 
 
 def all_gather(output: Any, input: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -144,41 +157,41 @@ def all_gather(output: Any, input: torch.Tensor, group: dist.ProcessGroup | None
             flat.narrow(0, start, n).copy_(input.reshape(-1))
         flat.narrow(0, 0, start).zero_()
         flat.narrow(0, start + n, flat.numel() - start - n).zero_()
-        return dist.all_reduce(output, group=group, async_op=async_op)
+        return _issue("all_gather", lambda a: dist.all_reduce(output, group=group, async_op=a), async_op)
     COUNTER.record("all_gather", output.numel(), output.element_size())
-    return _all_gather_single(output, input, group=group, async_op=async_op)
+    return _issue("all_gather", lambda a: _all_gather_single(output, input, group=group, async_op=a), async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
     COUNTER.record("broadcast", tensor.numel(), tensor.element_size())
     if _world(group) == 1:
         return _DoneWork() if async_op else None
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _issue("broadcast", lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), async_op)
 
 
 def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
     COUNTER.record("send", tensor.numel(), tensor.element_size())
-    dist.send(tensor, dst=dst, group=group)
+    health.CheckedWork(dist.isend(tensor, dst=dst, group=group), f"send to rank {dst}").wait()
 
 
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
     COUNTER.record("recv", tensor.numel(), tensor.element_size())
-    dist.recv(tensor, src=src, group=group)
+    health.CheckedWork(dist.irecv(tensor, src=src, group=group), f"recv from rank {src}").wait()
 
 
 def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> Any:
     COUNTER.record("send", tensor.numel(), tensor.element_size())
-    return dist.isend(tensor, dst=dst, group=group)
+    return health.CheckedWork(dist.isend(tensor, dst=dst, group=group), f"send to rank {dst}")
 
 
 def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> Any:
     COUNTER.record("recv", tensor.numel(), tensor.element_size())
-    return dist.irecv(tensor, src=src, group=group)
+    return health.CheckedWork(dist.irecv(tensor, src=src, group=group), f"recv from rank {src}")
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if _world(group) > 1:
-        dist.barrier(group=group)
+        health.CheckedWork(dist.barrier(group=group, async_op=True), "barrier").wait()
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
@@ -187,7 +200,7 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
     if world == 1:
         return [obj]
     out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=group)
+    health.checked("all_gather_object", lambda: dist.all_gather_object(out, obj, group=group))
     return out
 
 
@@ -201,7 +214,7 @@ def _all_gather_list(outputs: list[torch.Tensor], input: torch.Tensor, group: di
     if world == 1:
         outputs[0].copy_(input)
         return _DoneWork() if async_op else None
-    return dist.all_gather(outputs, input, group=group, async_op=async_op)
+    return _issue("all_gather", lambda a: dist.all_gather(outputs, input, group=group, async_op=a), async_op)
 
 
 def _reduce_scatter_list(output: torch.Tensor, inputs: list[torch.Tensor], op: Any,

@@ -35,6 +35,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _timeout_from_env(timeout: datetime.timedelta) -> datetime.timedelta:
+    """``ZEROSPEED_DIST_TIMEOUT_S`` replaces the default timeout (an explicit ``timeout=`` wins)."""
+    text = os.environ.get("ZEROSPEED_DIST_TIMEOUT_S")
+    if not text or timeout != DEFAULT_TIMEOUT:
+        return timeout
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"ZEROSPEED_DIST_TIMEOUT_S={text!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"ZEROSPEED_DIST_TIMEOUT_S={text!r} must be positive")
+    return datetime.timedelta(seconds=seconds)
+
+
 def _elastic_attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     """Under torchrun's agent store, a store whose keys are private to this restart attempt.
 
@@ -76,6 +90,7 @@ def init_distributed(
     if dist.is_initialized():
         return
     backend = dist_backend or default_backend()
+    timeout = _timeout_from_env(timeout)
     if backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
         raise ValueError(f"init_distributed: dist_backend={backend!r} is not one of gloo, nccl, mpi, ucc, xccl")
     if backend == "nccl" and not torch.cuda.is_available():

@@ -82,6 +82,11 @@ def register_created_group() -> None:
     _install_excepthook()
 
 
+def generation() -> int:
+    """How many process groups zerospeed created in this process (store keys of a group carry it)."""
+    return int(_state["generation"])
+
+
 def _at_exit() -> None:
     if _state["owned"]:
         shutdown()
@@ -98,12 +103,9 @@ def _timeout_s(explicit: float | None) -> float:
             logger.warning("zerospeed: ZEROSPEED_SHUTDOWN_TIMEOUT_S=%r is not a number; using %gs", env,
                            DEFAULT_SHUTDOWN_TIMEOUT_S)
     limit = DEFAULT_SHUTDOWN_TIMEOUT_S
-    try:
-        pg_timeout = dist.distributed_c10d._get_default_group().options._timeout  # type: ignore[attr-defined]
-        limit = min(limit, pg_timeout.total_seconds())
-    except Exception:  # noqa: BLE001 - the group's own timeout is only a cap
-        pass
-    return limit
+    from zerospeed.comm import health
+
+    return min(limit, health.group_timeout_s())
 
 
 def _default_store() -> Any:
