@@ -254,8 +254,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     if single:
         output.copy_(input)
         return _DoneWork() if async_op else None
-    return dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
-                                  input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+    return _issue("all_to_all", lambda a: dist.all_to_all_single(
+        output, input, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, group=group,
+        async_op=a), async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: dist.ProcessGroup | None = None,
@@ -265,7 +266,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: dist.P
     COUNTER.record("reduce", tensor.numel(), tensor.element_size(), wire_numel=0 if single else None)
     if single:
         return _DoneWork() if async_op else None
-    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+    return _issue("reduce", lambda a: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=a), async_op)
 
 
 def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: dist.ProcessGroup | None = None,
