@@ -46,8 +46,12 @@ def _context() -> Any:
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         # torch.optim.Optimizer's constructor imports torch._dynamo (~5 s): pay it once, here.
+        # HF model classes are what most multi-process tests build: import them once here, not per
+        # rank (the forkserver skips a preload module that is not installed)
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerospeed",
-                                     "zerospeed.runtime.initialize"])
+                                     "zerospeed.runtime.initialize", "transformers",
+                                     "transformers.models.llama.modeling_llama",
+                                     "transformers.models.gpt2.modeling_gpt2"])
     return _CTX
 
 
