@@ -96,7 +96,13 @@ class _Packed(nn.Module):
         return unpack(self.qweight, self.bits, self.rows * self.cols, self.symmetric).view(self.rows, self.cols)
 
     def row_scale(self) -> torch.Tensor:
-        return self.scale.repeat_interleave(self.rows_per_group)
+        """One scale per output row (groups covering whole rows), cached until ``scale`` changes."""
+        key = (self.scale.data_ptr(), self.scale._version)
+        cached = self.__dict__.get("_row_scale")
+        if cached is None or cached[0] != key:
+            cached = (key, self.scale.repeat_interleave(self.rows_per_group))
+            self.__dict__["_row_scale"] = cached
+        return cached[1]
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.codes(), self.scale, self.zero, self.num_groups).to(dtype)
@@ -157,11 +163,12 @@ class QuantizedLinear(_Packed):
         flat = x.reshape(-1, self.in_features)
         if kernel == "int_mm":
             low, high = self._act_range()
-            if low is None:
-                low, high = torch.aminmax(flat.detach())
-            x_scale = (torch.maximum(low.abs(), high.abs()).float() / 127).clamp_min(1e-12)
+            if low is None:  # max |x| in one op (the inf-norm is exact); few ops matter on a busy CPU
+                x_scale = (torch.linalg.vector_norm(flat.detach(), float("inf")).float() / 127).clamp_min(1e-12)
+            else:
+                x_scale = (torch.maximum(low.abs(), high.abs()).float() / 127).clamp_min(1e-12)
             # the same rounding as fake_quantize_activation: round(x / s), clamped
-            xq = (flat.float() / x_scale).round_().clamp_(-127, 127).to(torch.int8)
+            xq = torch.div(flat, x_scale).round_().clamp_(-127, 127).to(torch.int8)
             acc = torch._int_mm(xq, self.codes().t())
             # int32 -> fp32 scaled, written over the int32 accumulator (same size): one big tensor, not two
             y = torch.mul(acc, x_scale * self.row_scale(), out=acc.view(torch.float32))
