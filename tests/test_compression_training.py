@@ -29,7 +29,7 @@ def test_fake_quantize_grid_and_straight_through(bits: int, levels: int) -> None
         assert err <= w.abs().max().item() / (2 ** (bits - 1) - 1) / 2 + 1e-6  # half a grid step
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8, 12])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8, 12, 16])
 def test_pack_round_trip_and_bytes(bits: int) -> None:
     torch.manual_seed(1)
     w = torch.randn(16, 32)
@@ -38,7 +38,7 @@ def test_pack_round_trip_and_bytes(bits: int) -> None:
         sym = symmetric or bits <= 2
         packed = pack(q, bits, zero_offset=sym)
         assert torch.equal(unpack(packed, bits, q.numel(), sym).view(q.shape).float(), q)
-        width = {1: 1, 2: 2, 3: 4, 4: 4, 8: 8, 12: 16}[bits]
+        width = {1: 1, 2: 2, 3: 4, 4: 4, 8: 8, 12: 16, 16: 16}[bits]
         assert packed.numel() * packed.element_size() == q.numel() * width // 8
 
 

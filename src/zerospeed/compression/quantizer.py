@@ -119,8 +119,8 @@ def pack(q: torch.Tensor, bits: int, zero_offset: bool) -> torch.Tensor:
     """
     width = container_bits(bits)
     codes = q.reshape(-1).to(torch.int32)
-    if width == 16:
-        return codes.to(torch.int16)
+    if width == 16:  # unsigned 16-bit codes are stored shifted into int16's range
+        return (codes if zero_offset else codes - 32768).to(torch.int16)
     if width == 8:
         return codes.to(torch.int8) if zero_offset else codes.to(torch.uint8)
     if zero_offset:
@@ -139,10 +139,10 @@ def pack(q: torch.Tensor, bits: int, zero_offset: bool) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, bits: int, numel: int, zero_offset: bool) -> torch.Tensor:
-    """Inverse of :func:`pack`: int8 codes (int16 above 8 bits), flat, ``numel`` long."""
+    """Inverse of :func:`pack`: int8 codes (int16/int32 above 8 bits), flat, ``numel`` long."""
     width = container_bits(bits)
     if width == 16:
-        return packed
+        return packed if zero_offset else packed.to(torch.int32) + 32768
     if width == 8:
         return packed if zero_offset else packed.to(torch.int16)
     per_byte = 8 // width
