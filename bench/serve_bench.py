@@ -384,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(rows[-1], flush=True)
                         break
                     rows.append(summarize(system, rate, results))
+                    rows[-1]["load_avg_1m"] = round(os.getloadavg()[0], 1)  # the shared machine's
                     print(rows[-1], flush=True)
             finally:
                 server.stop()
@@ -402,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         if z and h and h["throughput_tok_s"]:
             notes.append(f"rate {rate}: zerospeed/hf throughput {z['throughput_tok_s'] / h['throughput_tok_s']:.2f}x, "
                          f"p95 TTFT {z['ttft_p95_s']} s vs {h['ttft_p95_s']} s")
-    notes.append("machine shared with other jobs while measuring (2 cores); one run, no repeats")
+    notes.append("machine shared with other jobs while measuring (2 cores; load_avg_1m is the 1-minute "
+                 "load average at the end of each rate); one run, no repeats")
     notes.append("vLLM's CPU server not measured (its separate Python 3.11 environment was not built for this run)")
     for n in notes:
         print(n)
