@@ -15,7 +15,8 @@ checkpoint per transformer block. Modes, all on the same model, weights and data
   ``deepspeed.checkpointing.configure(None, ...)`` (cpu-offload with ``partition_activations`` and
   ``checkpoint_in_cpu``, as DeepSpeed requires); DeepSpeed has no selective policy.
 
-Measured per mode: the median wall time of a forward + backward (``--steps`` after one warm-up,
+Measured per mode: the median wall time and CPU time (one thread: the work itself, robust to
+other jobs on a shared machine) of a forward + backward (``--steps`` after one warm-up,
 modes interleaved over ``--rounds`` rounds so drift on a shared machine hits all alike); the peak
 of bytes allocated above the start during one forward + backward
 (:func:`zerospeed.checkpointing.peak_allocated_bytes`: CUDA's allocator peak on GPU, torch
@@ -133,6 +134,7 @@ def main() -> None:
         return loss.item(), norm.item()
 
     times: dict[str, list[float]] = {m: [] for m in modes}
+    cpu_times: dict[str, list[float]] = {m: [] for m in modes}
     results: dict[str, dict[str, Any]] = {}
     for rnd in range(args.rounds):
         for name, setup in modes.items():
@@ -147,17 +149,21 @@ def main() -> None:
                 results[name] = {"mode": name, "saved_bytes": saved.total, "peak_bytes": peak,
                                  "loss": loss_value, "grad_norm": norm}
             for _ in range(args.steps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step()
                 times[name].append(time.perf_counter() - t0)
+                cpu_times[name].append(time.process_time() - c0)
             print(f"round {rnd}: {name}: {statistics.median(times[name]):.3f} s", flush=True)
 
     none = results["none"]
     t_none = statistics.median(times["none"])
+    c_none = statistics.median(cpu_times["none"])
     rows = []
     for name, r in results.items():
         t = statistics.median(times[name])
+        c = statistics.median(cpu_times[name])
         rows.append({"mode": name, "step_s": round(t, 4), "time_vs_none": round(t / t_none, 3),
+                     "step_cpu_s": round(c, 4), "cpu_vs_none": round(c / c_none, 3),
                      "peak_MiB": round(r["peak_bytes"] / 2**20, 2),
                      "peak_vs_none": round(r["peak_bytes"] / none["peak_bytes"], 3),
                      "saved_MiB": round(r["saved_bytes"] / 2**20, 2),
@@ -167,14 +173,18 @@ def main() -> None:
         if z in results and d in results:
             for row in rows:
                 if row["mode"] == z:
-                    row["time_vs_deepspeed"] = round(statistics.median(times[z]) / statistics.median(times[d]), 3)
+                    med = statistics.median
+                    row["time_vs_deepspeed"] = round(med(times[z]) / med(times[d]), 3)
+                    row["cpu_vs_deepspeed"] = round(med(cpu_times[z]) / med(cpu_times[d]), 3)
                     row["peak_vs_deepspeed"] = round(results[z]["peak_bytes"] / results[d]["peak_bytes"], 3)
     for row in rows:
         print(row)
     notes = [f"GPT {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, seq {args.seq}, batch "
              f"{args.batch}, fp32, 1 process, 1 torch thread, one checkpoint per block",
-             "step_s: median forward+backward wall time; peak: bytes allocated above the start during one "
-             "forward+backward (torch profiler memory events on CPU); saved: bytes autograd saved for the backward "
+             "step_s: median forward+backward wall time; step_cpu_s: its CPU time (one thread, so the compute "
+             "itself, much less disturbed by other jobs than wall time); peak: bytes allocated above the start "
+             "during one forward+backward (torch profiler memory events on CPU); saved: bytes autograd saved for the "
+             "backward "
              "(blind to the selective cache and to tensors DeepSpeed keeps outside save_for_backward)",
              "the machine was shared with other jobs while this ran: times are noisy; modes were interleaved "
              f"over {args.rounds} rounds",
