@@ -35,7 +35,7 @@ class PrefillChunk:
     token_start: int  # index of the chunk's first token in the flat batch
     num_tokens: int
     context_len: int  # tokens visible to the chunk's last query (cached prefix + chunk)
-    ctx_slots: torch.Tensor | None  # [context_len] cache slots; None when the chunk starts at 0
+    ctx_slots: torch.Tensor | None  # the blocks holding the context; None when the chunk starts at 0
 
 
 @dataclass
@@ -43,10 +43,11 @@ class AttentionMetadata:
     slots: torch.Tensor  # [T] where each token's K/V is written
     positions: torch.Tensor  # [T]
     num_decodes: int
-    decode_ctx_slots: torch.Tensor | None  # [B, L_max]; padded entries point at slot 0 and are masked
+    decode_ctx_slots: torch.Tensor | None  # [B, max_blocks] block tables; padding is block 0, masked
     decode_ctx_lens: torch.Tensor | None  # [B]
     prefills: list[PrefillChunk]
     scale: float | None = None
+    block_size: int = 16
     _masks: dict = field(default_factory=dict)
 
     @classmethod
@@ -64,13 +65,12 @@ class AttentionMetadata:
         if num_decodes:
             lens = [seq_tokens[i][0] + 1 for i in range(num_decodes)]
             max_blocks = (max(lens) + block_size - 1) // block_size
-            tables = torch.zeros(num_decodes, max_blocks, dtype=torch.int64)
+            rows = []
             for i in range(num_decodes):
-                t = seq_tokens[i][2][:max_blocks]
-                tables[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
-            offs = torch.arange(block_size, dtype=torch.int64)
-            dec_slots = (tables.unsqueeze(-1) * block_size + offs).view(num_decodes, -1)[:, :max(lens)]
-            dec_slots = dec_slots.contiguous().to(device)
+                t = seq_tokens[i][2][:-(-lens[i] // block_size)]
+                rows.append(t + [0] * (max_blocks - len(t)))
+            # whole blocks are gathered (one contiguous row of block_size * heads * dim per block)
+            dec_slots = torch.tensor(rows, dtype=torch.int64, device=device)
             dec_lens = torch.tensor(lens, dtype=torch.int64, device=device)
         prefills = []
         start = num_decodes
@@ -79,13 +79,12 @@ class AttentionMetadata:
             ctx_slots = None
             if cached:
                 nb = (ctx + block_size - 1) // block_size
-                t = torch.tensor(table[:nb], dtype=torch.int64)
-                ctx_slots = (t.unsqueeze(-1) * block_size + torch.arange(block_size)).view(-1)[:ctx].to(device)
+                ctx_slots = torch.tensor(table[:nb], dtype=torch.int64, device=device)
             prefills.append(PrefillChunk(start, new, ctx, ctx_slots))
             start += new
         return cls(torch.tensor(slots, dtype=torch.int64, device=device),
                    torch.tensor(positions, dtype=torch.int64, device=device), num_decodes, dec_slots, dec_lens,
-                   prefills)
+                   prefills, block_size=block_size)
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +93,7 @@ class AttentionMetadata:
     def _decode_mask(self, window: int | None) -> torch.Tensor:
         key = ("d", window)
         if key not in self._masks:
-            L = self.decode_ctx_slots.shape[1]
+            L = self.decode_ctx_slots.shape[1] * self.block_size
             k = torch.arange(L, device=self.decode_ctx_slots.device)
             lens = self.decode_ctx_lens.unsqueeze(-1)
             m = k < lens
@@ -137,7 +136,8 @@ class AttentionMetadata:
             if chunk.ctx_slots is None:
                 kp, vp = k[s:s + n], v[s:s + n]
             else:
-                kp, vp = k_cache.index_select(0, chunk.ctx_slots), v_cache.index_select(0, chunk.ctx_slots)
+                kp = self._gather(k_cache, chunk.ctx_slots)[0, :chunk.context_len]
+                vp = self._gather(v_cache, chunk.ctx_slots)[0, :chunk.context_len]
             kp = kp.transpose(0, 1).unsqueeze(0)
             vp = vp.transpose(0, 1).unsqueeze(0)
             mask = self._prefill_mask(i, window)
@@ -146,11 +146,17 @@ class AttentionMetadata:
             out[s:s + n] = o[0].transpose(0, 1)
         return out.view(T, hq * d)
 
+    def _gather(self, cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Blocks ``tables [B, nb]`` of a ``[slots, H, D]`` cache -> ``[B, nb * block_size, H, D]``."""
+        _, h, d = cache.shape
+        blocks = cache.view(-1, self.block_size * h * d)
+        if tables.dim() == 1:
+            tables = tables.unsqueeze(0)
+        return blocks.index_select(0, tables.reshape(-1)).view(tables.shape[0], -1, h, d)
+
     def _decode(self, q, k_cache, v_cache, scale, window, gqa) -> torch.Tensor:
-        B, L = self.decode_ctx_slots.shape
-        flat = self.decode_ctx_slots.view(-1)
-        kd = k_cache.index_select(0, flat).view(B, L, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache.index_select(0, flat).view(B, L, *v_cache.shape[1:]).transpose(1, 2)
+        kd = self._gather(k_cache, self.decode_ctx_slots).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = self._gather(v_cache, self.decode_ctx_slots).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=self._decode_mask(window), scale=scale,
                                            enable_gqa=gqa)
         return o.squeeze(2)
