@@ -321,10 +321,7 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                          "learned positions")
     tp = TPInfo()
     if tensor_parallel > 1:
-        try:
-            from zerospeed.inference.tp_runtime import tp_info
-        except ImportError:
-            raise ValueError("tensor_parallel: multi-rank inference is not available in this build yet") from None
+        from zerospeed.inference.tp_runtime import tp_info
 
         tp = tp_info(tensor_parallel, tp_group)
     dev = torch.device(device) if device is not None else _default_device()
