@@ -380,3 +380,16 @@ def precision_run(extra: dict, stage: int = 2, steps: int = 8) -> dict:
 def precision_runs(cases: list[dict]) -> list[dict]:
     """Each case a config overlay; an optional "_stage" key picks the ZeRO stage (default 2)."""
     return [precision_run({k: v for k, v in c.items() if k != "_stage"}, stage=c.get("_stage", 2)) for c in cases]
+
+
+def initialize_with_two_configs() -> str:
+    import argparse
+
+    import zerospeed
+
+    args = zerospeed.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepspeed_config", "x.json"])
+    try:
+        zerospeed.initialize(args=args, model=make_model(), config=config(0, 1))
+    except ValueError as e:
+        return str(e)
+    return "no error"

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from compat_cases import accelerator_probe, comm_names_probe
+from compat_cases import accelerator_probe, comm_names_probe, initialize_with_two_configs
 from zerospeed.testing import run_distributed
 
 NAMES = {
@@ -105,6 +105,11 @@ def test_add_config_arguments():
         config_path_from_args(both)
     with pytest.raises(TypeError, match="ArgumentParser"):
         zerospeed.add_config_arguments(object())
+
+
+def test_config_both_on_the_command_line_and_in_initialize_is_refused():
+    message = run_distributed(initialize_with_two_configs, 1)[0]
+    assert "--deepspeed_config" in message and "initialize(config=...)" in message
 
 
 def test_repeating_loader_restarts_and_reshuffles():

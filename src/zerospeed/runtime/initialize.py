@@ -85,10 +85,14 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if model is None or not isinstance(model, nn.Module):
         raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
     raw = config if config is not None else config_params
-    if raw is None and args is not None:
+    if args is not None:
         from zerospeed.arguments import config_path_from_args
 
-        raw = config_path_from_args(args)
+        from_args = config_path_from_args(args)
+        if raw is not None and from_args is not None:  # DeepSpeed refuses this too
+            raise ValueError("initialize: a config is given both as --deepspeed_config on the command line and as "
+                             "initialize(config=...); keep one")
+        raw = raw if raw is not None else from_args
     if raw is None:
         raise ConfigError("", "no config: pass initialize(config=<dict or path to a DeepSpeed JSON file>)")
     comm.init_distributed(distributed_port=distributed_port)
