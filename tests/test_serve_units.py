@@ -158,16 +158,6 @@ def test_command_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     assert err.startswith("zerospeed serve: error:") and needle in err and err.count("\n") == 1
 
 
-def test_tensor_parallel_without_the_runtime_is_a_usage_error(tmp_path, capsys):
-    from zerospeed.inference.serving import tensor_parallel
-
-    if tensor_parallel.available():
-        pytest.skip("the engine's tensor-parallel runtime is in this build: the error cannot occur")
-    assert launcher_main(["serve", str(tmp_path), "--tensor-parallel", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "--tensor-parallel" in err and "tp_runtime" in err and err.count("\n") == 1
-
-
 def test_command_bad_model_folder_exits_1(tmp_path, capsys):
     assert launcher_main(["serve", str(tmp_path), "--port", "0"]) == 1
     err = capsys.readouterr().err
