@@ -20,8 +20,8 @@ decodes to text (one streamed chunk per token).
 
     PYTHONPATH=src python bench/serve_bench.py [--rates 1 2 4 8 16] [--num-requests 24]
 
-Results go to ``bench/results/serve_bench-<UTC>.{json,md}``. vLLM's CPU server is not measured
-here (see the README of the results).
+Results go to ``bench/results/serve_bench-<UTC>.{json,md}``. vLLM's CPU server is not measured:
+it needs its own Python 3.11 environment (see the inference issue), not built for these runs.
 """
 
 from __future__ import annotations
