@@ -49,8 +49,8 @@ cfg = gpt_bench()
 model = GPT(cfg)
 ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
       "zero_optimization": {"stage": stage}}
+num_params = sum(p.numel() for p in model.parameters())  # Ψ, counted before ZeRO-3 partitions them
 engine, _, _, _ = zerospeed.initialize(model=model, config=ds)
-num_params = sum(p.numel() for p in model.parameters())
 ckpt = os.path.join(out, "ckpt")
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 if mode == "elastic":

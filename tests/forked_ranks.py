@@ -39,6 +39,7 @@ for run in range(num_runs):
     run_dir = os.path.join(out, f"run{run}")
     os.makedirs(run_dir, exist_ok=True)
     pids = []
+    started = time.monotonic()
     for rank in range(world_size):
         pid = os.fork()
         if pid == 0:
@@ -70,4 +71,6 @@ for run in range(num_runs):
         if codes[rank] != 0 and kill_at is None:
             kill_at = time.monotonic() + GRACE_S
     statuses.append(codes)
+    print(f"forked_ranks: run {run}: exit statuses {codes}, {time.monotonic() - started:.1f}s", file=sys.stderr,
+          flush=True)
 print(json.dumps(statuses), flush=True)

@@ -40,13 +40,13 @@ if int(os.environ["RANK"]) == 0:
 NUM_RUNS = 20
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)  # ~2 s a run on a quiet 2-core machine; ~9 s at world 4 when it is shared
 @pytest.mark.parametrize(("world_size", "stage"), [(2, 2), (4, 3)])
 def test_script_falling_off_the_end_exits_cleanly_20_times(tmp_path: Path, world_size: int, stage: int) -> None:
     script = tmp_path / "train.py"
     script.write_text(DS_SCRIPT.replace("STAGE", str(stage)))
     result = run_group([python(), str(TESTS / "forked_ranks.py"), str(script), str(NUM_RUNS), str(world_size),
-                        str(tmp_path)], timeout=200)
+                        str(tmp_path)], timeout=420)
     assert result.returncode == 0, result.stderr[-3000:]
     statuses = json.loads(result.stdout.strip().splitlines()[-1])
     unclean = [(i, codes) for i, codes in enumerate(statuses) if codes != [0] * world_size]

@@ -8,6 +8,11 @@ Decisions:
   on a free loopback port, so single-process scripts need no launcher.
 * The backend is NCCL when CUDA is available, gloo otherwise; ``dist_backend`` overrides.
 * The call is idempotent: an initialised default group is left as it is.
+* ``timeout`` (default 30 min, as DeepSpeed) may also come from ``ZEROSPEED_DIST_TIMEOUT_S``; it bounds
+  every collective (:mod:`zerospeed.comm.health` names the rank that stopped participating).
+* Under torchrun's agent store the group's keys are prefixed with the restart attempt, so an elastic
+  restart never reads the previous attempt's addresses; the group zerospeed creates is torn down
+  in order at exit (:mod:`zerospeed.comm.lifecycle`).
 """
 
 from __future__ import annotations
