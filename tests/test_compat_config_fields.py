@@ -79,6 +79,13 @@ NO_OP_FIELDS: dict[str, str] = {
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": _SAME_RESULT + " (on gloo, all-gathers already run "
                                                                               "as all-reduces, see comm/collectives)",
 }
+# DeepCompile-only options (config/compile.py): any value but DeepSpeed's default is refused by name, and
+# the default asks for nothing, because DeepCompile is not built; free_activation_threshold only acts with
+# free_activation (refused when true)
+from zerospeed.config.compile import DEEPCOMPILE_ONLY_DEFAULTS  # noqa: E402
+
+NO_OP_FIELDS.update({f"compile.{k}": "DeepCompile-only option, refused unless at DeepSpeed's default"
+                     for k in (*DEEPCOMPILE_ONLY_DEFAULTS, "free_activation_threshold")})
 
 
 def _models(annotation: object) -> list[type[BaseModel]]:

@@ -69,12 +69,6 @@ def _at_most_one(value: Any) -> bool:
     return _falsy(value) or (is_number and value <= 1)
 
 
-def _compile_off(value: Any) -> bool:
-    if isinstance(value, dict):
-        return _falsy(value.get("deepcompile", False))
-    return _falsy(value)
-
-
 def _timers_off(value: Any) -> bool:
     if not isinstance(value, dict):
         return _falsy(value)
@@ -84,7 +78,6 @@ def _timers_off(value: Any) -> bool:
 #: (dotted key path, "is this value off?", short note). Order = order of reporting.
 NOT_YET: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("sequence_parallel_size", _at_most_one, "sequence parallelism"),
-    ("compile", _compile_off, "DeepCompile"),
     ("data_efficiency", _enabled_off, "data efficiency: curriculum sampling, random-LTD"),
     ("hybrid_engine", _enabled_off, "the RLHF hybrid engine"),
     ("weight_quantization", _falsy, "weight quantization"),

@@ -55,6 +55,7 @@ from .autotuning import AutotuningConfig
 from .zero import AioConfig, ZeroConfig
 from .flops_profiler import FlopsProfilerConfig
 from .torch_autocast import TorchAutocastConfig
+from .compile import CompileConfig
 
 Precision = Literal["fp32", "fp16", "bf16"]
 
@@ -121,6 +122,7 @@ class ZeroSpeedConfig(Section):
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     compression_training: CompressionConfig | None = None
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
     _dp_world_size: int = PrivateAttr(default=1)

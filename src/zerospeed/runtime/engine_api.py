@@ -81,7 +81,7 @@ HAS: tuple[str, ...] = (
 )
 
 _INTERNAL = "an internal step of DeepSpeed's engine; zerospeed's ZeRO strategy does it inside backward/step"
-_NO_COMPILE = "zerospeed has no torch.compile backend yet"
+_NO_COMPILE = "DeepCompile graph backends are not built in zerospeed yet; use engine.compile() (torch.compile of the module)"
 _NO_FEATURE = "the feature is not in zerospeed (its config section is refused when enabled)"
 
 #: name -> why it is not there (the error says it)
@@ -114,9 +114,6 @@ LACKS: dict[str, str] = {
     "get_autotp_backend": _NO_COMPILE,
     "get_deepcompile_backend": _NO_COMPILE,
     "get_deepspeed_compile_backend": _NO_COMPILE,
-    "compile": _NO_COMPILE + "; compile the module with torch.compile before initialize",
-    "get_compile_time": _NO_COMPILE,
-    "register_compile_pass": _NO_COMPILE,
     "offload_states": "offloading states between steps is not in zerospeed; use zero_optimization.offload_optimizer",
     "reload_states": "offloading states between steps is not in zerospeed; use zero_optimization.offload_optimizer",
 }
@@ -551,9 +548,37 @@ class DeepSpeedEngineAPI:
 
         gc.collect()
 
+    # -- torch.compile (zerospeed.compile) --------------------------------------------------------
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None,
+                schedule: Any = None) -> None:
+        """torch.compile the wrapped module in place (the ZeRO machinery stays outside the graph)."""
+        from zerospeed.compile.engine_compile import compile_engine
+
+        compile_engine(self, backend, compile_kwargs, schedule)
+
     @property
     def is_compiled(self) -> bool:
-        return False
+        from zerospeed.compile.engine_compile import state_of
+
+        return state_of(self).compiled
+
+    def get_compile_time(self) -> float:
+        """Seconds Dynamo and the backend spent compiling frames since ``engine.compile()``."""
+        from zerospeed.compile.engine_compile import state_of
+
+        return float(state_of(self).report().get("compile_time_s", 0.0))
+
+    def compile_report(self) -> dict[str, Any]:
+        """zerospeed addition: graphs, graph breaks, recompiles (with reasons) and compile time."""
+        from zerospeed.compile.engine_compile import state_of
+
+        return state_of(self).report()
+
+    def register_compile_pass(self, name: str, fn: Any) -> None:
+        """Register a graph pass ``(graph_module, profile) -> graph_module`` under ``name``."""
+        from zerospeed.compile.engine_compile import state_of
+
+        state_of(self).passes.register(name, fn)
 
 
 for _name, _reason in LACKS.items():

@@ -182,9 +182,11 @@ class Stage3Runtime(BucketGatherer):
     def _install(self, module: nn.Module) -> None:
         if id(module) in self._handles:
             return
+        # torch.compiler.disable: under engine.compile() the gather/release bookkeeping runs eagerly,
+        # outside the graph (one graph break per hook) instead of being traced and guarded on
         self._handles[id(module)] = [
-            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-            module.register_forward_hook(self._post_forward, with_kwargs=True),
+            module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward), with_kwargs=True),
+            module.register_forward_hook(torch.compiler.disable(self._post_forward), with_kwargs=True),
         ]
 
     def remove_hooks(self) -> None:

@@ -1,0 +1,40 @@
+"""The registry of named graph passes behind ``engine.register_compile_pass(name, fn)``.
+
+A pass is a function ``(graph_module, profile) -> graph_module`` over an FX graph. zerospeed builds
+no pass yet and does not run registered passes: they only run under DeepCompile, which is not
+built (``compile.deepcompile`` is refused). The registry validates names and functions now, so a
+schedule naming an unknown pass fails with the list of known ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+Pass = Callable[[Any, Any], Any]
+
+
+class PassRegistry:
+    def __init__(self) -> None:
+        self._passes: dict[str, Pass] = {}
+
+    def register(self, name: str, fn: Pass) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"register_compile_pass: name must be a non-empty string, got {name!r}")
+        if not callable(fn):
+            raise TypeError(f"register_compile_pass({name!r}): fn must be callable "
+                            f"(graph_module, profile) -> graph_module, got {type(fn).__name__}")
+        if name in self._passes and self._passes[name] is not fn:
+            raise ValueError(f"register_compile_pass: a different pass is already registered as {name!r}")
+        self._passes[name] = fn
+
+    def known(self) -> list[str]:
+        return sorted(self._passes)
+
+    def resolve(self, names: Iterable[str]) -> list[Pass]:
+        out = []
+        for name in names:
+            if name not in self._passes:
+                known = ", ".join(self.known()) or "none registered"
+                raise ValueError(f"unknown compile pass {name!r}; known passes: {known}")
+            out.append(self._passes[name])
+        return out

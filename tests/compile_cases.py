@@ -1,0 +1,78 @@
+"""Rank functions for tests/test_compile_*.py: a tiny GPT trained eagerly or with engine.compile()."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import zerospeed
+from gpt_cases import GPT, GPTConfig
+from zerospeed import comm
+
+TINY = GPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, seq_len=16)
+STEPS = 3
+GLOBAL_BATCH = 4
+
+
+def config(stage: int) -> dict:
+    zcfg = {"stage": stage, "reduce_bucket_size": 2000}
+    if stage == 3:
+        zcfg.update({"stage3_param_persistence_threshold": 0, "stage3_collective_timeout_s": 60})
+    return {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 1, "steps_per_print": 0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+            "zero_optimization": zcfg}
+
+
+def batch(step: int, seq: int = TINY.seq_len) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH, seq + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def train(stage: int, backend: str | None, steps: int = STEPS, seqs: tuple[int, ...] = (),
+          compile_kwargs: dict | None = None) -> dict:
+    """Train ``steps`` steps (then one per extra sequence length in ``seqs``); per-step mean loss
+    over ranks, collective calls per step, consolidated weights and the compile report."""
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config(stage))
+    if backend is not None:
+        engine.compile(backend=backend, compile_kwargs=compile_kwargs or {})
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses, calls = [], []
+    lengths = [TINY.seq_len] * steps + list(seqs)
+    for step, seq in enumerate(lengths):
+        x, y = batch(step, seq)
+        comm.COUNTER.reset()
+        loss = engine(x.chunk(world)[rank], targets=y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+        calls.append(sum(s["count"] for s in comm.COUNTER.snapshot().values()))
+        total = loss.detach().reshape(1).clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    weights = engine.consolidated_state_dict()
+    return {"losses": losses, "calls": calls, "weights": {k: v.float() for k, v in weights.items()},
+            "report": engine.compile_report(), "is_compiled": engine.is_compiled,
+            "compile_time": engine.get_compile_time()}
+
+
+def eager_vs_compiled(stages: list[int], backend: str, seqs: tuple[int, ...] = (),
+                      compile_kwargs: dict | None = None, seqs_at: tuple[int, ...] = (0,)) -> dict:
+    """For each stage: the eager run, then the compiled run, in this process (extra sequence
+    lengths ``seqs`` only at the stages in ``seqs_at``) (Dynamo's caches are
+    reset before each compiled run so one engine's guards do not count as another's recompiles)."""
+    import time
+
+    import torch._dynamo
+
+    out = {}
+    for stage in stages:
+        extra = seqs if stage in seqs_at else ()
+        eager = train(stage, None, seqs=extra)
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        compiled = train(stage, backend, seqs=extra, compile_kwargs=compile_kwargs)
+        compiled["wall_s"] = time.perf_counter() - t0
+        out[stage] = {"eager": eager, "compiled": compiled}
+    return out
