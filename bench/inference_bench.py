@@ -177,7 +177,7 @@ def run_hf_cb(prompts, arrive, args) -> dict:
     from transformers import GenerationConfig
 
     model = _hf_model()
-    model.set_attn_implementation("sdpa_paged") if hasattr(model, "set_attn_implementation") else None
+    # generate_batch switches the model to its paged attention itself
     gc = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                           pad_token_id=0)
     start = time.perf_counter()
