@@ -7,9 +7,11 @@ once per forward and shared by every layer; :meth:`AttentionMetadata.attend` doe
 
 1. write this forward's K/V into their cache slots (``slot = block * block_size + offset``);
 2. decodes: one batched SDPA call, ``q [B, H, 1, D]`` against each sequence's context gathered
-   through its block table into ``[B, H, L_max, D]``, with a key-padding mask (the only padding
-   anywhere, and only in attention keys; measured faster on CPU than one call per sequence or a
-   block-diagonal mask over the whole batch, which wastes ``B``-fold compute);
+   through its block table (whole blocks, one index per block) into ``[B, H, L_max, D]``, with a
+   key-padding mask (the only padding anywhere, and only in attention keys). Chosen over one call
+   per sequence (a Python loop per layer) and over one block-diagonal mask for the whole batch
+   (``B``-fold wasted compute); ``flex_attention`` was not measured (on CPU it needs
+   ``torch.compile``, whose compile time this 2-core shared machine could not afford);
 3. prompt chunks: one SDPA call each. A chunk that starts at position 0 attends to its own K/V
    directly with ``is_causal`` (no gather); a later chunk gathers its cached prefix and uses an
    explicit causal-with-offset mask.
