@@ -67,6 +67,7 @@ def main() -> None:
     args = p.parse_args()
     mbs = [int(m) for m in args.mbs.split(",")]
     work = Path(tempfile.mkdtemp(prefix="zs_autotune_bench_"))
+    load_start = f"{os.getloadavg()[0]:.1f}"
     profile = {"start_profile_step": 2, "end_profile_step": 5, "exp_timeout": 600}
     info = {"num_params": 14_300_000, "activation_mem_per_sample": 20e6}  # skip the model-info runs
     space = {"optimizer": OPT, "train_micro_batch_size_per_gpu": mbs,
@@ -132,7 +133,8 @@ def main() -> None:
     if not args.no_write:
         notes = [
             "gpt_bench (~14.3M params), 2 processes, fp32, steps 2..5 measured per experiment; the machine was "
-            "shared with other jobs while this ran, so single measurements are noisy.",
+            "shared with other jobs while this ran, so single measurements are noisy "
+            f"(load average at start/end: {load_start} / {os.getloadavg()[0]:.1f}; niceness {os.nice(0)}).",
             f"grid best: {grid['best']}; model_based live best: {live['best']} "
             f"(grid measured it at {live_best_in_grid})",
             "target: model_based >= 0.95 of the grid best in <= 0.40 of its experiments",

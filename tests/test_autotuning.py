@@ -85,6 +85,19 @@ def test_candidates_keep_batch_arithmetic_and_materialize_valid_configs() -> Non
     assert [c[MBS] for c in capped] == [2]
 
 
+def test_a_searched_key_that_does_not_apply_to_a_stage_leaves_the_default() -> None:
+    # offload is searched for stages 1-3; stage 0's candidates must not keep the list in their config
+    space = split_space({**BASE, MBS: [2], "zero_optimization": {
+        "stage": [0, 1], "offload_optimizer": {"device": ["none", "cpu"]}}}, fast=True)
+    assert OFFLOAD_OPT not in space.knobs[0] and space.knobs[1][OFFLOAD_OPT] == ("none", "cpu")
+    zero = candidates(space, 0, (2,), dp_world_size=2)
+    assert len(zero) == 1
+    cfg = load_config(materialize(space, zero[0], 2), dp_world_size=2)
+    assert cfg.zero_optimization.stage == 0 and cfg.zero_optimization.offload_optimizer.device == "none"
+    ones = [load_config(materialize(space, c, 2), dp_world_size=2) for c in candidates(space, 1, (2,), 2)]
+    assert sorted(c.zero_optimization.offload_optimizer.device for c in ones) == ["cpu", "none"]
+
+
 def test_config_and_mapping_arguments_are_rewritten() -> None:
     assert replace_config_arg(["--x", "1", "--deepspeed_config", "a.json"], "b.json") == [
         "--x", "1", "--deepspeed_config", "b.json"]

@@ -154,7 +154,9 @@ def split_space(raw: dict[str, Any], fast: bool) -> Space:
         mbs_values = (int(mbs_value),)
     tbs = base.get(TBS)
     fixed_tbs = None if tbs is None or tbs == "auto" or isinstance(tbs, list) else int(tbs)
-    for path in (STAGE, MBS, GAS, TBS):
+    for path in (STAGE, MBS, GAS, TBS, *dims):
+        # a searched list never stays in the fixed part: a stage the key does not apply to (offload
+        # at stage 0) gets the default, not the list
         _delete(base, path)
     if GAS not in dims:
         gas = raw.get(GAS)
