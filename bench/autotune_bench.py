@@ -61,7 +61,9 @@ def tune(work: Path, name: str, config: dict[str, Any], timeout: float) -> tuple
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mbs", default="2,4,8")
-    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--live", default="model_based,cost_model", help="tuner types run live after the grid")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--no_write", action="store_true")
     args = p.parse_args()
@@ -71,7 +73,7 @@ def main() -> None:
     profile = {"start_profile_step": 2, "end_profile_step": 5, "exp_timeout": 600}
     info = {"num_params": 14_300_000, "activation_mem_per_sample": 20e6}  # skip the model-info runs
     space = {"optimizer": OPT, "train_micro_batch_size_per_gpu": mbs,
-             "zero_optimization": {"stage": [0, 1, 2, 3], "overlap_comm": [False, True],
+             "zero_optimization": {"stage": [int(x) for x in args.stages.split(",")], "overlap_comm": [False, True],
                                    "offload_optimizer": {"device": ["none", "cpu"]}}}
 
     start_cfg = {"optimizer": OPT, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
@@ -88,27 +90,29 @@ def main() -> None:
     grid_best = max(ok.values())
     n_grid = len(table)
 
-    live_cfg = {**space, "autotuning": {"enabled": True, "fast": True, "tuner_type": "model_based",
-                                        "tuner_early_stopping": 5, "model_info": info, **profile}}
-    live, live_wall, _ = tune(work, "model_based_live", live_cfg, args.timeout)
-    live_ok = [e["metrics"]["throughput"] for e in live["experiments"] if e["status"] == "ok"]
-    live_best_cfg = next(e["candidate"] for e in live["experiments"] if e["name"] == live["best"])
-    # the live run's best, as the grid measured that same config (removes run-to-run noise)
-    live_best_in_grid = ok.get(json.dumps(live_best_cfg, sort_keys=True))
-
     rows: list[dict[str, Any]] = [
         {"system": "starting config (ZeRO-2 defaults, micro-batch 4)", "experiments": 1,
          "best samples/s": start_tp, "best / grid best": start_tp / grid_best, "wall s": start_wall},
         {"system": "gridsearch (exhaustive)", "experiments": n_grid, "best samples/s": grid_best,
          "best / grid best": 1.0, "experiments / grid": 1.0, "wall s": grid_wall,
          "tuned / starting config": grid_best / start_tp},
-        {"system": "model_based live (TPE, early stop 5)", "experiments": len(live["experiments"]),
-         "best samples/s": max(live_ok), "best / grid best": (live_best_in_grid or 0) / grid_best,
-         "experiments / grid": len(live["experiments"]) / n_grid, "wall s": live_wall,
-         "tuned / starting config": max(live_ok) / start_tp},
     ]
+    live_notes = []
+    for kind in args.live.split(","):
+        live_cfg = {**space, "autotuning": {"enabled": True, "fast": True, "tuner_type": kind,
+                                            "tuner_early_stopping": 5, "model_info": info, **profile}}
+        live, live_wall, _ = tune(work, f"{kind}_live", live_cfg, args.timeout)
+        live_ok = [e["metrics"]["throughput"] for e in live["experiments"] if e["status"] == "ok"]
+        live_best_cfg = next(e["candidate"] for e in live["experiments"] if e["name"] == live["best"])
+        # the live run's best, as the grid measured that same config (removes run-to-run noise)
+        live_best_in_grid = ok.get(json.dumps(live_best_cfg, sort_keys=True))
+        rows.append({"system": f"{kind} live (early stop 5)", "experiments": len(live["experiments"]),
+                     "best samples/s": max(live_ok), "best / grid best": (live_best_in_grid or 0) / grid_best,
+                     "experiments / grid": len(live["experiments"]) / n_grid, "wall s": live_wall,
+                     "tuned / starting config": max(live_ok) / start_tp})
+        live_notes.append(f"{kind} live best: {live['best']} (grid measured it at {live_best_in_grid})")
     candidates = [json.loads(k) for k in table]
-    for kind in ("random", "model_based"):
+    for kind in ("random", "model_based", "cost_model"):
         fracs, counts, walls = [], [], []
         for seed in range(args.seeds):
             used: list[str] = []
@@ -135,8 +139,7 @@ def main() -> None:
             "gpt_bench (~14.3M params), 2 processes, fp32, steps 2..5 measured per experiment; the machine was "
             "shared with other jobs while this ran, so single measurements are noisy "
             f"(load average at start/end: {load_start} / {os.getloadavg()[0]:.1f}; niceness {os.nice(0)}).",
-            f"grid best: {grid['best']}; model_based live best: {live['best']} "
-            f"(grid measured it at {live_best_in_grid})",
+            f"grid best: {grid['best']}", *live_notes,
             "target: model_based >= 0.95 of the grid best in <= 0.40 of its experiments",
         ]
         paths = write_results("autotune_bench", rows, params={"mbs": args.mbs, "space": json.dumps(space),

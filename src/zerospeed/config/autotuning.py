@@ -34,7 +34,7 @@ from pydantic import BeforeValidator, model_validator
 from .fields import Bool, NonNegInt, PosInt, Section, Str, bounded, fail, one_of
 
 METRICS = ("throughput", "latency", "flops")
-TUNERS = ("gridsearch", "random", "model_based")
+TUNERS = ("gridsearch", "random", "model_based", "cost_model")
 
 
 def _arg_mappings(value: Any) -> dict[str, str]:
@@ -69,7 +69,7 @@ class AutotuningConfig(Section):
     enabled: Bool = False
     fast: Bool = True
     metric: Annotated[Literal["throughput", "latency", "flops"], one_of(*METRICS, case_insensitive=True)] = "throughput"
-    tuner_type: Annotated[Literal["gridsearch", "random", "model_based"],
+    tuner_type: Annotated[Literal["gridsearch", "random", "model_based", "cost_model"],
                           one_of(*TUNERS, case_insensitive=True)] = "gridsearch"
     tuner_early_stopping: PosInt = 5
     tuner_num_trials: PosInt = 50
