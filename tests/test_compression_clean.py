@@ -19,7 +19,7 @@ from zerospeed.compression import (
     save_compressed,
     scheduler_of,
 )
-from zerospeed.compression.quantized import INT_MM
+from zerospeed.compression.quantized import INT_MM, ONEDNN
 
 #: cleaned vs simulated outputs: same codes and scales, only the float summation order differs
 TOL = 1e-5
@@ -66,8 +66,36 @@ def test_cleaned_equals_simulated_quantization(wbits: int, abits: int, groups: i
     container = {8: 8, 4: 4, 2: 2, 1: 1, 12: 16}[wbits]
     assert fc.qweight.numel() * fc.qweight.element_size() == 128 * 32 * container // 8
     assert fc.scale.numel() == 128 * 32 // (128 * 32 // groups)
-    expected = "int_mm" if abits == 8 and INT_MM and wbits <= 8 else "rowscale" if wbits <= 8 and not abits else "dequant"
+    int8 = abits == 8 and wbits <= 8
+    expected = ("onednn" if int8 and ONEDNN else "int_mm" if int8 and INT_MM else
+                "rowscale" if wbits <= 8 and not abits else "dequant")
     assert fc.kernel == expected
+
+
+@pytest.mark.parametrize("bits,static,bias", [(8, False, True), (4, False, False), (8, True, True)])
+def test_int8_kernels_equal_the_reference(bits: int, static: bool, bias: bool) -> None:
+    """Every fast int8-activation kernel equals the dequantize + fake-quantize reference (same int8 codes,
+    exact int32 sums; only the fp32 rescaling order differs): 1e-5 relative."""
+    import copy
+
+    gen = torch.Generator().manual_seed(bits + static)
+    weight, b = torch.randn(48, 32, generator=gen) * 0.1, torch.randn(48, generator=gen) if bias else None
+    act_range = (torch.tensor(-1.5), torch.tensor(2.0)) if static else None  # inputs exceed it: clamped codes
+    layer = QuantizedLinear.from_weight(weight, b, bits, act_bits=8, act_range=act_range)
+    x = torch.randn(3, 5, 32, generator=gen)
+    reference = layer.use_kernel("dequant")(x)
+    assert layer.available_kernels()[0] == ("onednn" if ONEDNN else "int_mm" if INT_MM else "dequant")
+    for kernel in layer.available_kernels():
+        out = layer.use_kernel(kernel)(x)
+        assert out.shape == (3, 5, 48) and out.dtype == torch.float32
+        assert ((out - reference).abs().max() / reference.abs().max()).item() < TOL, kernel
+        half = layer(x.bfloat16())
+        assert half.dtype == torch.bfloat16 and ((half.float() - reference).abs().max() / reference.abs().max()) < 1e-2
+    layer.use_kernel(None)
+    clone = copy.deepcopy(layer)  # the cached prepacked weight is not copied, it is rebuilt
+    assert torch.equal(clone(x), layer(x))
+    with pytest.raises(ValueError, match="kernel 'rowscale' is not available for this layer"):
+        layer.use_kernel("rowscale")
 
 
 def test_cleaned_model_is_smaller_in_bytes() -> None:
