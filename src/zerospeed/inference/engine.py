@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from zerospeed.inference.api import EngineStats, RequestError, RequestOutput, SamplingParams
-from zerospeed.inference.attention import AttentionMetadata
+from zerospeed.inference.attention import AttentionMetadata, Workspace
 from zerospeed.inference.kv_cache import BlockAllocator, KVCache, kv_cache_bytes
 from zerospeed.inference.models import CausalLM, ModelSpec, TPInfo, load_model
 from zerospeed.inference.sampling import make_generator, sample, validate
@@ -79,6 +79,7 @@ class InferenceEngine:
         self.kv_cache_bytes_formula = kv_cache_bytes(spec.num_layers, num_blocks, block_size, kv_heads,
                                                      spec.head_dim, dtype)
         self.kv_cache_memory = kv_cache_memory
+        self.workspace = Workspace()  # attention's gather buffers, reused by every forward
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.scheduler = Scheduler(self.allocator, max_num_batched_tokens, max_num_seqs, enable_prefix_caching)
         self.max_model_len = min(max_model_len, num_blocks * block_size)
@@ -200,6 +201,9 @@ class InferenceEngine:
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the model over ``batch``; logits ``[N, V]`` (float32) for the sequences that sample."""
+        # decodes longest context first: attention groups them by similar length (less key padding)
+        nd = batch.num_decodes
+        batch.items[:nd] = sorted(batch.items[:nd], key=lambda item: -item[0].num_computed)
         items = [(seq.num_computed, n, seq.blocks) for seq, n in batch.items]
         ids: list[int] = []
         for seq, n in batch.items:
@@ -221,7 +225,7 @@ class InferenceEngine:
         start = time.perf_counter()
         for src, dst in copies:
             self.kv.copy_block(src, dst)
-        meta = AttentionMetadata.build(items, num_decodes, self.block_size, self.device)
+        meta = AttentionMetadata.build(items, num_decodes, self.block_size, self.device, self.workspace)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, meta, self.kv)
         logits = None
