@@ -4,7 +4,8 @@
   (:mod:`.init`, :mod:`.layers`); the engine advances the schedule (:mod:`.scheduler`).
 * :func:`redundancy_clean` turns the simulated compression into a physically smaller model
   (:mod:`.clean`): pruned units removed, weights packed in :class:`QuantizedLinear` (:mod:`.quantized`).
-* :func:`quantize` is weight-only post-training quantization (:mod:`.ptq`).
+* :func:`quantize` is post-training quantization (:mod:`.ptq`); :func:`quantize_for_inference` applies
+  ``init_inference``'s ``quant`` section (:mod:`.inference`).
 * :func:`save_compressed` / :func:`load_compressed` store a cleaned model with safetensors (:mod:`.io`).
 * :func:`distillation_loss` is the KD loss for layer reduction (:mod:`.distill`).
 """
@@ -25,6 +26,7 @@ _LAZY = {
     "QuantizedLinear": "zerospeed.compression.quantized",
     "QuantizedEmbedding": "zerospeed.compression.quantized",
     "quantize": "zerospeed.compression.ptq",
+    "quantize_for_inference": "zerospeed.compression.inference",
     "save_compressed": "zerospeed.compression.io",
     "load_compressed": "zerospeed.compression.io",
     "model_bytes": "zerospeed.compression.io",

@@ -23,6 +23,7 @@ from typing_extensions import Annotated
 
 from .errors import ConfigError
 from .fields import Bool, DType, NonNegInt, PosInt, Section, Str, fail, one_of
+from .inference_quant import InferenceQuantConfig
 from .loader import translate_validation_error
 
 
@@ -72,7 +73,7 @@ class InferenceConfig(Section):
     triangular_masking: Bool = True
     zero: dict | None = None
     moe: Any = None
-    quant: dict | None = None
+    quant: InferenceQuantConfig | None = None  # applied when given or with dtype int8 (inference_quant.py)
 
 
 class MemoryConfig(Section):
@@ -130,7 +131,13 @@ def load_inference_config(config: Any = None, **kwargs: Any) -> InferenceConfig:
         data["tensor_parallel"] = tp
     dtype = data.get("dtype")
     if dtype is not None and not isinstance(dtype, str):  # torch.half etc.
-        data["dtype"] = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}.get(str(dtype), dtype)
+        data["dtype"] = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16",
+                         "torch.int8": "int8"}.get(str(dtype), dtype)
+    if isinstance(data.get("dtype"), str) and data["dtype"].lower() == "int8":
+        # DeepSpeed's int8 inference: int8 weights (the quant section, default if absent), the rest in fp32
+        data["dtype"] = "fp32"
+        if data.get("quant") is None:
+            data["quant"] = {}
     return _validate(InferenceConfig, data, "")
 
 

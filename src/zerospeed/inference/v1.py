@@ -2,7 +2,8 @@
 
 Config keys (``zerospeed.config.inference.InferenceConfig``): ``dtype``, ``tensor_parallel.tp_size``
 (``mp_size``), ``injection_policy``, ``replace_with_kernel_inject``, ``checkpoint``,
-``max_out_tokens``, ``keep_module_on_host``, ``return_tuple``.
+``max_out_tokens``, ``keep_module_on_host``, ``return_tuple``, ``quant`` (or ``dtype=int8``: the Linear
+layers' weights int8/int4, optionally int8 activations; :mod:`zerospeed.compression.inference`).
 
 Two paths, as in DeepSpeed:
 
@@ -207,6 +208,13 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     model.eval()
     if not cfg.replace_with_kernel_inject:
         model.to(dtype)
+        if cfg.quant is not None and cfg.quant.enabled and tp_size > 1:
+            raise ValueError("quant: int8 inference with tensor_parallel.tp_size > 1 needs replace_with_kernel_inject"
+                             "=True (AutoTP's split layers are not quantized)")
+        if cfg.quant is not None:
+            from zerospeed.compression.inference import quantize_for_inference
+
+            quantize_for_inference(model, cfg.quant)
         if tp_size > 1:
             from zerospeed.module_inject import tp_model_init
 
@@ -229,6 +237,10 @@ def _inject(model: nn.Module, cfg: InferenceConfig, dtype: torch.dtype, device: 
 
         tp = tp_info(tp_size, cfg.tensor_parallel.tp_group)
     ours, spec = model_from_hf(model, dtype, device, cfg.max_out_tokens, tp)
+    if cfg.quant is not None:
+        from zerospeed.compression.inference import quantize_for_inference
+
+        quantize_for_inference(ours, cfg.quant)
     block_size = 16
     num_blocks = 8 * -(-cfg.max_out_tokens // block_size)
     engine = Ragged(ours, spec, None, dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks,
