@@ -1,4 +1,4 @@
-"""``quantize``: weight-only post-training quantization of a trained model, in place.
+"""``quantize``: post-training quantization of a trained model (weights, optionally activations), in place.
 
 Every ``nn.Linear`` and HF ``Conv1D`` whose name matches ``modules`` (regexes; default all) becomes a
 :class:`~.quantized.QuantizedLinear` with ``bits`` 8 or 4 and ``group_size`` consecutive input weights
