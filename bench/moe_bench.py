@@ -11,7 +11,9 @@ Reported: median step time, peak RSS per rank (max over ranks), all-to-all eleme
 the formula (layers x 4 exchanges x E x C x M, i.e. tokens x k x hidden x 2 directions x 2 passes with
 capacity padding), and ratios to dense, to DeepSpeed and grouped / loop.
 
-    python bench/moe_bench.py [--worlds 2,4] [--steps 8]
+    OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python bench/moe_bench.py [--worlds 2,4] [--steps 8]
+
+DeepSpeed runs with ``.venv-bench/bin/python`` (or ``$BENCH_PYTHON``) and ``DS_ACCELERATOR=cpu``.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ def run(system: str, world: int, ep: int, steps: int, warmup: int) -> dict[str, 
     if system == "deepspeed":
         bench_py = Path(os.environ.get("BENCH_PYTHON", BENCH_PY))
         if not bench_py.exists():
-            return {"system": system, "world": world, "error": f"{bench_py} missing (make bench-env)"}
+            return {"system": system, "world": world, "error": f"{bench_py} missing (make bench-env, or set "
+                    "BENCH_PYTHON to a python with deepspeed)"}
         python = str(bench_py)
-        env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(ROOT / ".venv-bench" / "torch_extensions"))
+        env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(bench_py.parents[1] / "torch_extensions")))
     out = launch_workers(WORKER, ["--system", system, "--ep", str(ep), "--steps", str(steps), "--warmup",
-                                  str(warmup)], num_procs=world, python=python, env=env, timeout_s=1200)
+                                  str(warmup)], num_procs=world, python=python, env=env, timeout_s=600)
     for line in out.output_tail:
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -72,13 +76,20 @@ def main() -> None:
                         row[f"step / {ref}"] = r["step_s"] / got[ref]["step_s"]
                 if "peak_rss_bytes" in got["deepspeed"] and system != "deepspeed":
                     row["rss / deepspeed"] = r["peak_rss_bytes"] / got["deepspeed"]["peak_rss_bytes"]
-            if system in ("moe", "moe_loop"):
+            if system != "dense":
                 row["all_to_all formula"] = formula if world > 1 else 0
+                if r.get("all_to_all_elements_per_step") is not None:
+                    row["all_to_all MiB / step"] = r["all_to_all_elements_per_step"] * 4 / 2**20
+                    row["all_to_all / formula"] = r["all_to_all_elements_per_step"] / formula
             rows.append(row)
             print(row, flush=True)
     if not args.no_write:
         notes = ["GPT d_model 256, 4 layers, seq 128, micro-batch 8 per rank; MoE: 8 experts of width 512, top-2, "
                  "capacity factor 1.25; dense FFN width 1024 (equal active parameters); ZeRO-1 AdamW for every system.",
+                 "all_to_all elements per step per rank: zerospeed's from its comm counter, DeepSpeed's from its "
+                 "comms logger (all_to_all_single only); formula = layers x 4 exchanges (dispatch and combine, "
+                 "forward and backward) x experts x capacity x d_model, capacity = ceil(k x tokens / experts x 1.25).",
+                 "peak_rss_bytes: the largest peak RSS over the ranks.",
                  "The machine (2 cores) was shared with other jobs during the run: compare ratios within this file."]
         print("wrote", *write_results("moe_bench", rows, params=vars(args), notes=notes, command=command_line()))
 

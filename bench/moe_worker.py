@@ -83,7 +83,9 @@ def main() -> None:
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
               "zero_optimization": {"stage": 1}, "steps_per_print": 10_000}
-    if ds:
+    if ds:  # DeepSpeed's own comms logger counts its MoE all-to-alls (only those: the others run untimed)
+        config["comms_logger"] = {"enabled": True, "prof_all": False, "prof_ops": ["all_to_all_single"],
+                                  "verbose": False}
         opt = torch.optim.AdamW(groups, lr=3e-4)
         config.pop("optimizer")
         engine, *_ = lib.initialize(model=model, optimizer=opt, config=config)
@@ -93,8 +95,12 @@ def main() -> None:
     times = []
     counter = None if ds else lib.comm.COUNTER
     for step in range(args.warmup + args.steps):
-        if step == args.warmup and counter is not None:
-            counter.reset()
+        if step == args.warmup:
+            if counter is not None:
+                counter.reset()
+            else:
+                from deepspeed.comm.comm import comms_logger
+                comms_logger.reset_data()
         x = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), generator=gen)
         dist.barrier()
         t0 = time.perf_counter()
@@ -109,13 +115,19 @@ def main() -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
-    a2a = counter.elements("all_to_all") // args.steps if counter is not None else None
+    if counter is not None:
+        a2a = counter.elements("all_to_all") // args.steps
+    else:  # {op: {message bytes: [count, ...]}}; fp32 elements
+        from deepspeed.comm.comm import comms_logger
+        logged = comms_logger.get_raw_data().get("all_to_all_single", {})
+        a2a = sum(size * rec[0] for size, rec in logged.items()) // 4 // args.steps
     params = sum(p.numel() for p in engine.module.parameters())
     if rank == 0:
-        print("RESULT " + json.dumps({"system": args.system, "ep": args.ep, "world": world,
+        version = getattr(lib, "__version__", None)
+        print("RESULT " + json.dumps({"system": args.system, "version": version, "ep": args.ep, "world": world,
                                       "step_s": statistics.median(times), "peak_rss_bytes": max(peaks),
                                       "all_to_all_elements_per_step": a2a, "params_rank0": params,
-                                      "final_loss": float(loss)}), flush=True)
+                                      "final_loss": float(loss.detach())}), flush=True)
     dist.barrier()
 
 

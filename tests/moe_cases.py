@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -116,20 +117,24 @@ def ep_parity(ep_size: int, k: int, drop: bool, steps: int = 2) -> dict[str, Any
     return worst
 
 
-def engine_parity(stage: int, ep_size: int, k: int, steps: int = 3) -> dict[str, Any]:
+def engine_parity(stage: int, ep_size: int, k: int, steps: int = 3, grouped: bool = True) -> dict[str, Any]:
     """zerospeed.initialize with ZeRO ``stage`` on the expert-parallel model vs the one-process reference
     trained with torch's AdamW on the global mean loss."""
+    import contextlib
+
     import zerospeed
 
     reset_expert_groups()
     rank, world = comm.get_rank(), comm.get_world_size()
     torch.manual_seed(0)
     ref = Net(1, k, True)
-    model = Net(ep_size, k, True)
+    model = Net(ep_size, k, True, grouped=grouped)
     copy_from_reference(model, ref)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 200}, "gradient_clipping": 1.0}
+    if stage == 3:  # nothing persistent: every parameter is gathered and released around its use
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, _, _, _ = zerospeed.initialize(model=model, config=config)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     worst = {"loss": 0.0, "weight": 0.0, "grad_norm": 0.0}
@@ -153,9 +158,16 @@ def engine_parity(stage: int, ep_size: int, k: int, steps: int = 3) -> dict[str,
         worst["loss"] = max(worst["loss"], abs(mean.item() / world - total.item()))
         worst["grad_norm"] = max(worst["grad_norm"], abs(engine.get_global_grad_norm() - ref_norm))
     ref_params = dict(ref.named_parameters())
-    for name, p in engine.module.named_parameters():
-        worst["weight"] = max(worst["weight"], (p.detach() - ref_params[global_name(model, name)]).abs().max().item())
+    gathered = zerospeed.zero.GatheredParameters(list(engine.module.parameters())) if stage == 3 \
+        else contextlib.nullcontext()
+    with gathered:
+        for name, p in engine.module.named_parameters():
+            worst["weight"] = max(worst["weight"],
+                                  (p.detach() - ref_params[global_name(model, name)]).abs().max().item())
     worst["groups"] = [g.get("name") for g in engine.optimizer.param_groups]
+    if stage == 3:  # expert parameters are sharded over their expert-dp group, dense ones over dp
+        worst["shards"] = sorted({(b.layout.world_size, "expert" if hasattr(b, "comm_group") else "dense")
+                                  for b in engine.strategy.buckets})
     return worst
 
 
@@ -170,7 +182,8 @@ def checkpoint_case(path: str, stage: int, ep_size: int, save: bool, steps: int 
     model = Net(ep_size, 2, True)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 200}}
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 200,
+                                    "stage3_param_persistence_threshold": 0}}
     engine, _, _, _ = zerospeed.initialize(model=model, config=config)
     if save:
         for _ in range(steps):
@@ -181,7 +194,9 @@ def checkpoint_case(path: str, stage: int, ep_size: int, save: bool, steps: int 
         engine.save_checkpoint(path, tag="t")
     else:
         engine.load_checkpoint(path, tag="t")
-    weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    gathered = zerospeed.zero.GatheredParameters(list(engine.module.parameters())) if stage == 3 else nullcontext()
+    with gathered:
+        weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     # one more step on the same data everywhere: equal losses after it need equal optimizer states
     x, y = tokens(rank)
     out, l_aux = engine(x)

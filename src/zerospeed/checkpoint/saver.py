@@ -186,7 +186,7 @@ def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) ->
                                   "group": v.layout.group_index if v.opt_tensors else None, "master": separate}
     if _save_rank_group(engine)[0] != 0:
         if any(getattr(v, "split", None) is not None for v in views):  # parameters rank 0 may not hold
-            shards.param_info, shards.keys = param_info, list(engine.module.state_dict().keys())
+            shards.param_info, shards.keys = param_info, list(engine.module.state_dict(keep_vars=True))
         return _Snapshot(shards, rng_meta, None, None)
     keys, aliases, extras = _module_entries(engine, views)
     for j, (key, t) in enumerate(extras.items()):

@@ -18,6 +18,10 @@ Decisions:
   ``functional_call`` over the experts runs the whole layer, so each Linear of the expert becomes
   one batched matmul over all local experts instead of a Python loop of small matmuls. Any expert
   module works (vmap traces its ops), dropout included (``randomness="different"``).
+* Under ZeRO-3 the grouped forward's parameters are declared with
+  ``zero.register_external_parameter`` (it reads them without calling the experts), so they are
+  gathered around the forward of this module; the per-expert loop needs nothing (each expert's
+  own forward gathers its parameters).
 * ``grouped=False``: a Python loop over the experts (the reference the grouped path is tested and
   benchmarked against).
 """
@@ -31,6 +35,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from zerospeed.moe.registry import mark_expert_param
+from zerospeed.zero.init import register_external_parameter
 
 
 class Experts(nn.Module):
@@ -47,6 +52,11 @@ class Experts(nn.Module):
         if expert_group_name is not None:
             for p in self.parameters():
                 mark_expert_param(p, expert_group_name)
+        if grouped and num_local_experts > 1:
+            # the grouped forward reads every local expert's parameters without calling the experts:
+            # ZeRO-3 gathers them (over their expert-dp group) around this module's forward
+            for p in self.parameters():
+                register_external_parameter(self, p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] != self.num_local_experts:

@@ -2,9 +2,11 @@
 
 Given ``S`` local tokens and ``E`` experts, a gate returns:
 
-* ``combine_weights`` ``[S, E, C]``: the weight with which token ``s``'s output from slot ``c`` of
-  expert ``e`` is added to its result (0 where the token did not go there);
-* ``dispatch_mask`` ``[S, E, C]`` (bool): where each token is sent;
+* ``routes``: one :class:`Route` per choice (k of them): for every token its expert, its slot in
+  that expert's capacity, its combine weight and whether it kept the slot (1.0) or was dropped
+  (0.0). This sparse form is what the layer uses (see :mod:`zerospeed.moe.layer`);
+* ``combine_weights`` ``[S, E, C]`` and ``dispatch_mask`` ``[S, E, C]`` (bool), DeepSpeed's dense
+  form of the same routing, built from the routes on request (tests and callers that want it);
 * ``l_aux``: the load-balancing loss ``E * sum_e mean_s(gates[s, e]) * mean_s(mask1[s, e])`` (top-1;
   top-2 uses ``E * E * mean_e(...)``, DeepSpeed's scaling of the same product), computed from the
   first choice before any token is dropped;
@@ -37,17 +39,47 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerospeed import comm
+from zerospeed.zero.init import register_external_parameter
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 
 
 @dataclass
+class Route:
+    """One choice (first or second expert) of every token: ``expert``, ``slot`` (int64 ``[S]``),
+    ``weight`` (the combine weight, differentiable, 0 where dropped) and ``kept`` (1.0 / 0.0)."""
+
+    expert: torch.Tensor
+    slot: torch.Tensor
+    weight: torch.Tensor
+    kept: torch.Tensor
+
+
+@dataclass
 class GateOutput:
     l_aux: torch.Tensor
-    combine_weights: torch.Tensor
-    dispatch_mask: torch.Tensor
+    routes: tuple[Route, ...]
     exp_counts: torch.Tensor
     capacity: int
+    num_experts: int
+
+    def _dense(self, values: list[torch.Tensor]) -> torch.Tensor:
+        num_tokens = self.routes[0].expert.shape[0]
+        out = values[0].new_zeros(num_tokens, self.num_experts * self.capacity)
+        for route, v in zip(self.routes, values):
+            out = out.index_put((torch.arange(num_tokens), route.expert * self.capacity + route.slot), v,
+                                accumulate=True)
+        return out.reshape(num_tokens, self.num_experts, self.capacity)
+
+    @property
+    def combine_weights(self) -> torch.Tensor:
+        """``[S, E, C]``: the weight of token ``s``'s output from slot ``c`` of expert ``e``."""
+        return self._dense([r.weight * r.kept for r in self.routes])
+
+    @property
+    def dispatch_mask(self) -> torch.Tensor:
+        """``[S, E, C]`` bool: where each token is sent."""
+        return self._dense([r.kept for r in self.routes]).bool()
 
 
 def capacity_of(num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int) -> int:
@@ -92,10 +124,9 @@ def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
         capacity = _agreed_capacity(max(1, int(exp_counts.max().item())), ep_group)
     locations1 = torch.cumsum(mask1, dim=0) - 1
     loc1 = (locations1 * mask1).sum(dim=1).to(torch.int64)
+    kept1 = mask1.sum(dim=1)
     gate1 = (gates * mask1).sum(dim=1)
-    slot = F.one_hot(loc1, capacity).to(gates.dtype)  # [S, C]
-    combine = gate1[:, None, None] * mask1[:, :, None] * slot[:, None, :]
-    return GateOutput(l_aux, combine, combine.bool(), exp_counts, capacity)
+    return GateOutput(l_aux, (Route(indices1, loc1, gate1, kept1),), exp_counts, capacity, num_experts)
 
 
 def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
@@ -123,11 +154,8 @@ def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
     gate2 = (gates * mask2).sum(dim=1)
     denom = (gate1 + gate2).clamp(min=torch.finfo(gates.dtype).eps)
     gate1, gate2 = gate1 / denom, gate2 / denom
-    slot1 = F.one_hot(loc1, capacity).to(gates.dtype)
-    slot2 = F.one_hot(loc2, capacity).to(gates.dtype)
-    combine = (gate1[:, None, None] * mask1[:, :, None] * slot1[:, None, :]
-               + gate2[:, None, None] * mask2[:, :, None] * slot2[:, None, :])
-    return GateOutput(l_aux, combine, combine.bool(), exp_counts, capacity)
+    routes = (Route(indices1, loc1, gate1, mask1.sum(dim=1)), Route(indices2, loc2, gate2, mask2.sum(dim=1)))
+    return GateOutput(l_aux, routes, exp_counts, capacity, num_experts)
 
 
 class TopKGate(nn.Module):
@@ -145,6 +173,8 @@ class TopKGate(nn.Module):
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
             raise ValueError(f"MoE: noisy_gate_policy={noisy_gate_policy!r} is not one of None, 'Jitter', 'RSample'")
         self.wg = nn.Linear(model_dim, num_experts, bias=False).float()
+        # the forward reads wg.weight without calling wg: tell ZeRO-3 to gather it around this forward
+        register_external_parameter(self, self.wg.weight)
         self.k = k
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = eval_capacity_factor

@@ -109,3 +109,25 @@ def model_has_experts(model: Any) -> bool:
     from zerospeed.moe.registry import is_expert_param
 
     return any(is_expert_param(p) for p in model.parameters())
+
+
+def rank_independent_names(model: Any) -> Any:
+    """``module name -> label`` with each local expert named by its local index (``deepspeed_experts.
+    <local i>``) instead of its global one, so that every expert-parallel rank gives the module at the
+    same position the same label (ZeRO-3's watchdog compares collectives across ranks by label)."""
+    from zerospeed.moe.experts import Experts
+
+    prefixes: list[tuple[str, str]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, Experts):
+            for i, key in enumerate(module.deepspeed_experts):
+                full = f"{name}.deepspeed_experts.{key}" if name else f"deepspeed_experts.{key}"
+                prefixes.append((full, full.rsplit(".", 1)[0] + f".<local {i}>"))
+
+    def label(module_name: str) -> str:
+        for full, local in prefixes:
+            if module_name == full or module_name.startswith(full + "."):
+                return local + module_name[len(full):]
+        return module_name
+
+    return label

@@ -5,10 +5,10 @@
 ``l_aux`` (times a coefficient such as 0.01) to the loss to balance the experts' load.
 
 Data flow (``S`` local tokens, ``E`` experts, ``ep`` expert-parallel ranks, capacity ``C``):
-gate -> dispatch ``[E, C, M]`` (einsum with the dispatch mask) -> all-to-all over the
+gate -> dispatch ``[E, C, M]`` (tokens added into their slots) -> all-to-all over the
 expert-parallel group (rank ``j`` receives every rank's slots for its experts
 ``j*E/ep .. (j+1)*E/ep - 1``) -> local experts on ``[E/ep, ep*C, M]`` -> all-to-all back ->
-combine (einsum with the gate weights). Both all-to-alls go through :mod:`zerospeed.comm`, so
+combine (each token gathers its k slots, weighted by its gates). Both all-to-alls go through :mod:`zerospeed.comm`, so
 they are counted: ``E*C*M`` elements each way per forward (``k*S*M`` with capacity factor 1 when
 ``S*k`` divides evenly), and the same again in backward.
 
@@ -21,6 +21,11 @@ Decisions:
 * Expert parameters are marked in :mod:`zerospeed.moe.registry` with the group name
   ``ep_size_<ep>``; their gradients are reduced over the expert-data-parallel group only (see
   :mod:`zerospeed.moe.groups`).
+* Dispatch and combine are index operations over the gate's sparse routes (``index_add`` of the
+  ``S*k`` routed tokens into their slots, ``index_select`` of the ``S*k`` slots back), not
+  DeepSpeed's einsums with dense ``[S, E, C]`` masks: those are matmuls of ``S*E*C*M``
+  multiply-adds each (as many as the experts' own compute at top-2, capacity 1.25), these move
+  ``S*k*M`` elements. The results are the same sums; dropped tokens add zeros.
 * ``use_residual`` (Residual-MoE): a dense copy of the expert runs on every token and the two
   outputs are mixed by a learned 2-way softmax coefficient, DeepSpeed's formulation.
 * ``enable_expert_tensor_parallelism`` is accepted with tensor-parallel degree 1 (nothing to split)
@@ -79,7 +84,12 @@ class MOELayer(nn.Module):
         tokens = hidden.reshape(-1, model_dim)
         routed = self.gate(tokens)
         capacity = routed.capacity
-        dispatched = torch.einsum("sec,sm->ecm", routed.dispatch_mask.to(tokens.dtype), tokens)
+        num_experts = self.ep_size * self.num_local_experts
+        dispatched = tokens.new_zeros(num_experts * capacity, model_dim)
+        for route in routed.routes:
+            dispatched = dispatched.index_add(0, route.expert * capacity + route.slot,
+                                              tokens * route.kept.to(tokens.dtype)[:, None])
+        dispatched = dispatched.reshape(num_experts, capacity, model_dim)
         ep, local = self.ep_size, self.num_local_experts
         if ep > 1:
             dispatched = _AllToAll.apply(self.groups.ep_group, dispatched)
@@ -92,7 +102,13 @@ class MOELayer(nn.Module):
             ep * local, capacity, out_dim)
         if ep > 1:
             expert_out = _AllToAll.apply(self.groups.ep_group, expert_out)
-        combined = torch.einsum("sec,ecm->sm", routed.combine_weights.to(expert_out.dtype), expert_out)
+        flat_out = expert_out.reshape(num_experts * capacity, out_dim)
+        combined = None
+        for route in routed.routes:
+            part = flat_out.index_select(0, route.expert * capacity + route.slot) \
+                * (route.weight * route.kept).to(flat_out.dtype)[:, None]
+            combined = part if combined is None else combined + part
+        assert combined is not None
         return combined.reshape(*hidden.shape[:-1], out_dim), routed.l_aux, routed.exp_counts
 
 

@@ -59,17 +59,15 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
 
 
 def _with_expert_groups(options: StageOptions, model: nn.Module) -> StageOptions:
-    """Mixture-of-experts models: expert gradients are reduced over their expert-data-parallel group."""
+    """Mixture-of-experts models: expert gradients are reduced (and, from stage 1, expert parameters
+    sharded) over their expert-data-parallel group."""
     from dataclasses import replace
 
-    from zerospeed.moe.groups import model_has_experts, reduction_group_of
+    from zerospeed.moe.groups import model_has_experts, rank_independent_names, reduction_group_of
 
     if not model_has_experts(model):
         return options
-    if options.stage == 3:
-        raise ConfigError("zero_optimization.stage", "3 with mixture-of-experts layers is not supported yet; use "
-                          "stage 0, 1 or 2 (expert parameters are already divided over the expert-parallel ranks)")
-    return replace(options, group_of_param=reduction_group_of)
+    return replace(options, group_of_param=reduction_group_of, unit_name=rank_independent_names(model))
 
 
 def _enabled(section: Any) -> Any:

@@ -106,7 +106,7 @@ LACKS: dict[str, str] = {
     "sparse_allreduce": "sparse gradients were removed from DeepSpeed and are not in zerospeed",
     "sparse_all_gather": "sparse gradients were removed from DeepSpeed and are not in zerospeed",
     "all_gather_scalar": "use zerospeed.comm.all_gather_into_tensor",
-    "load_moe_state_dict": "the MoE layer is not in zerospeed yet",
+    "load_moe_state_dict": "expert parameters are saved and loaded by name with the model: use engine.load_checkpoint()",
     "load_module_state_dict": "use engine.load_checkpoint(..., load_module_only=True) or load into engine.module",
     "empty_partition_cache": "ZeRO-3 releases gathered parameters itself after each module (zero_optimization."
                              "stage3_max_live_parameters bounds what stays)",

@@ -53,6 +53,8 @@ class StageOptions:
     #: parameter -> (process group, rank in it, its size) for parameters not reduced over the dp group
     #: (mixture-of-experts expert parameters: their expert-data-parallel group); None: all use dp
     group_of_param: Callable[[nn.Parameter], tuple[Any, int, int] | None] | None = None
+    #: stage 3: module name -> the same label on every rank (MoE experts are named by global index)
+    unit_name: Callable[[str], str] | None = None
 
 
 def _comm_of_groups(named: list[tuple[str, nn.Parameter]], group_of: dict[int, int],

@@ -16,7 +16,8 @@ from zerospeed.inference.models.layers import CausalLM, RotaryTable, TPInfo
 from zerospeed.inference.models.loader import TensorReader
 from zerospeed.inference.models.spec import ARCHITECTURES, ModelLoadError, ModelSpec, load_spec, spec_from_config
 
-_CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM"}
+_CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM",
+            "mixtral": "MixtralForCausalLM"}
 
 __all__ = ["ARCHITECTURES", "CausalLM", "ModelLoadError", "ModelSpec", "TPInfo", "build_model", "load_model",
            "load_spec", "model_from_hf", "spec_from_config"]

@@ -31,6 +31,7 @@ FAMILIES: dict[str, str] = {
     "qwen2": "llama",
     "gpt2": "gpt2",
     "gpt_neox": "gpt_neox",
+    "mixtral": "mixtral",
 }
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -38,6 +39,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "GPT2LMHeadModel": "gpt2",
     "GPTNeoXForCausalLM": "gpt_neox",
+    "MixtralForCausalLM": "mixtral",
 }
 SUPPORTED_ROPE = ("default", "linear", "llama3")
 
@@ -75,6 +77,8 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    num_experts: int = 0  # mixture-of-experts FFN (Mixtral): experts per layer, and experts per token
+    experts_per_token: int = 0
 
     @property
     def kv_dim(self) -> int:
@@ -141,6 +145,13 @@ def spec_from_config(cfg: dict, where: str = "config.json") -> ModelSpec:
         raise ModelLoadError(f"{where}: architecture {archs or model_type!r} (model_type {model_type!r}) is not "
                              f"supported by zerospeed inference; supported: {supported}")
     family = FAMILIES[model_type]
+    if family == "mixtral":  # Mistral's attention and norms, a sparse mixture-of-experts FFN
+        import dataclasses
+
+        base = spec_from_config({**cfg, "model_type": "mistral"}, where)
+        return dataclasses.replace(base, model_type=model_type, family=family,
+                                   num_experts=int(_need(cfg, "num_local_experts", where)),
+                                   experts_per_token=int(_need(cfg, "num_experts_per_tok", where)))
     eos = _eos(cfg.get("eos_token_id"))
     bos = cfg.get("bos_token_id")
     dtype = cfg.get("torch_dtype", cfg.get("dtype"))

@@ -116,7 +116,7 @@ class Stage3GradReducer:
             sent.mul_(self.prescale)
         received = torch.empty(b.layout.shard_numel, dtype=sent.dtype, device=sent.device)
         self.watchdog.note_collective("reduce_scatter", b.name)
-        work = comm.reduce_scatter(received, sent, group=self.dp_group, async_op=True)
+        work = comm.reduce_scatter(received, sent, group=b.group, async_op=True)  # experts: expert-dp
         self._pending.append(_Pending(b, work, sent, received))
         in_flight = sum(p.sent.numel() * p.sent.element_size() + p.received.numel() * p.received.element_size()
                         for p in self._pending)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -49,8 +49,22 @@ class PlannerOptions:
 
 def build_buckets(root: nn.Module, group_of: dict[int, int], options: PlannerOptions,
                   dp_group: dist.ProcessGroup | None, dp_rank: int, dp_world_size: int,
-                  adopter: BucketGatherer) -> tuple[list[Stage3Bucket], dict[int, ModulePlan]]:
-    """Partition every parameter of ``root`` into buckets; return the buckets and the module plans."""
+                  adopter: BucketGatherer, group_of_param: Callable[[nn.Parameter], tuple[Any, int, int] | None]
+                  | None = None, unit_name: Callable[[str], str] | None = None
+                  ) -> tuple[list[Stage3Bucket], dict[int, ModulePlan]]:
+    """Partition every parameter of ``root`` into buckets; return the buckets and the module plans.
+
+    ``group_of_param(p)``: ``(process group, rank in it, its size)`` for a parameter sharded over
+    another group than the data-parallel one (mixture-of-experts experts: their expert-data-parallel
+    group), None for the others. Such parameters get buckets of their own, whose all-gathers and
+    reduce-scatters run over that group; the bucket records it as ``comm_group`` / ``comm_rank`` /
+    ``comm_size`` (as stages 1-2's buckets do), which the optimizer's norm and the checkpoint read.
+
+    ``unit_name(module name)``: the label of a module in collectives and traces, which ranks compare
+    (the watchdog); it must be the same on every rank for the same position in the model (MoE expert
+    modules are named by global expert index, which differs between expert-parallel ranks).
+    """
+    label_of = unit_name or (lambda n: n)
     owner: dict[int, str] = {}
     owned_by: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] = []
     plans: dict[int, ModulePlan] = {}
@@ -64,7 +78,7 @@ def build_buckets(root: nn.Module, group_of: dict[int, int], options: PlannerOpt
                 continue
             owner[id(p)] = full
             mine.append((full, p))
-        plans[id(module)] = ModulePlan(module, mname or "<root>")
+        plans[id(module)] = ModulePlan(module, label_of(mname) or "<root>")
         if mine:
             owned_by.append((mname, module, mine))
 
@@ -72,6 +86,7 @@ def build_buckets(root: nn.Module, group_of: dict[int, int], options: PlannerOpt
     buckets: list[Stage3Bucket] = []
     where: dict[int, Stage3Bucket] = {}
     persistent_total = 0
+    specs: list[tuple[Any, int, int]] = []  # the non-dp groups met, in order
     for mname, module, params in owned_by:
         kinds: dict[tuple[Any, ...], list[tuple[str, nn.Parameter]]] = {}
         for full, p in params:
@@ -81,15 +96,24 @@ def build_buckets(root: nn.Module, group_of: dict[int, int], options: PlannerOpt
                 persistent_total + numel <= options.model_persistence_threshold
             if persistent:
                 persistent_total += numel
-            kinds.setdefault((persistent, gi, p.dtype), []).append((full, p))
+            spec = group_of_param(p) if group_of_param is not None else None
+            which = -1
+            if spec is not None:
+                which = next((i for i, s in enumerate(specs) if s[0] is spec[0]), len(specs))
+                if which == len(specs):
+                    specs.append(spec)
+            kinds.setdefault((persistent, gi, p.dtype, which), []).append((full, p))
         values = adoption.values_for([p for _, p in params])
-        for (persistent, gi, dtype), members in kinds.items():
-            layout = plan_buckets([(n, _shape(p, adoption), 0) for n, p in members], 1 << 62, dp_world_size)[0]
+        for (persistent, gi, dtype, which), members in kinds.items():
+            group, rank, world = specs[which] if which >= 0 else (dp_group, dp_rank, dp_world_size)
+            layout = plan_buckets([(n, _shape(p, adoption), 0) for n, p in members], 1 << 62, world)[0]
             layout = dataclasses.replace(layout, index=len(buckets), group_index=gi)
-            label = f"{mname or '<root>'}" + ("" if len(kinds) == 1 else f"#{len(buckets)}")
+            label = f"{label_of(mname) or '<root>'}" + ("" if len(kinds) == 1 else f"#{len(buckets)}")
             device = members[0][1].device  # the placeholder's device for a zero.Init parameter
             b = Stage3Bucket(layout, [p for _, p in members], [values[id(p)] for _, p in members], dtype, device,
-                             dp_group, dp_rank, label, persistent=persistent, trainable=gi != NOT_OPTIMIZED)
+                             group, rank, label, persistent=persistent, trainable=gi != NOT_OPTIMIZED)
+            if which >= 0:  # where its collectives run, in stages 1-2's names
+                b.comm_group, b.comm_rank, b.comm_size = group, rank, world
             buckets.append(b)
             plans[id(module)].add(b, fixed=True)
             for _, p in members:

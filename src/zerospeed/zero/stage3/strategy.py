@@ -72,7 +72,9 @@ class Stage3Strategy:
         adopter = BucketGatherer(self.watchdog)
         planner = PlannerOptions(int(zero_config.stage3_param_persistence_threshold),
                                  int(zero_config.stage3_model_persistence_threshold))
-        self.buckets, plans = build_buckets(module, group_of, planner, dp_group, dp_rank, dp_world_size, adopter)
+        self.buckets, plans = build_buckets(module, group_of, planner, dp_group, dp_rank, dp_world_size, adopter,
+                                            getattr(options, "group_of_param", None),
+                                            getattr(options, "unit_name", None))
         knobs = Stage3Knobs(prefetch_numel=int(zero_config.stage3_prefetch_bucket_size),
                             max_live_numel=int(zero_config.stage3_max_live_parameters),
                             max_reuse_distance=int(zero_config.stage3_max_reuse_distance))
