@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from zerospeed.inference import cpu_kernel
+
 GROUP_RATIO = 0.75  # a decode whose context is under this fraction of its group's longest starts a new group
 
 
@@ -86,13 +88,19 @@ class AttentionMetadata:
     scale: float | None = None
     block_size: int = 16
     workspace: Workspace | None = None
+    # with the CPU kernel (see cpu_kernel): every decode's block table in one [nd, max_blocks] tensor
+    kernel_tables: torch.Tensor | None = None
+    kernel_lens: torch.Tensor | None = None
+    kernel_max_ctx: int = 0
     _masks: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, seq_tokens: list[tuple[int, int, list[int]]], num_decodes: int, block_size: int,
-              device: torch.device, workspace: Workspace | None = None) -> "AttentionMetadata":
+              device: torch.device, workspace: Workspace | None = None,
+              decode_kernel: bool = False) -> "AttentionMetadata":
         """``seq_tokens``: per sequence in batch order ``(num_cached, num_new, block_table)``; the
-        first ``num_decodes`` have ``num_new == 1`` (best ordered longest context first)."""
+        first ``num_decodes`` have ``num_new == 1`` (best ordered longest context first).
+        ``decode_kernel``: decodes go through :func:`cpu_kernel.decode_attention` (float32 CPU)."""
         bs = block_size
         positions: list[int] = []
         slots: list[int] = []
@@ -106,7 +114,16 @@ class AttentionMetadata:
                 base = table[b] * bs - b * bs
                 slots.extend(range(base + lo, base + hi))
         groups: list[DecodeGroup] = []
-        i = 0
+        k_tables = k_lens = None
+        k_max = 0
+        if decode_kernel and num_decodes:
+            lens = [seq_tokens[r][0] + 1 for r in range(num_decodes)]
+            k_max = max(lens)
+            nb_max = -(-k_max // bs)
+            rows = [seq_tokens[r][2][:nb_max] for r in range(num_decodes)]
+            k_tables = torch.tensor([t + [0] * (nb_max - len(t)) for t in rows], dtype=torch.int64)
+            k_lens = torch.tensor(lens, dtype=torch.int64)
+        i = num_decodes if decode_kernel else 0
         while i < num_decodes:
             nb_max = -(-(seq_tokens[i][0] + 1) // bs)
             j = i + 1
@@ -136,7 +153,8 @@ class AttentionMetadata:
             start += new
         return cls(torch.tensor(slots, dtype=torch.int64, device=device),
                    torch.tensor(positions, dtype=torch.int64, device=device), num_decodes, groups,
-                   prefills, block_size=block_size, workspace=workspace if workspace is not None else Workspace())
+                   prefills, block_size=block_size, workspace=workspace if workspace is not None else Workspace(),
+                   kernel_tables=k_tables, kernel_lens=k_lens, kernel_max_ctx=k_max)
 
     @property
     def num_tokens(self) -> int:
@@ -179,9 +197,17 @@ class AttentionMetadata:
         gqa = hq != k.shape[1]
         k_cache.index_copy_(0, self.slots, k)
         v_cache.index_copy_(0, self.slots, v)
-        if len(self.decode_groups) == 1 and not self.prefills:
+        if self.kernel_tables is not None:
+            out = torch.empty_like(q) if q.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            nd = self.num_decodes
+            cpu_kernel.decode_attention(q[:nd], k_cache, v_cache, self.kernel_tables, self.kernel_lens,
+                                        self.block_size, self.kernel_max_ctx, scale, window, out=out[:nd])
+            if not self.prefills:
+                return out.view(T, hq * d)
+        elif len(self.decode_groups) == 1 and not self.prefills:
             return self._decode(0, q, k_cache, v_cache, scale, window, gqa).reshape(T, hq * d)
-        out = torch.empty_like(q)
+        else:
+            out = torch.empty_like(q)
         for g, group in enumerate(self.decode_groups):
             out[group.start:group.end] = self._decode(g, q[group.start:group.end], k_cache, v_cache, scale, window,
                                                       gqa)

@@ -10,6 +10,10 @@ batch (no padding) writing K/V into the cache; logits are computed only for sequ
 tokens are now all in the cache (decodes, last prompt chunks); the sampler picks their next tokens;
 stop conditions are checked and finished sequences free their blocks at once.
 
+Attention: decodes read the paged cache through a C kernel on CPU in float32
+(:mod:`~zerospeed.inference.cpu_kernel`, ``attention_backend="auto"``), else through torch
+(:mod:`~zerospeed.inference.attention`); ``attention_backend="torch"`` forces the latter.
+
 Failure isolation: bad requests are refused by ``add_request`` with :class:`RequestError` (nothing
 changes); an exception inside a forward fails only the requests of that forward (each gets a
 finished output with ``error``), and the engine keeps serving the rest.
@@ -49,6 +53,38 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float3
           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
 
 
+# Prompt tokens fused into a forward that also decodes (None: up to max_num_batched_tokens; see the
+# scheduler). The trade, measured on bench/inference_bench.py's workload (32 prompts at once, budget
+# 512, one CPU thread): no cap gave the most tokens per CPU-second but a p95 inter-token latency of
+# 65 ms of CPU time; a cap of 128 cut that p95 to 34 ms for 9% fewer tokens per CPU-second (64: 31 ms,
+# -20%). Serving latency-sensitive traffic, lower it; for offline batch jobs, pass None.
+DEFAULT_PREFILL_WITH_DECODES: int | None = 128
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel")
+
+
+def resolve_attention_backend(backend: str, dtype: torch.dtype, device: torch.device) -> str:
+    """``auto``: the C decode kernel (:mod:`~zerospeed.inference.cpu_kernel`) for float32 on CPU when it
+    builds (a logged warning and the torch path when it does not), else torch; ``cpu_kernel``: that
+    kernel or an error saying why not; ``torch``: SDPA over gathered blocks everywhere."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: {backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    fits = torch.device(device).type == "cpu" and dtype == torch.float32
+    if backend == "torch" or (backend == "auto" and not fits):
+        return "torch"
+    if not fits:
+        raise ValueError(f"attention_backend: 'cpu_kernel' needs float32 on CPU, not {dtype} on {device}")
+    from zerospeed.inference import cpu_kernel
+
+    ok, why = cpu_kernel.available()
+    if ok:
+        return "cpu_kernel"
+    if backend == "cpu_kernel":
+        raise ValueError(f"attention_backend: 'cpu_kernel' could not be built: {why}")
+    return "torch"
+
+
 def resolve_dtype(dtype: Any, spec: ModelSpec | None = None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
@@ -65,7 +101,8 @@ class InferenceEngine:
     def __init__(self, model: CausalLM, spec: ModelSpec, tokenizer: Tokenizer | None, *, dtype: torch.dtype,
                  device: torch.device, block_size: int, num_blocks: int, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, model_name: str = "", enable_prefix_caching: bool = True,
-                 tp: TPInfo = TPInfo(), kv_cache_memory: int | None = None) -> None:
+                 tp: TPInfo = TPInfo(), kv_cache_memory: int | None = None,
+                 max_prefill_tokens_with_decodes: int | None = None, attention_backend: str = "auto") -> None:
         self.model = model
         self.spec = spec
         self.tokenizer = tokenizer
@@ -80,8 +117,11 @@ class InferenceEngine:
                                                      spec.head_dim, dtype)
         self.kv_cache_memory = kv_cache_memory
         self.workspace = Workspace()  # attention's gather buffers, reused by every forward
+        self.attention_backend = resolve_attention_backend(attention_backend, dtype, device)
+        self._decode_kernel = self.attention_backend == "cpu_kernel"
         self.allocator = BlockAllocator(num_blocks, block_size)
-        self.scheduler = Scheduler(self.allocator, max_num_batched_tokens, max_num_seqs, enable_prefix_caching)
+        self.scheduler = Scheduler(self.allocator, max_num_batched_tokens, max_num_seqs, enable_prefix_caching,
+                                   max_prefill_tokens_with_decodes)
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.eos_token_ids = list(spec.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -225,7 +265,8 @@ class InferenceEngine:
         start = time.perf_counter()
         for src, dst in copies:
             self.kv.copy_block(src, dst)
-        meta = AttentionMetadata.build(items, num_decodes, self.block_size, self.device, self.workspace)
+        meta = AttentionMetadata.build(items, num_decodes, self.block_size, self.device, self.workspace,
+                                       self._decode_kernel)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, meta, self.kv)
         logits = None
@@ -303,7 +344,9 @@ def _default_kv_memory(device: torch.device, want: int) -> int:
 def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 256, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 512, tensor_parallel: int = 1, device: str | torch.device | None = None,
-                 enable_prefix_caching: bool = True, tp_group: Any = None) -> InferenceEngine:
+                 enable_prefix_caching: bool = True, tp_group: Any = None,
+                 max_prefill_tokens_with_decodes: int | None = DEFAULT_PREFILL_WITH_DECODES,
+                 attention_backend: str = "auto") -> InferenceEngine:
     """Load ``model_dir`` (an HF folder) into an :class:`InferenceEngine`. Errors name the argument."""
     from zerospeed.inference.models.spec import load_spec
 
@@ -313,6 +356,10 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                         ("max_num_batched_tokens", max_num_batched_tokens), ("tensor_parallel", tensor_parallel)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+    if max_prefill_tokens_with_decodes is not None and (not isinstance(max_prefill_tokens_with_decodes, int)
+                                                        or max_prefill_tokens_with_decodes < 1):
+        raise ValueError("max_prefill_tokens_with_decodes: must be an integer >= 1 or None, got "
+                         f"{max_prefill_tokens_with_decodes!r}")
     if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
         raise ValueError(f"num_blocks: must be an integer >= 1, got {num_blocks!r}")
     if kv_cache_memory is not None and (not isinstance(kv_cache_memory, (int, float)) or kv_cache_memory <= 0):
@@ -346,7 +393,9 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                              num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_model_len=model_len,
                              max_num_batched_tokens=max_num_batched_tokens, model_name=name,
                              enable_prefix_caching=enable_prefix_caching, tp=tp,
-                             kv_cache_memory=None if kv_cache_memory is None else int(kv_cache_memory))
+                             kv_cache_memory=None if kv_cache_memory is None else int(kv_cache_memory),
+                             max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
+                             attention_backend=attention_backend)
     if tp.size > 1 and tp.rank == 0:
         from zerospeed.inference.tp_runtime import attach_rank0
 

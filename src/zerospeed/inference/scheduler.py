@@ -4,7 +4,10 @@ Each ``schedule()`` picks the tokens of one forward, within ``max_num_batched_to
 (DeepSpeed's ``max_ragged_batch_size``) and ``max_num_seqs`` sequences (``max_ragged_sequence_count``):
 
 1. decodes first: every running sequence whose prompt is done contributes its one new token,
-   oldest first;
+   oldest first; when there are any, the prompt tokens of this forward are further capped at
+   ``max_prefill_tokens_with_decodes`` (a large prompt chunk would stall every decoding sequence
+   for the whole forward: this cap bounds inter-token latency, at the cost of more forwards to
+   admit a burst of prompts, i.e. throughput and time to first token);
 2. then running sequences still in their prompt get the next chunk, as large as the budget left
    (long prompts are split across forwards);
 3. then waiting requests, strictly first-in first-out, are admitted and their first chunk fused
@@ -48,11 +51,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_batched_tokens: int, max_num_seqs: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, max_prefill_tokens_with_decodes: int | None = None) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_prefill_tokens_with_decodes is not None and max_prefill_tokens_with_decodes < 1:
+            raise ValueError(f"max_prefill_tokens_with_decodes must be >= 1 or None, got {max_prefill_tokens_with_decodes}")
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -179,6 +185,9 @@ class Scheduler:
                 continue
             if self._reserve(seq, 1, batch, picked):
                 picked[seq] = 1
+        if picked and self.max_prefill_tokens_with_decodes is not None:
+            # decodes are running: cap the prompt tokens fused with them (inter-token latency)
+            budget = min(budget, spent() + self.max_prefill_tokens_with_decodes)
         for seq in [s for s in self.running if s.num_remaining > 1]:
             if seq not in self.running or len(picked) >= self.max_num_seqs:
                 continue
