@@ -117,24 +117,31 @@ def ep_parity(ep_size: int, k: int, drop: bool, steps: int = 2) -> dict[str, Any
     return worst
 
 
-def engine_parity(stage: int, ep_size: int, k: int, steps: int = 3, grouped: bool = True) -> dict[str, Any]:
+def engine_parity(stage: int, ep_size: int, k: int, steps: int = 3, grouped: bool = True,
+                  zero_init: bool = False) -> dict[str, Any]:
     """zerospeed.initialize with ZeRO ``stage`` on the expert-parallel model vs the one-process reference
-    trained with torch's AdamW on the global mean loss."""
+    trained with torch's AdamW on the global mean loss. ``zero_init``: the model is built under
+    ``zero.Init`` (same seed as the reference, so the same initial values)."""
     import contextlib
 
     import zerospeed
 
     reset_expert_groups()
     rank, world = comm.get_rank(), comm.get_world_size()
-    torch.manual_seed(0)
-    ref = Net(1, k, True)
-    model = Net(ep_size, k, True, grouped=grouped)
-    copy_from_reference(model, ref)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 200}, "gradient_clipping": 1.0}
     if stage == 3:  # nothing persistent: every parameter is gathered and released around its use
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    torch.manual_seed(0)
+    ref = Net(1, k, True)
+    torch.manual_seed(0)
+    if zero_init:
+        with zerospeed.zero.Init(config_dict_or_path=config):
+            model = Net(ep_size, k, True, grouped=grouped)
+    else:
+        model = Net(ep_size, k, True, grouped=grouped)
+        copy_from_reference(model, ref)
     engine, _, _, _ = zerospeed.initialize(model=model, config=config)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     worst = {"loss": 0.0, "weight": 0.0, "grad_norm": 0.0}
@@ -165,6 +172,13 @@ def engine_parity(stage: int, ep_size: int, k: int, steps: int = 3, grouped: boo
             worst["weight"] = max(worst["weight"],
                                   (p.detach() - ref_params[global_name(model, name)]).abs().max().item())
     worst["groups"] = [g.get("name") for g in engine.optimizer.param_groups]
+    full = engine.consolidated_state_dict()  # rank 0: every expert, also those of other ep ranks
+    if rank == 0:
+        ref_state = ref.state_dict()
+        worst["consolidated_keys"] = sorted(full) == sorted(ref_state)
+        worst["consolidated"] = max((full[k] - ref_state[k]).abs().max().item() for k in ref_state if k in full)
+    else:
+        worst["consolidated_keys"], worst["consolidated"] = full == {}, 0.0
     if stage == 3:  # expert parameters are sharded over their expert-dp group, dense ones over dp
         worst["shards"] = sorted({(b.layout.world_size, "expert" if hasattr(b, "comm_group") else "dense")
                                   for b in engine.strategy.buckets})
@@ -270,3 +284,21 @@ def hf_mixtral_parity(ep_size: int, steps: int = 2) -> dict[str, float]:
         w = max(w, (p.detach() - src.detach()).abs().max().item())
     worst["weight"] = w
     return worst
+
+
+def hf_mixtral_zero_init_logits(ep_size: int) -> float:
+    """A HF Mixtral built under zero.Init (parameters partitioned as built), its MoE blocks replaced at
+    ``ep_size`` and trained-ready at ZeRO-3: logits vs the plain HF model with the same seed."""
+    import zerospeed
+    from zerospeed.moe.hf import expert_parallel
+
+    reset_expert_groups()
+    ref = tiny_mixtral()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    with zerospeed.zero.Init(config_dict_or_path=config):
+        model = tiny_mixtral()
+    engine, *_ = zerospeed.initialize(model=expert_parallel(model, ep_size), config=config)
+    x = mixtral_tokens(comm.get_rank())
+    with torch.no_grad():
+        return (engine(x).logits - ref(x).logits).abs().max().item()

@@ -142,13 +142,17 @@ def test_expert_parallel_matches_one_process(world: int, ep: int, k: int, drop: 
                 assert r["all_to_all_elements"] == 2 * 2 * 2 * per_direction
 
 
-@pytest.mark.parametrize("stage,world,ep,grouped", [(0, 2, 2, True), (1, 4, 2, True), (2, 4, 2, True),
-                                                     (2, 2, 1, True), (3, 4, 2, True), (3, 4, 2, False)])
-def test_zero_with_moe_matches_one_process(stage: int, world: int, ep: int, grouped: bool) -> None:
-    results = run_distributed(moe_cases.engine_parity, world, stage, ep, 2, 3, grouped, timeout=180)
+@pytest.mark.parametrize("stage,world,ep,grouped,zero_init", [
+    (0, 2, 2, True, False), (1, 4, 2, True, False), (2, 4, 2, True, False), (2, 2, 1, True, False),
+    (3, 4, 2, True, False), (3, 4, 2, False, False),
+    (3, 2, 2, True, True),  # built under zero.Init
+])
+def test_zero_with_moe_matches_one_process(stage: int, world: int, ep: int, grouped: bool, zero_init: bool) -> None:
+    results = run_distributed(moe_cases.engine_parity, world, stage, ep, 2, 3, grouped, zero_init, timeout=180)
     for r in results:
         assert r["loss"] < 1e-5 and r["grad_norm"] < 1e-5 and r["weight"] < 1e-5, r
         assert r["groups"] == [None, f"ep_size_{ep}"]  # expert parameters in a group of their own
+        assert r["consolidated_keys"] and r["consolidated"] < 1e-5, r  # rank 0's full state dict: all experts
         if stage == 3:  # experts sharded over their expert-dp group (world / ep), dense over dp (world)
             assert r["shards"] == [(world // ep, "expert"), (world, "dense")], r
 
@@ -193,3 +197,8 @@ def test_hf_mixtral_blocks_replaced_give_the_same_logits() -> None:
 def test_hf_mixtral_trains_at_ep2_matching_one_process() -> None:
     for r in run_distributed(moe_cases.hf_mixtral_parity, 2, 2, timeout=240):
         assert r["first_logits"] < 1e-5 and r["loss"] < 1e-5 and r["weight"] < 1e-5, r
+
+
+def test_hf_mixtral_built_under_zero_init_is_replaced_with_its_values() -> None:
+    for diff in run_distributed(moe_cases.hf_mixtral_zero_init_logits, 2, 2, timeout=240):
+        assert diff < 1e-5

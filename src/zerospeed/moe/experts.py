@@ -18,6 +18,9 @@ Decisions:
   ``functional_call`` over the experts runs the whole layer, so each Linear of the expert becomes
   one batched matmul over all local experts instead of a Python loop of small matmuls. Any expert
   module works (vmap traces its ops), dropout included (``randomness="different"``).
+* Built under ``zero.Init``: the user's expert was partitioned as it was built, so it is gathered
+  for the copies, which stay whole until the engine shards them over their expert-data-parallel
+  group (``zero.Init`` would shard them over the whole data-parallel group, as replicas).
 * Under ZeRO-3 the grouped forward's parameters are declared with
   ``zero.register_external_parameter`` (it reads them without calling the experts), so they are
   gathered around the forward of this module; the per-expert loop needs nothing (each expert's
@@ -38,13 +41,23 @@ from zerospeed.moe.registry import mark_expert_param
 from zerospeed.zero.init import register_external_parameter
 
 
+def whole_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` with its full values, also when ``zero.Init`` partitioned it (its
+    parameters are then empty placeholders: they are gathered for the copy). The copy's parameters
+    are ordinary tensors; ZeRO-3 partitions them over their own group when the engine is built."""
+    from zerospeed.zero.init import GatheredParameters
+
+    with GatheredParameters(list(module.parameters())):
+        return copy.deepcopy(module)
+
+
 class Experts(nn.Module):
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None,
                  grouped: bool = True, first_expert: int = 0) -> None:
         super().__init__()
         if not isinstance(expert, nn.Module):
             raise TypeError(f"MoE: expert must be a torch.nn.Module, got {type(expert).__name__}")
-        self.deepspeed_experts = nn.ModuleDict({str(first_expert + i): copy.deepcopy(expert)
+        self.deepspeed_experts = nn.ModuleDict({str(first_expert + i): whole_copy(expert)
                                                 for i in range(num_local_experts)})
         self.first_expert = first_expert
         self.num_local_experts = num_local_experts

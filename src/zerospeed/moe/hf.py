@@ -103,8 +103,12 @@ def expert_parallel(model: nn.Module, ep_size: int = 1) -> nn.Module:
         raise ValueError(f"expert_parallel: no Mixtral-style MoE block (gate.weight [E, H], experts.gate_up_proj "
                          f"[E, 2I, H], experts.down_proj [E, H, I]) in {type(model).__name__}"
                          + (f"; MoE-like modules found: {', '.join(kinds)}" if kinds else ""))
+    from zerospeed.zero.init import GatheredParameters
+
     for name, block in found:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, _convert(name, block, ep_size))
+        with GatheredParameters(list(block.parameters())):  # built under zero.Init: read whole values
+            replacement = _convert(name, block, ep_size)
+        setattr(parent, attr, replacement)
     return model

@@ -35,7 +35,6 @@ Decisions:
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerospeed import comm
-from zerospeed.moe.experts import Experts
+from zerospeed.moe.experts import Experts, whole_copy
 from zerospeed.moe.gating import TopKGate
 from zerospeed.moe.groups import ExpertGroups, expert_groups
 
@@ -161,7 +160,7 @@ class MoE(nn.Module):
                           first_expert=groups.ep_rank * self.num_local_experts)
         self.deepspeed_moe = MOELayer(gate, experts, groups, self.num_local_experts)
         if use_residual:
-            self.mlp = copy.deepcopy(expert)
+            self.mlp = whole_copy(expert)
             self.coefficient = nn.Linear(hidden_size, 2)
 
     @property

@@ -313,6 +313,9 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
             state = {}
         else:
             state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        from zerospeed.moe.consolidate import add_experts_of_other_ranks  # ep > 1: other ranks' experts
+
+        state = add_experts_of_other_ranks(self.module, state, self.dp_group, self.dp_rank)
         return state if self.checkpoint_layout is None else self.checkpoint_layout.gather_full(state)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
