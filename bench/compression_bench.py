@@ -1,19 +1,22 @@
-"""Compression: held-out loss, bytes on disk, forward latency and peak memory of compressed demo GPTs.
+"""Compression: held-out loss, bytes on disk, forward latency, peak memory and engine tokens/s of compressed GPTs.
 
 Run from the repository root::
 
     OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python bench/compression_bench.py
 
-One run: train the demo GPT (``gpt_small``, 4 layers) on the synthetic text for ``--steps`` steps, then
-fine-tune copies of it for ``--qat_steps`` more steps: plainly (the dense reference) and compressed:
+One run: train the demo GPT (``gpt_small``, 4 layers) on the synthetic text for ``--steps`` steps
+(lr 3e-3), then:
 
-* ``w8a8``  : zerospeed QAT, int8 weights (every Linear and Embedding, 64 row-aligned groups) + int8
-  activations (blocks), ``--qat_steps`` fine-tuning, ``redundancy_clean`` -> ``torch._int_mm`` kernels;
-* ``w4``    : zerospeed QAT, int4 weights (64 groups), same fine-tuning, cleaned (packed two per byte);
-* ``rows50+lr4to2``: 50% of the MLP rows pruned (l1) and layer reduction 4 -> 2 (teacher layers 1, 3)
-  trained with ``distillation_loss`` against the dense model for ``--qat_steps``, cleaned;
-* ``zs-int8-wo`` : zerospeed ``quantize(bits=8)`` weight-only post-training quantization;
-* ``torchao-int8-wo``: torchao ``Int8WeightOnlyConfig`` (what a user would pick instead);
+* ``dense-fp32``: ``--qat_steps`` more plain steps (lr 1e-3), the reference and the teacher;
+* ``w8a8``  : from the same point, zerospeed QAT for ``--qat_steps`` (lr 1e-3), int8 weights (every
+  Linear and Embedding, 64 row-aligned groups) + int8 activations (blocks and LM head),
+  ``redundancy_clean`` -> ``QuantizedLinear`` int8 x int8 GEMMs (oneDNN);
+* ``w4``    : the same with int4 weights (64 groups), cleaned (packed two per byte);
+* ``rows50+lr4to2``: the dense model's layers 0 and 3 (layer reduction 4 -> 2) with 50% of the MLP
+  rows pruned (l1), trained with ``distillation_loss`` (T=2, alpha 0.5) against the dense teacher for
+  ``--distill_steps`` (lr 3e-3), cleaned;
+* ``zs-w8a8-ptq`` / ``zs-int8-wo``: zerospeed ``quantize(dense, bits=8, act_bits=8 | 0)`` post-training;
+* ``torchao-int8-wo``: torchao ``Int8WeightOnlyConfig`` on the dense model (what a user would pick instead);
 
 and measure each against the dense model: held-out loss (seed-1 text the model never saw), bytes of
 the saved file (safetensors for zerospeed and dense; ``torch.save`` for torchao, whose tensor
@@ -21,6 +24,13 @@ subclasses safetensors cannot hold), forward latency of one ``--batch`` x 64-tok
 ``torch.no_grad``, ``--reps`` rounds with the models interleaved; min and median), and peak memory: in a
 fresh process per model, the rise of the peak RSS (VmHWM, reset after imports) while loading the file
 into a meta-device skeleton and running one forward.
+
+Engine table: tokens/s through ``init_inference(..., replace_with_kernel_inject=True)`` (zerospeed's
+inference engine) for an HF GPT-2 of the demo GPT's shape (random weights: throughput only),
+fp32 against ``dtype=int8`` (weight-only) and ``quant.activation.enabled`` (w8a8): ``--gen_rows``
+prompts of 32 tokens, ``--gen_tokens`` greedy new tokens each, the engines interleaved, best of
+``--gen_reps``; generated tokens per wall second and per CPU second of this process, and the share of
+generated tokens equal to fp32's.
 """
 
 from __future__ import annotations
@@ -113,7 +123,7 @@ def compression_config(kind: str) -> dict:
                                 "different_groups": {"rp": {"params": {"dense_ratio": 0.5}, "modules": ["mlp.fc"],
                                                             "related_modules": [["mlp.proj"]]}}},
                 "layer_reduction": {"enabled": True, "keep_number_layer": 2, "module_name_prefix": "blocks",
-                                    "teacher_layer": [1, 3], "other_module_name": ["tok_emb", "pos_emb", "ln_f"]}}
+                                    "teacher_layer": [0, 3], "other_module_name": ["tok_emb", "pos_emb", "ln_f"]}}
     raise ValueError(kind)
 
 
@@ -179,14 +189,65 @@ def latencies(models: dict[str, torch.nn.Module], batch: int, reps: int) -> dict
     return times
 
 
+def _hf_gpt2(seed: int = 0):
+    import transformers as tf
+
+    cfg = tf.GPT2Config(vocab_size=256, n_embd=192, n_layer=4, n_head=6, n_positions=128, bos_token_id=1,
+                        eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    return tf.GPT2LMHeadModel(cfg).eval()
+
+
+def engine_throughput(args) -> list[dict]:
+    """Greedy generation through zerospeed's inference engine: fp32, int8 weight-only, w8a8."""
+    import zerospeed
+
+    engines = {
+        "engine-fp32": zerospeed.init_inference(_hf_gpt2(), replace_with_kernel_inject=True, max_out_tokens=128),
+        "engine-int8-wo": zerospeed.init_inference(_hf_gpt2(), dtype="int8", replace_with_kernel_inject=True,
+                                                   max_out_tokens=128),
+        "engine-w8a8": zerospeed.init_inference(_hf_gpt2(), dtype="int8", replace_with_kernel_inject=True,
+                                                max_out_tokens=128, quant={"activation": {"enabled": True}}),
+    }
+    ids = torch.randint(3, 256, (args.gen_rows, 32), generator=torch.Generator().manual_seed(2))
+    best: dict[str, tuple[float, float]] = {}
+    tokens: dict[str, torch.Tensor] = {}
+    for name, engine in engines.items():  # warm-up
+        engine.module.generate(ids[:2], max_new_tokens=4, do_sample=False, eos_token_id=None)
+    for _ in range(args.gen_reps):
+        for name, engine in engines.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            out = engine.module.generate(ids, max_new_tokens=args.gen_tokens, do_sample=False, eos_token_id=None)
+            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+            tokens[name] = out[:, 32:]
+            prev = best.get(name, (float("inf"), float("inf")))
+            best[name] = (min(prev[0], wall), min(prev[1], cpu))
+    n = args.gen_rows * args.gen_tokens
+    rows = []
+    for name in engines:
+        wall, cpu = best[name]
+        rows.append({"engine": name, "generated_tokens": n, "wall_s": wall, "cpu_s": cpu, "tokens_per_s": n / wall,
+                     "tokens_per_cpu_s": n / cpu,
+                     "tokens_equal_fp32": float((tokens[name] == tokens["engine-fp32"]).float().mean())})
+    base = rows[0]
+    for row in rows:
+        row["tokens_per_s_x_fp32"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["tokens_per_cpu_s_x_fp32"] = row["tokens_per_cpu_s"] / base["tokens_per_cpu_s"]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=400, help="dense training steps before compression")
+    parser.add_argument("--steps", type=int, default=600, help="dense training steps before compression")
     parser.add_argument("--qat_steps", type=int, default=100,
-                        help="compression fine-tuning steps (the dense reference trains as many more)")
+                        help="QAT fine-tuning steps (the dense reference trains as many more)")
+    parser.add_argument("--distill_steps", type=int, default=300, help="distillation steps of the 2-layer student")
     parser.add_argument("--train_batch", type=int, default=16)
     parser.add_argument("--batch", type=int, default=16, help="latency batch (x 64 tokens)")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--gen_rows", type=int, default=16, help="engine: prompts per generate call")
+    parser.add_argument("--gen_tokens", type=int, default=32, help="engine: new tokens per prompt")
+    parser.add_argument("--gen_reps", type=int, default=3)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child_kind", default="zerospeed", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -205,27 +266,33 @@ def main() -> None:
     t0 = time.perf_counter()
     base = train(GPT(cfg), train_x, train_y, args.steps, 3e-3, args.train_batch)
     train_s = time.perf_counter() - t0
-    # the dense reference gets the same extra steps the compressed models are fine-tuned for
+    # the dense reference gets the same extra steps the quantized models are fine-tuned for
     dense = train(copy.deepcopy(base), train_x, train_y, args.qat_steps, 1e-3, args.train_batch, offset=args.steps)
     models: dict[str, torch.nn.Module] = {"dense-fp32": dense}
+    steps = {"dense-fp32": f"{args.steps} + {args.qat_steps}"}
     for kind in ("w8a8", "w4", "rows50+lr4to2"):
-        model = copy.deepcopy(base)
         conf = {"compression_training": compression_config(kind)}
-        init_compression(model, conf)
-        teacher = dense.eval() if kind.startswith("rows") else None
-        lr = 1e-3
-        train(model, train_x, train_y, args.qat_steps, lr, args.train_batch, offset=args.steps,
-              scheduler=scheduler_of(model), teacher=teacher)
-        models[f"simulated-{kind}"] = model
-        simulated_loss = held_out_loss(model, test_x, test_y)
+        if kind.startswith("rows"):  # the student: the teacher's layers, distilled from it
+            model = init_compression(copy.deepcopy(dense), conf)
+            train(model, train_x, train_y, args.distill_steps, 3e-3, args.train_batch, offset=args.steps,
+                  scheduler=scheduler_of(model), teacher=dense.eval())
+            steps[kind] = f"{args.steps} + {args.qat_steps} + {args.distill_steps} KD"
+        else:
+            model = init_compression(copy.deepcopy(base), conf)
+            train(model, train_x, train_y, args.qat_steps, 1e-3, args.train_batch, offset=args.steps,
+                  scheduler=scheduler_of(model))
+            steps[kind] = f"{args.steps} + {args.qat_steps} QAT"
+        models[f"simulated-{kind}"] = held_out_loss(model, test_x, test_y)
         redundancy_clean(model, conf)
         models[kind] = model
-        models[f"simulated-{kind}"] = simulated_loss
+    models["zs-w8a8-ptq"] = quantize(copy.deepcopy(dense), bits=8, act_bits=8)
     models["zs-int8-wo"] = quantize(copy.deepcopy(dense), bits=8)
     models["torchao-int8-wo"] = quantize(copy.deepcopy(dense), bits=8, backend="torchao")
+    for name in ("zs-w8a8-ptq", "zs-int8-wo", "torchao-int8-wo"):
+        steps[name] = steps["dense-fp32"] + " (PTQ)"
 
     dense_loss = held_out_loss(dense, test_x, test_y)
-    names = ("dense-fp32", "w8a8", "w4", "rows50+lr4to2", "zs-int8-wo", "torchao-int8-wo")
+    names = ("dense-fp32", "w8a8", "w4", "rows50+lr4to2", "zs-w8a8-ptq", "zs-int8-wo", "torchao-int8-wo")
     timed = latencies({n: models[n] for n in names}, args.batch, args.reps)
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="zs-compress-bench-"))
     try:
@@ -241,7 +308,8 @@ def main() -> None:
                 peak = peak_memory(path, "zerospeed", args)
             loss = held_out_loss(model, test_x, test_y)
             ts = sorted(timed[name])
-            rows.append({"model": name, "held_out_loss": loss, "loss_vs_dense": loss / dense_loss - 1,
+            rows.append({"model": name, "steps": steps[name], "held_out_loss": loss,
+                         "loss_vs_dense": loss / dense_loss - 1,
                          "simulated_loss": models.get(f"simulated-{name}"), "bytes_on_disk": path.stat().st_size,
                          "latency_min_ms": 1e3 * ts[0], "latency_median_ms": 1e3 * ts[len(ts) // 2],
                          "peak_mem_bytes": peak})
@@ -256,20 +324,32 @@ def main() -> None:
         row["latency_median_x_dense"] = row["latency_median_ms"] / dense_row["latency_median_ms"]
         row["peak_mem_x_dense"] = row["peak_mem_bytes"] / max(dense_row["peak_mem_bytes"], 1)
         print(json.dumps(row), flush=True)
+    engine_rows = engine_throughput(args)
+    for row in engine_rows:
+        print(json.dumps(row), flush=True)
     params = {"model": "gpt_small (4 layers, d_model 192, 6 heads, seq 64, vocab 256)", "train_steps": args.steps,
-              "compression_steps": args.qat_steps, "train_batch": args.train_batch, "latency_batch": args.batch,
-              "reps": args.reps, "threads": 1, "dense_train_s": round(train_s, 1)}
-    notes = ["The machine was shared with other jobs (2 cores, several helpers): latencies are medians and "
-             "noisy; ratios within one run are the comparable figures.",
+              "qat_steps": args.qat_steps, "distill_steps": args.distill_steps, "train_batch": args.train_batch,
+              "latency_batch": args.batch, "reps": args.reps, "threads": 1, "dense_train_s": round(train_s, 1),
+              "engine_model": "HF GPT-2, random init, 4 layers, n_embd 192, 6 heads, vocab 256",
+              "gen_rows": args.gen_rows, "gen_tokens": args.gen_tokens, "gen_reps": args.gen_reps}
+    notes = ["The machine was shared with other jobs (2 cores, several helpers and the lead running tests and "
+             "benchmarks): latencies are noisy; ratios within one run are the comparable figures, and the "
+             "targets are judged on the min latency (the least disturbed round).",
              "w8a8 and w4 quantize every Linear and Embedding (the tied LM head is stored as its own int "
-             "copy); LayerNorms and biases stay fp32.",
+             "copy); LayerNorms and biases stay fp32. w8a8 / zs-w8a8-ptq run QuantizedLinear's oneDNN int8 "
+             "GEMM (per-tensor dynamic int8 input, per-row int8 weight scales).",
+             "rows50+lr4to2 trains longer than the dense reference (its distillation steps come on top of the "
+             "dense model's): the steps column says how many each model saw.",
              "torchao bytes are a torch.save file (its tensor subclasses do not fit safetensors).",
              "peak_mem is the rise of peak RSS (VmHWM reset after imports) in a fresh process while loading the "
              "file into a meta-device skeleton and running one forward.",
-             "latency: the models are timed round-robin in one process; min is the least disturbed by the other "
-             "processes sharing the cores, and the targets are judged on it."]
+             "Engine rows: decode steps run 16 tokens per Linear call, where int8's fixed cost of quantizing the "
+             "input outweighs the GEMM on layers this small (see QuantizedLinear's docstring)."]
     json_path, md_path = write_results("compression", rows, params=params, notes=notes, command=command_line())
     print(f"wrote {json_path} and {md_path}")
+    json_path, md_path = write_results("compression_engine", engine_rows, params=params, notes=notes[:1] + notes[-1:],
+                                       command=command_line())
+    print(f"wrote {json_path} and {md_path} (the engine table of the same run)")
 
 
 if __name__ == "__main__":

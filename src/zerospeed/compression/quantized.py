@@ -18,7 +18,12 @@ fp32 ``F.linear`` 1024x192 @ 192x576 1.46 ms, 1024x768 @ 768x192 2.0 ms:
   applied inside the kernel, fp32 out: 0.39 ms and 0.99 ms for the two shapes above (0.27x and
   0.49x fp32; the GEMM itself is 0.2 ms, the rest is quantizing the input).
 * ``int_mm`` -- the same numerics through ``torch._int_mm`` (int8 x int8 -> int32) and a scaling pass,
-  where oneDNN's op is missing: 0.3 ms GEMM + ~0.35 ms of scaling at the first shape.
+  where oneDNN's op is missing: 0.3 ms GEMM + ~0.35 ms of scaling at the first shape; and, in the
+  automatic choice, for inputs of fewer than :data:`ONEDNN_MIN_ROWS` tokens (decode steps): there
+  oneDNN's op costs as much or more (~65 us from 2 to 32 tokens, and 1-4 ms for a single token at some
+  shapes, where it reorders the weight per call), ``_int_mm`` ~50-70 us.  Either way a few-token int8
+  layer costs more than fp32 (5-50 us at these small shapes): the fixed cost of quantizing the input
+  (a dozen small ops) outweighs the GEMM; int8 pays off from ~32 tokens per call on these shapes.
 * ``rowscale`` -- weight-only, groups covering whole rows: ``linear(x, codes)`` in the input's dtype,
   then the per-row scale (one conversion of the codes, no per-group multiply).
 * ``dequant`` -- the reference: dequantize per group, fake-quantize the input when ``act_bits`` is set
@@ -113,6 +118,8 @@ def _onednn_available() -> bool:
 
 
 ONEDNN = _onednn_available()
+#: below this many input rows the automatic choice takes ``int_mm`` over ``onednn`` (see the docstring)
+ONEDNN_MIN_ROWS = 128
 #: every kernel name, fastest first; ``dequant`` is the reference every layout can take
 KERNELS = ("onednn", "int_mm", "rowscale", "dequant")
 
@@ -277,6 +284,9 @@ class QuantizedLinear(_Packed):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self.kernel
         flat = x.reshape(-1, self.in_features)
+        if (kernel == "onednn" and flat.shape[0] < ONEDNN_MIN_ROWS and INT_MM
+                and self.__dict__.get("kernel_override") is None):
+            kernel = "int_mm"
         if kernel in ("onednn", "int_mm"):
             flat = flat.detach().to(torch.float32).contiguous()
             x_scale = self._input_scale(flat)

@@ -97,8 +97,12 @@ def compression_scheduler_for(model: nn.Module, config: Any) -> CompressionSched
 
     tp = getattr(config, "tensor_parallel", None)
     if tp is not None and getattr(tp, "size", 1) > 1:
-        raise ConfigError("compression_training", "is not supported together with tensor parallelism yet "
-                          f"(tensor_parallel size {tp.size}); train the compressed model without it")
+        raise ConfigError("compression_training", "is not supported together with tensor parallelism "
+                          f"(tensor_parallel size {tp.size}): AutoTP splits plain Linear layers, while the "
+                          "compressed layers' quantization groups and pruning masks are defined on whole "
+                          "weights; train the compressed model with ZeRO and/or the pipeline instead, and serve "
+                          "int8 under tensor parallelism with init_inference(replace_with_kernel_inject=True, "
+                          "quant=...)")
     # the model itself, or (pipeline: the engine's container) the module init_compression was given
     found = [s for m in model.modules() if (s := scheduler_of(m)) is not None]
     if not found:
