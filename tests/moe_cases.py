@@ -234,20 +234,36 @@ def tiny_mixtral(seed: int = 0) -> nn.Module:
     return MixtralForCausalLM(cfg).float()
 
 
+def tiny_qwen2_moe(seed: int = 0) -> nn.Module:
+    """Qwen2-MoE: top-3 of 4 experts without renormalisation, a shared expert with a sigmoid gate, and
+    one dense layer (mlp_only_layers) that stays as it is."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=20, num_hidden_layers=3, num_attention_heads=2,
+                         num_key_value_heads=1, num_experts=4, num_experts_per_tok=3, norm_topk_prob=False,
+                         mlp_only_layers=[1], max_position_embeddings=32, initializer_range=0.2)
+    torch.manual_seed(seed)
+    return Qwen2MoeForCausalLM(cfg).float()
+
+
+TINY_HF = {"mixtral": tiny_mixtral, "qwen2_moe": tiny_qwen2_moe}
+
+
 def mixtral_tokens(rank: int) -> torch.Tensor:
     return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(7 + rank))
 
 
-def hf_mixtral_parity(ep_size: int, steps: int = 2) -> dict[str, float]:
-    """A HF Mixtral whose MoE blocks are replaced (experts over ``ep_size`` ranks), trained with
-    zerospeed ZeRO-1, vs the unmodified HF model trained by torch AdamW on the global mean loss."""
+def hf_mixtral_parity(ep_size: int, steps: int = 2, family: str = "mixtral") -> dict[str, float]:
+    """A HF Mixtral (or Qwen2-MoE) whose MoE blocks are replaced (experts over ``ep_size`` ranks), trained
+    with zerospeed ZeRO-1, vs the unmodified HF model trained by torch AdamW on the global mean loss."""
     import zerospeed
     from zerospeed.moe.hf import expert_parallel
 
     reset_expert_groups()
     rank, world = comm.get_rank(), comm.get_world_size()
-    ref = tiny_mixtral()
-    model = expert_parallel(tiny_mixtral(), ep_size)
+    ref = TINY_HF[family]()
+    model = expert_parallel(TINY_HF[family](), ep_size)
     config = {"train_micro_batch_size_per_gpu": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
               "zero_optimization": {"stage": 1}}

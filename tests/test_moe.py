@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerospeed.moe.gating import TopKGate, capacity_of, top1gating, top2gating
+from zerospeed.moe.gating import TopKGate, capacity_of, top1gating, top2gating, topkgating
 from zerospeed.moe.layer import MoE
 from zerospeed.moe.registry import is_expert_param
 from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -50,6 +50,28 @@ def test_top2_renormalises_and_respects_capacity() -> None:
     assert slots_unique.max() <= 1  # a slot holds one token
 
 
+def test_topk_above_two_keeps_the_most_wanted_tokens_and_renormalises() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(10, 5)
+    gates = torch.softmax(logits, dim=1)
+    out = topkgating(logits, k=3, capacity_factor=0.5, min_capacity=1)
+    assert out.capacity == capacity_of(10, 5, 3, 0.5, 1) == 3 and len(out.routes) == 3
+    assert int(out.exp_counts.sum()) == 30  # before dropping
+    wanted = torch.zeros_like(gates).scatter(1, gates.topk(3, dim=1).indices, gates.topk(3, dim=1).values)
+    dispatch = out.dispatch_mask.any(dim=2)  # [S, E]
+    for e in range(5):  # each expert keeps the (at most 3) tokens with the highest gate value for it
+        kept = set(torch.nonzero(dispatch[:, e]).flatten().tolist())
+        assert kept == set(wanted[:, e].topk(3).indices[wanted[:, e].topk(3).values > 0].tolist()), e
+    assert (out.dispatch_mask.sum(dim=0) <= 1).all()  # a slot holds one token
+    combine = out.combine_weights.sum(dim=2)
+    kept_any = dispatch.any(dim=1)
+    torch.testing.assert_close(combine.sum(dim=1)[kept_any], torch.ones(int(kept_any.sum())))
+    mask = torch.zeros_like(gates).scatter(1, gates.topk(3, dim=1).indices, 1.0)
+    assert out.l_aux.item() == pytest.approx((gates.mean(0) * mask.mean(0)).mean().item() * 25 / 3, rel=1e-6)
+    raw = topkgating(logits, k=3, capacity_factor=1.0, min_capacity=1, drop_tokens=False, renormalize=False)
+    torch.testing.assert_close(raw.combine_weights.sum(dim=2), wanted)  # HF norm_topk_prob=False
+
+
 def test_random_token_selection_and_noise_are_seeded() -> None:
     logits = torch.zeros(16, 2)
     logits[:, 0] = 1.0  # everyone wants expert 0; capacity 8 keeps a random half
@@ -83,7 +105,7 @@ def test_grouped_experts_equal_the_loop_in_values_and_gradients() -> None:
 def test_sparse_dispatch_equals_deepspeeds_dense_einsums() -> None:
     """The layer's index dispatch/combine give what DeepSpeed's einsums with the dense masks give."""
     torch.manual_seed(0)
-    for k, drop in ((1, True), (2, True), (2, False)):
+    for k, drop in ((1, True), (2, True), (2, False), (3, True), (3, False)):
         m = MoE(8, _expert(), num_experts=4, k=k, eval_capacity_factor=0.5, min_capacity=1,
                 drop_tokens=drop)
         m.eval()
@@ -112,7 +134,7 @@ def test_residual_moe_and_expert_marks() -> None:
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_experts=3, ep_size=2), "num_experts=3 is not divisible by ep_size=2"),
     (dict(num_experts=1, k=2), "k=2 is larger than num_experts=1"),
-    (dict(num_experts=4, k=3), "k=3 is not supported"),
+    (dict(num_experts=4, k=0), "k must be a positive integer, got 0"),
     (dict(num_experts=4, capacity_factor=0), "capacity_factor must be a positive number"),
     (dict(num_experts=4, noisy_gate_policy="Gumbel"), "noisy_gate_policy='Gumbel'"),
 ])
@@ -129,7 +151,7 @@ def test_expert_must_be_a_module() -> None:
 
 
 @pytest.mark.parametrize("world,ep,k,drop", [(2, 2, 1, True), (2, 2, 2, False), (4, 4, 2, True), (4, 2, 1, False),
-                                             (2, 1, 1, True)])
+                                             (2, 1, 1, True), (2, 2, 3, True)])
 def test_expert_parallel_matches_one_process(world: int, ep: int, k: int, drop: bool) -> None:
     results = run_distributed(moe_cases.ep_parity, world, ep, k, drop, timeout=180)
     for r in results:
@@ -181,12 +203,13 @@ def test_checkpoint_loads_at_another_expert_parallel_degree(tmp_path, save_stage
         assert abs(loaded[0]["__next_loss__"].item() - saved[0]["__next_loss__"].item()) < 1e-5
 
 
-def test_hf_mixtral_blocks_replaced_give_the_same_logits() -> None:
+@pytest.mark.parametrize("family,blocks", [("mixtral", 2), ("qwen2_moe", 2)])
+def test_hf_moe_blocks_replaced_give_the_same_logits(family: str, blocks: int) -> None:
     from zerospeed.moe.hf import HFMoEBlock, expert_parallel
 
-    ref = moe_cases.tiny_mixtral()
-    model = expert_parallel(moe_cases.tiny_mixtral(), ep_size=1)
-    assert sum(isinstance(m, HFMoEBlock) for m in model.modules()) == 2
+    ref = moe_cases.TINY_HF[family]()
+    model = expert_parallel(moe_cases.TINY_HF[family](), ep_size=1)
+    assert sum(isinstance(m, HFMoEBlock) for m in model.modules()) == blocks
     x = moe_cases.mixtral_tokens(0)
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
@@ -194,8 +217,25 @@ def test_hf_mixtral_blocks_replaced_give_the_same_logits() -> None:
         expert_parallel(nn.Sequential(nn.Linear(2, 2)))
 
 
-def test_hf_mixtral_trains_at_ep2_matching_one_process() -> None:
-    for r in run_distributed(moe_cases.hf_mixtral_parity, 2, 2, timeout=240):
+def test_hf_router_that_scores_differently_is_refused_naming_it() -> None:
+    from zerospeed.moe.hf import expert_parallel
+
+    model = moe_cases.tiny_mixtral()
+
+    class OtherRouter(nn.Module):  # same shapes, another scoring rule
+        def __init__(self, weight: nn.Parameter) -> None:
+            super().__init__()
+            self.weight = weight
+
+    block = model.model.layers[0].mlp
+    block.gate = OtherRouter(block.gate.weight)
+    with pytest.raises(ValueError, match="model.layers.0.mlp: router OtherRouter is not reproduced"):
+        expert_parallel(model)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_hf_moe_trains_at_ep2_matching_one_process(family: str) -> None:
+    for r in run_distributed(moe_cases.hf_mixtral_parity, 2, 2, 2, family, timeout=240):
         assert r["first_logits"] < 1e-5 and r["loss"] < 1e-5 and r["weight"] < 1e-5, r
 
 

@@ -25,7 +25,9 @@ Decisions:
   training; ``"RSample"`` adds Gumbel noise to the logits used to choose the first expert (top-1).
   For top-2, ``top2_2nd_expert_sampling`` adds Gumbel noise to the logits used to choose the
   second expert. Noise and RTS draw from torch's generator, so seeding makes them reproducible.
-* In top-2 the two gate values are renormalised to sum to 1 over the experts that kept the token.
+* In top-2 (and top-k, ``k > 2``) the gate values are renormalised to sum to 1 over the experts that
+  kept the token, as DeepSpeed does; ``renormalize`` forces it on or off (HF Qwen-MoE's
+  ``norm_topk_prob=False`` keeps the raw softmax values; HF's top-1 renormalises to 1).
 * Gating runs in fp32 whatever the model's dtype (the gate's weight is kept fp32).
 """
 
@@ -109,7 +111,8 @@ def _agreed_capacity(needed: int, ep_group: object) -> int:
 
 
 def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, noisy_gate_policy: str | None = None,
-               drop_tokens: bool = True, use_rts: bool = True, ep_group: object = None) -> GateOutput:
+               drop_tokens: bool = True, use_rts: bool = True, ep_group: object = None,
+               renormalize: bool = False) -> GateOutput:
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
     choose = logits + _gumbel(logits.shape, logits.device) if noisy_gate_policy == "RSample" else gates
@@ -126,11 +129,13 @@ def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
     loc1 = (locations1 * mask1).sum(dim=1).to(torch.int64)
     kept1 = mask1.sum(dim=1)
     gate1 = (gates * mask1).sum(dim=1)
+    if renormalize:  # the one kept expert gets weight 1 (HF's top-1 with normalised top-k weights)
+        gate1 = gate1 / gate1.clamp(min=torch.finfo(gates.dtype).eps)
     return GateOutput(l_aux, (Route(indices1, loc1, gate1, kept1),), exp_counts, capacity, num_experts)
 
 
 def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               top2_2nd_expert_sampling: bool = True, ep_group: object = None) -> GateOutput:
+               top2_2nd_expert_sampling: bool = True, ep_group: object = None, renormalize: bool = True) -> GateOutput:
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
     indices1 = torch.argmax(gates, dim=1)
@@ -152,10 +157,43 @@ def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
     loc2 = (locations2 * mask2).sum(dim=1).to(torch.int64)
     gate1 = (gates * mask1).sum(dim=1)
     gate2 = (gates * mask2).sum(dim=1)
-    denom = (gate1 + gate2).clamp(min=torch.finfo(gates.dtype).eps)
-    gate1, gate2 = gate1 / denom, gate2 / denom
+    if renormalize:
+        denom = (gate1 + gate2).clamp(min=torch.finfo(gates.dtype).eps)
+        gate1, gate2 = gate1 / denom, gate2 / denom
     routes = (Route(indices1, loc1, gate1, mask1.sum(dim=1)), Route(indices2, loc2, gate2, mask2.sum(dim=1)))
     return GateOutput(l_aux, routes, exp_counts, capacity, num_experts)
+
+
+def topkgating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
+               ep_group: object = None, renormalize: bool = True) -> GateOutput:
+    """Top-k gating for any ``k`` (DeepSpeed uses it above 2): each token goes to the ``k`` experts of
+    highest gate value. With ``drop_tokens`` an over-full expert keeps the tokens that want it most
+    (highest gate value: DeepSpeed's ``drop_policy="probs"``); slots are then numbered in token order.
+    ``l_aux = E * E / k * mean_e(mean_s(gates) * mean_s(mask))`` over all ``k`` choices."""
+    num_tokens, num_experts = logits.shape
+    gates = F.softmax(logits, dim=1)
+    top_gate, top_idx = torch.topk(gates, k=k, dim=1)
+    mask = torch.zeros_like(gates).scatter_(1, top_idx, 1.0)
+    exp_counts = mask.sum(dim=0).detach().to(torch.int64)
+    l_aux = torch.mean(gates.mean(dim=0) * mask.mean(dim=0)) * num_experts * num_experts / k
+    if drop_tokens:
+        capacity = capacity_of(num_tokens, num_experts, k, capacity_factor, min_capacity)
+        wanted = torch.zeros_like(gates).scatter(1, top_idx, top_gate.detach())
+        keep_rows = torch.topk(wanted, k=min(capacity, num_tokens), dim=0).indices
+        mask = mask * torch.zeros_like(mask).scatter_(0, keep_rows, 1.0)
+    else:
+        capacity = _agreed_capacity(max(1, int(exp_counts.max().item())), ep_group)
+    locations = torch.cumsum(mask, dim=0) - 1
+    weights = gates * mask
+    if renormalize:
+        weights = weights / weights.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
+    routes = []
+    for j in range(k):
+        expert = top_idx[:, j]
+        kept = mask.gather(1, expert[:, None]).squeeze(1)
+        slot = (locations.gather(1, expert[:, None]).squeeze(1) * kept).to(torch.int64)
+        routes.append(Route(expert, slot, weights.gather(1, expert[:, None]).squeeze(1), kept))
+    return GateOutput(l_aux, tuple(routes), exp_counts, capacity, num_experts)
 
 
 class TopKGate(nn.Module):
@@ -166,10 +204,11 @@ class TopKGate(nn.Module):
 
     def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
                  eval_capacity_factor: float = 1.0, min_capacity: int = 4, noisy_gate_policy: str | None = None,
-                 drop_tokens: bool = True, use_rts: bool = True, top2_2nd_expert_sampling: bool = True) -> None:
+                 drop_tokens: bool = True, use_rts: bool = True, top2_2nd_expert_sampling: bool = True,
+                 renormalize: bool | None = None) -> None:
         super().__init__()
-        if k not in (1, 2):
-            raise ValueError(f"MoE: k={k} is not supported; use 1 or 2 (top-1 or top-2 gating)")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
+            raise ValueError(f"MoE: k={k!r} must be an integer between 1 and num_experts={num_experts}")
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
             raise ValueError(f"MoE: noisy_gate_policy={noisy_gate_policy!r} is not one of None, 'Jitter', 'RSample'")
         self.wg = nn.Linear(model_dim, num_experts, bias=False).float()
@@ -183,6 +222,8 @@ class TopKGate(nn.Module):
         self.drop_tokens = drop_tokens
         self.use_rts = use_rts
         self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
+        #: the kept experts' weights divided by their sum; None: DeepSpeed's choice (top-1 no, top-k>1 yes)
+        self.renormalize = renormalize
         self.ep_group: object = None  # set by the MoE layer (capacity agreement without dropping)
 
     def forward(self, x: torch.Tensor) -> GateOutput:
@@ -192,9 +233,12 @@ class TopKGate(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - 1e-2, 1.0 + 1e-2)
         logits = F.linear(x, self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        renormalize = self.k > 1 if self.renormalize is None else self.renormalize
         if self.k == 1:
             return top1gating(logits, factor, self.min_capacity,
                               self.noisy_gate_policy if self.training else None, self.drop_tokens,
-                              self.use_rts, self.ep_group)
-        return top2gating(logits, factor, self.min_capacity, self.drop_tokens,
-                          self.top2_2nd_expert_sampling and self.training, self.ep_group)
+                              self.use_rts, self.ep_group, renormalize)
+        if self.k == 2:
+            return top2gating(logits, factor, self.min_capacity, self.drop_tokens,
+                              self.top2_2nd_expert_sampling and self.training, self.ep_group, renormalize)
+        return topkgating(logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group, renormalize)

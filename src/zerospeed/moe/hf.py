@@ -1,22 +1,23 @@
 """AutoEP for HuggingFace MoE models: replace each sparse-MoE block with zerospeed's expert-parallel
 layer, weights copied, so the model trains with its experts spread over ``ep_size`` ranks.
 
-``expert_parallel(model, ep_size)`` finds the blocks by structure, not by class name: a module
-with a router ``gate`` whose ``weight`` is ``[E, H]`` and ``experts`` holding fused 3-D
-``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` (transformers 5's Mixtral layout;
-Mixtral-style blocks of other families share it). Each is replaced by :class:`HFMoEBlock`, which
-keeps the block's call signature (hidden states in, hidden states out).
+``expert_parallel(model, ep_size)`` finds the blocks by structure: a module with a router ``gate``
+whose ``weight`` is ``[E, H]`` and ``experts`` holding fused 3-D ``gate_up_proj`` ``[E, 2I, H]``
+and ``down_proj`` ``[E, H, I]`` (transformers 5's layout). Each is replaced by
+:class:`HFMoEBlock`, which keeps the block's call signature (hidden states in, hidden states out).
 
-Routing equals HF's exactly: HF takes the softmax over all experts, keeps the top ``k`` and
-renormalises them; zerospeed's top-2 gate without token dropping and without second-expert noise
-computes the same weights (the argmax of the softmax is the argmax of the logits). Every token is
-kept (``drop_tokens=False``), as HF does. The load-balancing loss of the last forward is in
-``block.l_aux`` (HF computes its own from router logits when ``output_router_logits`` is set; the
-replaced router does not record them, so leave that off or add ``l_aux`` yourself).
+Routers reproduced (by class, since routers of the same shape score differently): Mixtral's,
+Qwen2-MoE's, Qwen3-MoE's and OLMoE's: softmax over all experts in float32, the top ``k`` kept,
+renormalised when the model says so (Mixtral always; the others by ``norm_topk_prob``).
+zerospeed's gate without token dropping and without noise computes the same weights for any
+``k``. Every token is kept (``drop_tokens=False``), as HF does. Qwen2-MoE's shared expert and its
+sigmoid gate stay dense modules of the block (replicated, data-parallel), added to the experts'
+output as HF adds them. The load-balancing loss of the last forward is in ``block.l_aux`` (HF
+computes its own from router logits when ``output_router_logits`` is set; the replaced router does
+not record them, so leave that off or add ``l_aux`` yourself).
 
-Refused with a clear error: ``top_k`` other than 2 (zerospeed's gate is top-1 without
-renormalisation or top-2; HF top-1 renormalises to weight 1), router jitter noise in training,
-and blocks with a shared expert (Qwen-MoE), whose layout this module does not map yet.
+Refused with a clear error: another router class (DeepSeek's grouped sigmoid scoring, PhiMoE's
+sparsemixer...), router jitter noise in training, and a shared expert without the layout above.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ import torch
 from torch import nn
 
 from zerospeed.moe.layer import MoE
+
+
+#: router class -> the attribute that says whether top-k weights are renormalised (None: always)
+ROUTERS: dict[str, str | None] = {"MixtralTopKRouter": None, "Qwen2MoeTopKRouter": "norm_topk_prob",
+                                  "Qwen3MoeTopKRouter": "norm_topk_prob", "OlmoeTopKRouter": "norm_topk_prob"}
 
 
 class SwiGLUExpert(nn.Module):
@@ -42,17 +48,27 @@ class SwiGLUExpert(nn.Module):
 
 
 class HFMoEBlock(nn.Module):
-    """Drop-in for a Mixtral-style sparse MoE block, computed by :class:`zerospeed.moe.layer.MoE`."""
+    """Drop-in for a HF sparse MoE block, computed by :class:`zerospeed.moe.layer.MoE` (plus the
+    block's shared expert, if it has one: ``out + sigmoid(shared_expert_gate(x)) * shared_expert(x)``)."""
 
-    def __init__(self, moe: MoE) -> None:
+    def __init__(self, moe: MoE, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: nn.Module | None = None) -> None:
         super().__init__()
         self.moe = moe
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
         self.l_aux = torch.zeros(())
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out, l_aux, _ = self.moe(hidden_states)
         self.l_aux = l_aux
-        return out.to(hidden_states.dtype)
+        out = out.to(hidden_states.dtype)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(hidden_states)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
+            out = out + shared
+        return out
 
 
 def _is_hf_moe_block(module: nn.Module) -> bool:
@@ -66,22 +82,28 @@ def _convert(name: str, block: nn.Module, ep_size: int) -> HFMoEBlock:
     gate_w = block.gate.weight
     gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
     num_experts, hidden = gate_w.shape
-    top_k = int(getattr(block, "top_k", getattr(block.gate, "top_k", 2)))
-    if top_k != 2:
-        raise ValueError(f"{name}: top_k={top_k}; zerospeed's expert-parallel layer reproduces HF routing for "
-                         "top_k=2 only")
+    router = type(block.gate).__name__
+    if router not in ROUTERS:
+        raise ValueError(f"{name}: router {router} is not reproduced by zerospeed's gate (supported: "
+                         f"{', '.join(ROUTERS)})")
+    top_k = int(getattr(block.gate, "top_k", getattr(block, "top_k", 2)))
+    renormalize = True if ROUTERS[router] is None else bool(getattr(block.gate, ROUTERS[router]))
     if float(getattr(block, "jitter_noise", 0.0) or 0.0) > 0:
         raise ValueError(f"{name}: router_jitter_noise > 0 is not reproduced; set it to 0")
-    if any(getattr(block, attr, None) is not None for attr in ("shared_expert", "shared_experts")):
-        raise ValueError(f"{name}: blocks with a shared expert (Qwen-MoE) are not mapped yet")
+    shared, shared_gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
+    if getattr(block, "shared_experts", None) is not None or (shared is None) != (shared_gate is None):
+        raise ValueError(f"{name}: a shared expert other than Qwen2-MoE's (shared_expert + shared_expert_gate) "
+                         "is not mapped")
     if gate_up.shape[0] != num_experts or down.shape[0] != num_experts or gate_up.shape[2] != hidden:
         raise ValueError(f"{name}: gate {tuple(gate_w.shape)}, gate_up_proj {tuple(gate_up.shape)} and down_proj "
                          f"{tuple(down.shape)} do not describe one Mixtral-style expert set")
     intermediate = down.shape[2]
     act = getattr(block.experts, "act_fn", None) or nn.SiLU()
     expert = SwiGLUExpert(hidden, intermediate, act).to(dtype=gate_up.dtype, device=gate_up.device)
-    moe = MoE(hidden, expert, num_experts=num_experts, ep_size=ep_size, k=2, drop_tokens=False, use_rts=False,
-              top2_2nd_expert_sampling=False, min_capacity=1)
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"{name}: top_k={top_k} must be between 1 and the number of experts {num_experts}")
+    moe = MoE(hidden, expert, num_experts=num_experts, ep_size=ep_size, k=top_k, drop_tokens=False, use_rts=False,
+              top2_2nd_expert_sampling=False, min_capacity=1, renormalize_topk=renormalize)
     layer = moe.deepspeed_moe
     with torch.no_grad():
         layer.gate.wg.weight.copy_(gate_w.float())
@@ -89,7 +111,7 @@ def _convert(name: str, block: nn.Module, ep_size: int) -> HFMoEBlock:
             g = int(key)
             mod.gate_up.weight.copy_(gate_up[g])
             mod.down.weight.copy_(down[g])
-    return HFMoEBlock(moe).to(device=gate_up.device)
+    return HFMoEBlock(moe, shared, shared_gate).to(device=gate_up.device)
 
 
 def expert_parallel(model: nn.Module, ep_size: int = 1) -> nn.Module:

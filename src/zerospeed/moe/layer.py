@@ -28,6 +28,10 @@ Decisions:
   ``S*k*M`` elements. The results are the same sums; dropped tokens add zeros.
 * ``use_residual`` (Residual-MoE): a dense copy of the expert runs on every token and the two
   outputs are mixed by a learned 2-way softmax coefficient, DeepSpeed's formulation.
+* ``k`` may be any number of experts up to ``num_experts`` (DeepSpeed's top-k gating above 2).
+  Two arguments are zerospeed's own: ``grouped_experts`` (see :mod:`zerospeed.moe.experts`) and
+  ``renormalize_topk`` (None: DeepSpeed's weights; True / False: the kept experts' gate values are /
+  are not divided by their sum, for HF routers that say so).
 * ``enable_expert_tensor_parallelism`` is accepted with tensor-parallel degree 1 (nothing to split)
   and refused above it with a clear error. ``use_tutel`` is accepted and ignored (a CUDA kernel
   library; the grouped path below is zerospeed's fast path).
@@ -118,7 +122,8 @@ class MoE(nn.Module):
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
                  use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
-                 top2_2nd_expert_sampling: bool = True, grouped_experts: bool = True) -> None:
+                 top2_2nd_expert_sampling: bool = True, grouped_experts: bool = True,
+                 renormalize_topk: bool | None = None) -> None:
         super().__init__()
         del use_tutel
         if not isinstance(expert, nn.Module):
@@ -129,8 +134,8 @@ class MoE(nn.Module):
                 raise ValueError(f"MoE: {name} must be a positive integer, got {value!r}")
         if num_experts % ep_size:
             raise ValueError(f"MoE: num_experts={num_experts} is not divisible by ep_size={ep_size}")
-        if k not in (1, 2):
-            raise ValueError(f"MoE: k={k} is not supported; use 1 or 2")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"MoE: k must be a positive integer, got {k!r}")
         if k > num_experts:
             raise ValueError(f"MoE: k={k} is larger than num_experts={num_experts}")
         for name, value in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
@@ -155,7 +160,7 @@ class MoE(nn.Module):
         groups = expert_groups(ep_size)
         self.expert_group_name = groups.name
         gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
-                        noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling)
+                        noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling, renormalize_topk)
         experts = Experts(expert, self.num_local_experts, groups.name, grouped=grouped_experts,
                           first_expert=groups.ep_rank * self.num_local_experts)
         self.deepspeed_moe = MOELayer(gate, experts, groups, self.num_local_experts)
