@@ -70,7 +70,7 @@ def main() -> None:
     mbs = [int(m) for m in args.mbs.split(",")]
     work = Path(tempfile.mkdtemp(prefix="zs_autotune_bench_"))
     load_start = f"{os.getloadavg()[0]:.1f}"
-    profile = {"start_profile_step": 2, "end_profile_step": 5, "exp_timeout": 600}
+    profile = {"start_profile_step": 2, "end_profile_step": 7, "exp_timeout": 600}
     info = {"num_params": 14_300_000, "activation_mem_per_sample": 20e6}  # skip the model-info runs
     space = {"optimizer": OPT, "train_micro_batch_size_per_gpu": mbs,
              "zero_optimization": {"stage": [int(x) for x in args.stages.split(",")], "overlap_comm": [False, True],
@@ -136,7 +136,7 @@ def main() -> None:
         print(row)
     if not args.no_write:
         notes = [
-            "gpt_bench (~14.3M params), 2 processes, fp32, steps 2..5 measured per experiment; the machine was "
+            "gpt_bench (~14.3M params), 2 processes, fp32, steps 3..7 timed per experiment, metric from the median step; the machine was "
             "shared with other jobs while this ran, so single measurements are noisy "
             f"(load average at start/end: {load_start} / {os.getloadavg()[0]:.1f}; niceness {os.nice(0)}).",
             f"grid best: {grid['best']}", *live_notes,

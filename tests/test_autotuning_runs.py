@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,12 @@ def test_tune_resume_and_run_at_two_processes(tmp_path: Path) -> None:
     for exp in ok:
         folder = tmp_path / "autotuning_exps" / exp
         assert {"cmd.txt", "ds_config.json", "stdout.log", "stderr.log", "metrics.json"} <= set(os.listdir(folder))
+        metrics = json.loads((folder / "metrics.json").read_text())
+        steps = metrics["step_times"]  # steps 2 and 3 (start_profile_step 1 is excluded), slowest rank each
+        assert len(steps) == 2 and all(t > 0 for t in steps)
+        assert metrics["latency"] == pytest.approx(statistics.median(steps))
+        assert metrics["throughput"] == pytest.approx(metrics["train_batch_size"] / statistics.median(steps))
+        assert metrics["latency_mean"] >= min(steps) * 0.99
     # an interruption during one experiment: its record is missing, so only it runs again
     interrupted = sorted(ok)[0]
     (tmp_path / "autotuning_exps" / interrupted / "result.json").unlink()

@@ -8,7 +8,11 @@ set, :class:`AutotuningProbe` is attached to the engine and:
   bytes of tensors saved for backward (``saved_tensors_hooks``, distinct storages) per sample:
   the activation memory the tuner's memory model scales with the micro-batch size;
 * times optimizer steps ``start_profile_step`` (exclusive) to ``end_profile_step`` (inclusive) on
-  every rank and keeps the slowest rank's time (a step is as slow as its slowest rank);
+  every rank, one duration per step, and keeps the slowest rank's duration of each step (a step
+  is as slow as its slowest rank). The metric uses the *median* of those steps, not their mean
+  (DeepSpeed's choice): one step slowed by another job on a shared machine, or by a late
+  allocation, then does not decide the ranking of two configs. The mean is recorded too
+  (``throughput_mean``, ``latency_mean``);
 * at ``end_profile_step`` writes ``metrics.json`` (throughput in samples/s, latency in s/step,
   achieved FLOP/s per rank, peak memory per rank) and/or ``model_info.json`` from rank 0, waits
   for every rank, and ends the process with exit status 0 (as DeepSpeed's engine does), so the
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import time
 from typing import Any
 
@@ -93,6 +98,8 @@ class AutotuningProbe:
         self._counter = _FirstForwardCounter(engine.module)
         # start_profile_step 0 measures from the engine's creation (first step's warm-up included)
         self._t_start: float | None = time.perf_counter() if self.start_step == 0 else None
+        self._t_last = self._t_start or 0.0
+        self._durations: list[float] = []
 
     @classmethod
     def attach(cls, engine: Any) -> AutotuningProbe | None:
@@ -106,22 +113,32 @@ class AutotuningProbe:
         step = self.engine.global_steps
         if step == self.start_step:
             comm.barrier(self.engine.dp_group)
-            self._t_start = time.perf_counter()
-        elif step >= self.end_step and self._t_start is not None:
-            self._finish(step)
+            self._t_start = self._t_last = time.perf_counter()
+        elif self._t_start is not None and step > self.start_step:
+            now = time.perf_counter()
+            self._durations.append(now - self._t_last)
+            self._t_last = now
+            if step >= self.end_step:
+                self._finish(step)
 
     def _finish(self, step: int) -> None:
         engine = self.engine
         elapsed = time.perf_counter() - (self._t_start or 0.0)
         steps = step - self.start_step
-        times = comm.all_gather_object({"elapsed": elapsed, "peak": peak_memory_bytes()}, engine.dp_group)
+        times = comm.all_gather_object({"elapsed": elapsed, "steps": self._durations, "peak": peak_memory_bytes()},
+                                       engine.dp_group)
         slowest = max(t["elapsed"] for t in times)
+        per_step = [max(t["steps"][i] for t in times) for i in range(min(len(t["steps"]) for t in times))]
+        median = statistics.median(per_step) if per_step else slowest / steps
         world = comm.get_world_size(engine.dp_group)
         per_sample_flops = self._counter.flops / max(1, self._counter.batch_size)
-        throughput = engine.train_batch_size() * steps / slowest
+        throughput = engine.train_batch_size() / median
         metrics = {
             "throughput": throughput,
-            "latency": slowest / steps,
+            "latency": median,
+            "throughput_mean": engine.train_batch_size() * steps / slowest,
+            "latency_mean": slowest / steps,
+            "step_times": per_step,
             # forward + backward ~= 3x the forward's FLOPs; per rank, per second
             "flops": 3.0 * per_sample_flops * throughput / world,
             "peak_memory_bytes": max(t["peak"] for t in times),
