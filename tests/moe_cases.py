@@ -254,19 +254,23 @@ def mixtral_tokens(rank: int) -> torch.Tensor:
     return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(7 + rank))
 
 
-def hf_mixtral_parity(ep_size: int, steps: int = 2, family: str = "mixtral") -> dict[str, float]:
+def hf_mixtral_parity(ep_size: int, steps: int = 2, family: str = "mixtral", autoep: bool = False
+                      ) -> dict[str, float]:
     """A HF Mixtral (or Qwen2-MoE) whose MoE blocks are replaced (experts over ``ep_size`` ranks), trained
-    with zerospeed ZeRO-1, vs the unmodified HF model trained by torch AdamW on the global mean loss."""
+    with zerospeed ZeRO-1, vs the unmodified HF model trained by torch AdamW on the global mean loss.
+    ``autoep``: the replacement is asked for by the config (``expert_parallel``), not done by hand."""
     import zerospeed
     from zerospeed.moe.hf import expert_parallel
 
     reset_expert_groups()
     rank, world = comm.get_rank(), comm.get_world_size()
     ref = TINY_HF[family]()
-    model = expert_parallel(TINY_HF[family](), ep_size)
+    model = TINY_HF[family]() if autoep else expert_parallel(TINY_HF[family](), ep_size)
     config = {"train_micro_batch_size_per_gpu": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
               "zero_optimization": {"stage": 1}}
+    if autoep:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": ep_size, "preset_model": family}
     engine, *_ = zerospeed.initialize(model=model, config=config)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
     worst = {"loss": 0.0, "first_logits": 0.0}

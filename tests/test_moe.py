@@ -233,10 +233,48 @@ def test_hf_router_that_scores_differently_is_refused_naming_it() -> None:
         expert_parallel(model)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_hf_moe_trains_at_ep2_matching_one_process(family: str) -> None:
-    for r in run_distributed(moe_cases.hf_mixtral_parity, 2, 2, 2, family, timeout=240):
+@pytest.mark.parametrize("family,autoep", [("mixtral", False), ("qwen2_moe", False), ("mixtral", True)])
+def test_hf_moe_trains_at_ep2_matching_one_process(family: str, autoep: bool) -> None:
+    """``autoep``: DeepSpeed's AutoEP config section (expert_parallel) does the replacement in initialize."""
+    for r in run_distributed(moe_cases.hf_mixtral_parity, 2, 2, 2, family, autoep, timeout=240):
         assert r["first_logits"] < 1e-5 and r["loss"] < 1e-5 and r["weight"] < 1e-5, r
+
+
+@pytest.mark.parametrize("section,match", [
+    ({"enabled": True, "preset_model": "deepseek_v3"}, "expert_parallel.preset_model: 'deepseek_v3' is not supported "
+                                                       "\\(DeepSpeed's preset"),
+    ({"enabled": True, "comm_backend": "deepep"}, "expert_parallel.comm_backend: 'deepep' is not supported by "
+                                                  "zerospeed's AutoEP \\(only DeepSpeed's default 'comm'\\)"),
+    ({"enabled": True, "expert_tensor_parallel_size": 2}, "expert_parallel.expert_tensor_parallel_size: 2 is not"),
+    ({"enabled": True, "load_balance_coeff": 0.01}, "expert_parallel.load_balance_coeff: 0.01 is not supported"),
+    ({"enabled": True, "top_k": 0}, "expert_parallel.top_k: 0 is not 'auto' or a positive integer"),
+    ({"enabled": True, "autoep_siz": 2}, "expert_parallel.autoep_siz"),
+])
+def test_autoep_config_errors_name_the_key(section: dict, match: str) -> None:
+    from zerospeed.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config({"train_micro_batch_size_per_gpu": 1, "expert_parallel": section})
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "expert_parallel": {"enabled": True, "autoep_size": 2,
+                                                                                "comm_backend": "comm"}})
+    assert cfg.expert_parallel.enabled and cfg.expert_parallel.autoep_size == 2
+
+
+def test_autoep_checks_the_preset_and_refuses_pipelines_and_models_without_moe() -> None:
+    import zerospeed
+    from zerospeed.config import ConfigError
+    from zerospeed.moe.autoep import refuse_with_pipeline
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "expert_parallel": {"enabled": True, "preset_model": "qwen3_moe"}}
+    with pytest.raises(ConfigError, match="expert_parallel.preset_model: 'qwen3_moe' expects Qwen3MoeTopKRouter "
+                                          "routers, but model.layers.0.mlp has MixtralTopKRouter"):
+        zerospeed.initialize(model=moe_cases.tiny_mixtral(), config=config)
+    with pytest.raises(ConfigError, match="expert_parallel.enabled: true, but Linear has no HF sparse-MoE block"):
+        zerospeed.initialize(model=nn.Linear(2, 2), config={**config, "expert_parallel": {"enabled": True}})
+    with pytest.raises(ConfigError, match="expert_parallel.enabled: AutoEP is not supported with a PipelineModule"):
+        refuse_with_pipeline({"expert_parallel": {"enabled": True}})
+    refuse_with_pipeline({"expert_parallel": {"enabled": False}})  # off: nothing to refuse
 
 
 def test_hf_mixtral_built_under_zero_init_is_replaced_with_its_values() -> None:

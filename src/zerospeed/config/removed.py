@@ -81,7 +81,6 @@ NOT_YET: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("data_efficiency", _enabled_off, "data efficiency: curriculum sampling, random-LTD"),
     ("hybrid_engine", _enabled_off, "the RLHF hybrid engine"),
     ("weight_quantization", _falsy, "weight quantization"),
-    ("expert_parallel", _enabled_off, "expert parallelism"),
     ("comet", _enabled_off, "the Comet monitor"),
     ("trackio", _enabled_off, "the Trackio monitor"),
     ("datastates", _enabled_off, "DataStates checkpointing"),

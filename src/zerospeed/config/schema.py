@@ -50,6 +50,7 @@ from .sections import (
     WandbConfig,
 )
 from .tensor_parallel import TensorParallelConfig
+from .expert_parallel import ExpertParallelConfig
 from .compression import CompressionConfig
 from .autotuning import AutotuningConfig
 from .zero import AioConfig, ZeroConfig
@@ -112,6 +113,7 @@ class ZeroSpeedConfig(Section):
     )
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)

@@ -78,7 +78,8 @@ def _is_hf_moe_block(module: nn.Module) -> bool:
             and isinstance(getattr(experts, "down_proj", None), torch.Tensor))
 
 
-def _convert(name: str, block: nn.Module, ep_size: int) -> HFMoEBlock:
+def _convert(name: str, block: nn.Module, ep_size: int, top_k_override: int | None = None,
+             renormalize_override: bool | None = None, grouped: bool = True) -> HFMoEBlock:
     gate_w = block.gate.weight
     gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
     num_experts, hidden = gate_w.shape
@@ -88,6 +89,8 @@ def _convert(name: str, block: nn.Module, ep_size: int) -> HFMoEBlock:
                          f"{', '.join(ROUTERS)})")
     top_k = int(getattr(block.gate, "top_k", getattr(block, "top_k", 2)))
     renormalize = True if ROUTERS[router] is None else bool(getattr(block.gate, ROUTERS[router]))
+    top_k = top_k if top_k_override is None else top_k_override
+    renormalize = renormalize if renormalize_override is None else renormalize_override
     if float(getattr(block, "jitter_noise", 0.0) or 0.0) > 0:
         raise ValueError(f"{name}: router_jitter_noise > 0 is not reproduced; set it to 0")
     shared, shared_gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
@@ -103,7 +106,7 @@ def _convert(name: str, block: nn.Module, ep_size: int) -> HFMoEBlock:
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"{name}: top_k={top_k} must be between 1 and the number of experts {num_experts}")
     moe = MoE(hidden, expert, num_experts=num_experts, ep_size=ep_size, k=top_k, drop_tokens=False, use_rts=False,
-              top2_2nd_expert_sampling=False, min_capacity=1, renormalize_topk=renormalize)
+              top2_2nd_expert_sampling=False, min_capacity=1, renormalize_topk=renormalize, grouped_experts=grouped)
     layer = moe.deepspeed_moe
     with torch.no_grad():
         layer.gate.wg.weight.copy_(gate_w.float())
@@ -114,12 +117,20 @@ def _convert(name: str, block: nn.Module, ep_size: int) -> HFMoEBlock:
     return HFMoEBlock(moe, shared, shared_gate).to(device=gate_up.device)
 
 
-def expert_parallel(model: nn.Module, ep_size: int = 1) -> nn.Module:
-    """Replace every Mixtral-style sparse MoE block of ``model`` in place (see the module docstring).
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, block)`` for every HF sparse-MoE block of ``model`` (by structure)."""
+    return [(n, m) for n, m in model.named_modules() if _is_hf_moe_block(m)]
 
-    Collective when ``ep_size > 1``: every rank must call it on the same model. Returns ``model``.
+
+def expert_parallel(model: nn.Module, ep_size: int = 1, top_k: int | None = None, renormalize: bool | None = None,
+                    grouped: bool = True) -> nn.Module:
+    """Replace every HF sparse MoE block of ``model`` in place (see the module docstring).
+
+    ``top_k`` / ``renormalize`` override the model's routing (None: the model's); ``grouped``: the
+    local experts as one batched computation (else a loop). Collective when ``ep_size > 1``: every
+    rank must call it on the same model. Returns ``model``.
     """
-    found = [(n, m) for n, m in model.named_modules() if _is_hf_moe_block(m)]
+    found = find_blocks(model)
     if not found:
         kinds = sorted({type(m).__name__ for m in model.modules() if "moe" in type(m).__name__.lower()})
         raise ValueError(f"expert_parallel: no Mixtral-style MoE block (gate.weight [E, H], experts.gate_up_proj "
@@ -131,6 +142,6 @@ def expert_parallel(model: nn.Module, ep_size: int = 1) -> nn.Module:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         with GatheredParameters(list(block.parameters())):  # built under zero.Init: read whole values
-            replacement = _convert(name, block, ep_size)
+            replacement = _convert(name, block, ep_size, top_k, renormalize, grouped)
         setattr(parent, attr, replacement)
     return model

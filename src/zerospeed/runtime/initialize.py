@@ -104,6 +104,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         from zerospeed.runtime import tp_setup
 
         mesh, tp_cfg = tp_setup.mesh_for(raw, mpu=mpu, mesh_param=mesh_param, pp=model.topology().get_dim("pipe"))
+        from zerospeed.moe.autoep import refuse_with_pipeline
+
+        refuse_with_pipeline(raw)
         return initialize_pipeline(model, raw, optimizer=optimizer, model_parameters=model_parameters,
                                    training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn,
                                    mesh=mesh, tp_config=tp_cfg)
@@ -117,6 +120,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     model.to(device)
     if mesh is not None:
         model = tp_setup.prepare_model(model, mesh, tp_cfg, optimizer)
+    from zerospeed.moe.autoep import apply_autoep  # expert_parallel.enabled: HF MoE blocks -> expert parallel
+
+    model = apply_autoep(model, cfg.expert_parallel)
     groups = param_groups_of(model, model_parameters)
     opt = optimizer_from_config(cfg, optimizer, groups)
     engine = ZeroSpeedEngine(model, cfg, opt, dp_group=None if mesh is None else mesh.dp_group)
