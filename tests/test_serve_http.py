@@ -1,7 +1,9 @@
 """``zerospeed serve`` over real HTTP: the command in a subprocess on a free loopback port, driven by
 the official ``openai`` client (completions and chat, streaming and not), ``httpx`` for the error
 cases and the API key, greedy output identical to ``pipeline()``, and a bounded load test (64
-concurrent streams from 16 client tasks) after which every KV block is free again.
+concurrent streams from 16 client tasks) after which every KV block is free again. The command's
+engine flags (KV-cache bytes, block size, context) are checked on the same model through
+``serve()`` in this process.
 """
 
 from __future__ import annotations
@@ -222,6 +224,36 @@ def test_invalid_json_and_server_still_serves(server, client):
     ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0,
                                    extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 3
+
+
+def test_engine_flags_size_the_kv_cache_and_the_context(model_dir):
+    """--kv-cache-memory / --block-size / --max-model-len / --max-num-seqs, parsed by the command,
+    reach the engine: the block count is the bytes over the bytes of one block, and a prompt the
+    model could take but the shorter context cannot is a 400 naming the prompt."""
+    from zerospeed.inference import serve
+    from zerospeed.inference.serving.cli import build_parser, engine_kwargs
+
+    # the module's model: 2 layers, 2 KV heads of 8, fp32, 128 positions; served in this process
+    args = build_parser().parse_args([str(model_dir), "--kv-cache-memory", "64KiB",
+                                      "--block-size", "8", "--max-model-len", "64",
+                                      "--max-num-seqs", "3"])
+    kwargs = engine_kwargs(args)
+    assert kwargs == {"kv_cache_memory": 65536, "block_size": 8, "max_model_len": 64,
+                      "max_num_seqs": 3}
+    block_bytes = 2 * 2 * 2 * 8 * 4 * 8  # layers x (K, V) x KV heads x head_dim x fp32 x block
+    with serve(model_dir, port=0, **kwargs) as handle:
+        ok = httpx.post(handle.url + "/v1/completions", timeout=30, json={
+            "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        m = httpx.get(handle.url + "/metrics", timeout=10).text
+        assert metric(m, "zerospeed_kv_blocks_free") == 65536 // block_bytes == 32
+        assert metric(m, "zerospeed_kv_blocks_used") == 0
+        models = httpx.get(handle.url + "/v1/models", timeout=10).json()
+        assert models["data"][0]["max_model_len"] == 64
+        long = httpx.post(handle.url + "/v1/completions", timeout=30, json={
+            "prompt": [10] * 70, "max_tokens": 4})  # fits the model's 128, not the 64 asked for
+        assert long.status_code == 400 and long.json()["error"]["param"] == "prompt"
+        assert "64" in long.json()["error"]["message"]
 
 
 def test_load_64_concurrent_streams_from_16_tasks(server, client):

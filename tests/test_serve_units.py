@@ -3,6 +3,8 @@ template, request validation, the command's bad flags, and the Python API (``ser
 process, its handle, and a fault injected into the engine's step, which must fail only the
 requests in that step while the server keeps serving).
 
+A graceful stop whose timeout runs out cancels the request still in flight and frees its blocks.
+
 The fault test drives ``serve(engine=...)`` with a small deterministic engine (``FakeEngine`` in
 serve_cases.py) because a real engine offers no way to make one ``step()`` raise on purpose.
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 
 import httpx
 import pytest
@@ -199,3 +203,42 @@ def test_serve_handle_fault_injection_and_port_errors(tok_dir):
     assert not handle.is_running()
     with socket.create_server(("127.0.0.1", port)):  # the port is free again
         pass
+
+
+def test_stop_cancels_in_flight_requests_after_the_shutdown_timeout(tok_dir):
+    """A graceful stop waits ``timeout`` seconds for in-flight requests, then cancels them: the
+    stop is bounded, the stream ends unfinished, and the engine holds no request or block."""
+    from zerospeed.inference import serve
+
+    engine = FakeEngine(tok_dir, num_blocks=400, max_model_len=2000, step_delay=0.01)
+    handle = serve(tok_dir, engine=engine, port=0, shutdown_timeout=30)
+    first = threading.Event()
+    result: dict = {"events": []}
+
+    def client() -> None:
+        body = {"prompt": "hello", "max_tokens": 1500, "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", handle.url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        result["events"].append(line[6:])
+                        first.set()
+        except httpx.HTTPError as e:  # the connection cut by the shutdown
+            result["error"] = e
+
+    t = threading.Thread(target=client)
+    t.start()
+    try:
+        assert first.wait(20)
+        start = time.monotonic()
+        handle.stop(timeout=0.5)  # 1500 tokens at >= 10 ms a step need 15 s or more
+        took = time.monotonic() - start
+    finally:
+        handle.stop(0)
+        t.join(30)
+    assert not t.is_alive() and not handle.is_running()
+    assert took < 8, took
+    chunks = [json.loads(e) for e in result["events"] if e != "[DONE]"]
+    assert chunks and all(c["choices"][0]["finish_reason"] != "length" for c in chunks)
+    assert 0 < engine._generated < 1500
+    assert not engine.has_unfinished() and engine._free == 400
