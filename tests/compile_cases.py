@@ -76,3 +76,51 @@ def eager_vs_compiled(stages: list[int], backend: str, seqs: tuple[int, ...] = (
         compiled["wall_s"] = time.perf_counter() - t0
         out[stage] = {"eager": eager, "compiled": compiled}
     return out
+
+
+def deep_vs_eager(stages: list[int], backend: str, precision: str = "fp32", steps: int = STEPS) -> dict:
+    """For each stage: the eager run, then the DeepCompile run (``compile.deepcompile: true``)."""
+    import torch._dynamo
+
+    global config
+    plain = config
+    out = {}
+    for stage in stages:
+        def deep(stage: int) -> dict:
+            cfg = plain(stage)
+            cfg["compile"] = {"deepcompile": True}
+            if precision == "bf16":
+                cfg["bf16"] = {"enabled": True}
+            return cfg
+
+        def eager_cfg(stage: int) -> dict:
+            cfg = plain(stage)
+            if precision == "bf16":
+                cfg["bf16"] = {"enabled": True}
+            return cfg
+
+        try:
+            config = eager_cfg
+            eager = train(stage, None, steps=steps)
+            torch._dynamo.reset()
+            config = deep
+            compiled = train(stage, backend, steps=steps)
+        finally:
+            config = plain
+        out[stage] = {"eager": eager, "compiled": compiled, "num_params": len(list(GPT(TINY).parameters()))}
+    return out
+
+
+def deepcompile_refusal() -> str:
+    """The one-line error of engine.compile() under DeepCompile with ZeRO-3 parameter offload."""
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    cfg = config(3)
+    cfg["compile"] = {"deepcompile": True}
+    cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    try:
+        engine.compile(backend="eager")
+    except ValueError as error:
+        return str(error)
+    return ""

@@ -44,19 +44,30 @@ def test_unknown_compile_kwarg_is_named():
 
 def test_unknown_pass_lists_known_passes_and_a_schedule_is_refused_without_deepcompile():
     engine = _engine()
-    state_of(engine).passes.register("gather_release", lambda gm, profile: gm)
+    state_of(engine).passes.register("my_pass", lambda gm, profile: gm)
     with pytest.raises(ValueError) as e:
-        compile_engine(engine, backend="eager", schedule=[(0, ["prefetch"])])
-    assert _one_line(e) == "unknown compile pass 'prefetch'; known passes: gather_release"
+        compile_engine(engine, backend="eager", schedule=[(0, ["prefetchh"])])
+    assert _one_line(e) == ("unknown compile pass 'prefetchh'; known passes: gather_release, insert_reduce_grads, "
+                            "my_pass, prefetch, reduce_early, selective_unshard")
     with pytest.raises(ValueError) as e:
-        compile_engine(engine, backend="eager", schedule=[(0, ["gather_release"])])
-    assert "DeepCompile" in _one_line(e)
+        compile_engine(engine, backend="eager", schedule=[(0, ["my_pass"])])
+    assert "compile.deepcompile: true" in _one_line(e)
     with pytest.raises(ValueError, match="schedule must be a list of"):
         compile_engine(engine, backend="eager", schedule="gather_release")
     with pytest.raises(TypeError, match="fn must be callable"):
         state_of(engine).passes.register("x", 3)
     with pytest.raises(ValueError, match="already registered"):
-        state_of(engine).passes.register("gather_release", lambda gm, profile: gm)
+        state_of(engine).passes.register("my_pass", lambda gm, profile: gm)
+
+
+def test_deepcompile_names_an_unsupported_backend():
+    from zerospeed.compile.deepcompile import compiler_for
+
+    assert compiler_for("inductor") == "inductor" and compiler_for("aot_eager") == "eager"
+    for backend in ("cudagraphs", lambda gm, inputs: gm):
+        with pytest.raises(ValueError) as e:
+            compiler_for(backend)
+        assert "is not supported with compile.deepcompile" in _one_line(e)
 
 
 def test_compiling_twice_is_an_error():
@@ -74,12 +85,13 @@ def test_compile_section_defaults_are_accepted():
     assert load_config(BASE).compile.passes is None
 
 
-def test_deepcompile_is_refused_in_one_line_naming_the_incompatible_option():
+def test_deepcompile_is_accepted_and_an_unbuilt_option_is_named_in_one_line():
+    cfg = load_config({**BASE, "compile": {"deepcompile": True, "passes": ["gather_release"]}})
+    assert cfg.compile.deepcompile and cfg.compile.passes == ["gather_release"]
     with pytest.raises(ConfigError) as e:
         load_config({**BASE, "compile": {"deepcompile": True, "offload_parameters": True}})
     message = _one_line(e)
-    assert message.startswith("zerospeed config: compile.deepcompile:")
-    assert "not supported by zerospeed yet" in message and "offload_parameters" in message
+    assert message.startswith("zerospeed config: compile.offload_parameters:") and "DeepCompile" in message
 
 
 @pytest.mark.parametrize("key,value", [("free_activation", True), ("offload_activation", True),
@@ -89,7 +101,7 @@ def test_deepcompile_only_options_are_named(key, value):
     with pytest.raises(ConfigError) as e:
         load_config({**BASE, "compile": {key: value}})
     message = _one_line(e)
-    assert message.startswith(f"zerospeed config: compile.{key}:") and "DeepCompile" in message
+    assert message.startswith(f"zerospeed config: compile.{key}:") and "DeepCompile" in message, message
 
 
 def test_unknown_compile_key_is_refused():

@@ -14,9 +14,11 @@ Decisions:
   dimension first changes and then treats it as dynamic; ``dynamic=True`` starts dynamic;
   ``dynamic=False`` recompiles for every new shape (bounded by torch's recompile limit). Every
   recompile is counted with its reason.
-* ``schedule`` (DeepSpeed: which DeepCompile passes run from which step) is validated - a pass
-  name must be registered, else the error lists the known ones - and then refused: passes only
-  run under DeepCompile, which zerospeed does not build yet.
+* With ``compile.deepcompile: true`` the ZeRO work moves into the graphs
+  (:mod:`zerospeed.compile.deepcompile`); ``schedule`` (DeepSpeed's: which passes run from which
+  step) is a list of ``(step, [pass names])``, each name a built-in pass or one registered with
+  ``engine.register_compile_pass`` (else the error lists the known ones). Without DeepCompile a
+  schedule is refused: passes only run under DeepCompile.
 * Compiling twice is an error (DeepSpeed would silently keep the first compilation).
 """
 
@@ -60,7 +62,7 @@ def _check_kwargs(compile_kwargs: Any) -> dict[str, Any]:
     return dict(compile_kwargs)
 
 
-def _check_schedule(schedule: Any, registry: PassRegistry) -> None:
+def _check_schedule(schedule: Any, registry: PassRegistry, deepcompile: bool = False) -> None:
     if schedule is None:
         return
     entries = list(schedule) if isinstance(schedule, (list, tuple)) else None
@@ -69,8 +71,9 @@ def _check_schedule(schedule: Any, registry: PassRegistry) -> None:
         raise ValueError(f"engine.compile: schedule must be a list of (step, [pass names]), got {schedule!r}")
     for _, names in entries:
         registry.resolve(names)  # unknown names: the error lists the known passes
-    raise ValueError("engine.compile: schedule runs graph passes, which need DeepCompile; zerospeed does not "
-                     "build DeepCompile yet (call engine.compile() without schedule)")
+    if not deepcompile:
+        raise ValueError("engine.compile: schedule runs graph passes, which need DeepCompile; set "
+                         "compile.deepcompile: true (or call engine.compile() without schedule)")
 
 
 class CompiledState:
@@ -82,14 +85,20 @@ class CompiledState:
         self.backend: str | Callable[..., Any] | None = None
         self.compile_kwargs: dict[str, Any] = {}
         self.stats = CompileStats()
+        self.deepcompile: Any = None  # zerospeed.compile.deepcompile.DeepCompile when enabled
 
     def report(self) -> dict[str, Any]:
         """Graphs, graph breaks (with reasons), recompiles (with reasons), compile time in seconds."""
         if not self.compiled:
             return {"compiled": False}
         backend = self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "callable")
-        return {"compiled": True, "backend": backend, "compile_kwargs": dict(self.compile_kwargs),
-                **self.stats.report()}
+        out = {"compiled": True, "backend": backend, "compile_kwargs": dict(self.compile_kwargs),
+               "deepcompile": self.deepcompile is not None, **self.stats.report()}
+        if self.deepcompile is not None:
+            out["schedule"] = [list(e) for e in self.deepcompile.schedule]
+            out["unsharded_buckets"] = list(self.deepcompile.kept)
+            out["graph_ops"] = dict(self.deepcompile.owner.counts)
+        return out
 
 
 def state_of(engine: Any) -> CompiledState:
@@ -108,7 +117,17 @@ def compile_engine(engine: Any, backend: str | Callable[..., Any] = "inductor",
         raise RuntimeError("engine.compile: the engine is already compiled (compile it once)")
     _check_backend(backend)
     kwargs = _check_kwargs(compile_kwargs)
-    _check_schedule(schedule, state.passes)
-    state.stats.start()
-    engine.module.compile(backend=backend, **kwargs)
+    cfg = getattr(getattr(engine, "config", None), "compile", None)
+    deepcompile = bool(getattr(cfg, "deepcompile", False))
+    _check_schedule(schedule, state.passes, deepcompile)
+    if deepcompile:
+        from .deepcompile import DeepCompile
+
+        dc = DeepCompile(engine, backend, kwargs, schedule, state.passes.resolve, getattr(cfg, "passes", None))
+        state.stats.start()
+        engine.__dict__["_zs_module_call"] = dc
+        state.deepcompile = dc
+    else:
+        state.stats.start()
+        engine.module.compile(backend=backend, **kwargs)
     state.backend, state.compile_kwargs, state.compiled = backend, kwargs, True

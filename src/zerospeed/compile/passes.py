@@ -1,9 +1,9 @@
 """The registry of named graph passes behind ``engine.register_compile_pass(name, fn)``.
 
-A pass is a function ``(graph_module, profile) -> graph_module`` over an FX graph. zerospeed builds
-no pass yet and does not run registered passes: they only run under DeepCompile, which is not
-built (``compile.deepcompile`` is refused). The registry validates names and functions now, so a
-schedule naming an unknown pass fails with the list of known ones.
+A pass is a function ``(graph_module, profile) -> graph_module`` over an FX graph. Every registry
+starts with DeepCompile's built-in passes (:mod:`zerospeed.compile.zero_passes`, plus
+``selective_unshard``, which acts at partition time); registered passes run under DeepCompile when
+a schedule names them. A schedule naming an unknown pass fails with the list of known ones.
 """
 
 from __future__ import annotations
@@ -13,9 +13,17 @@ from typing import Any, Callable, Iterable
 Pass = Callable[[Any, Any], Any]
 
 
+def _partition_time(gm: Any, profile: Any) -> Any:
+    """``selective_unshard`` acts on the joint graph at partition time; on a graph it is the identity."""
+    return gm
+
+
 class PassRegistry:
     def __init__(self) -> None:
-        self._passes: dict[str, Pass] = {}
+        from .zero_passes import PASSES
+
+        self._passes: dict[str, Pass] = dict(PASSES)
+        self._passes["selective_unshard"] = _partition_time
 
     def register(self, name: str, fn: Pass) -> None:
         if not isinstance(name, str) or not name:

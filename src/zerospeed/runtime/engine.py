@@ -199,7 +199,8 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
             check(args, kwargs)
         try:
             with autocast_context(*self._autocast, self.device.type):  # torch_autocast section
-                out = self._torch_backward.attach(self.module(*args, **kwargs))
+                call = self.__dict__.get("_zs_module_call") or self.module  # DeepCompile's compiled call
+                out = self._torch_backward.attach(call(*args, **kwargs))
         except Exception as error:  # ZeRO-3: name a submodule parameter read without being gathered
             explain = getattr(self.strategy, "explain_forward_error", None)
             hint = explain(error) if explain is not None else None

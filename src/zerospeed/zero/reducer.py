@@ -91,6 +91,22 @@ class GradientReducer:
         self._handles.clear()
 
     # -- hooks -----------------------------------------------------------------------------------
+    def accept_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """A gradient computed where autograd does not accumulate it (a DeepCompile backward graph):
+        accumulate it as autograd would, then do what the hook does (the bucket may start its reduction)."""
+        b, i = self._where[id(param)]
+        bucket = self.buckets[b]
+        with torch.no_grad():
+            if bucket.grad_mode == "persistent":
+                view = bucket.grad_view(i)
+                if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                    view.copy_(param.grad)
+                param.grad = view
+                view.add_(grad.reshape(view.shape))
+            else:
+                param.grad = grad if param.grad is None else param.grad + grad
+        self._on_grad_ready(param)
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         b, i = self._where[id(param)]
         bucket = self.buckets[b]

@@ -89,6 +89,7 @@ class Stage3Strategy:
             self.buckets, getattr(options, "offload_param", None), getattr(options, "aio", None), dp_rank)
         self.state.residency = self.swapper  # the step swaps shards in one bucket at a time
         self._resident_depth = 0  # open resident_params() blocks
+        self.graph_owned = False  # DeepCompile's graphs own gathers and reductions (hand_over_to_graph)
         self._view_hold = contextlib.ExitStack()  # shards held since shard_views() (see the module docstring)
         self._view_held = False
         self.runtime.on_begin_pass = self._end_view_hold
@@ -108,13 +109,30 @@ class Stage3Strategy:
 
         return explain_forward_error(self.module, error, is_gathered, plan_params)
 
+    def hand_over_to_graph(self) -> None:
+        """DeepCompile's graphs gather, release and reduce from now on (``zerospeed.compile.deepcompile``):
+        remove the module and gradient hooks and release every bucket; the shards stay authoritative."""
+        self.runtime.remove_hooks()
+        self.reducer.remove_hooks()
+        self.graph_owned = True
+        self._release_gathered()
+
+    def _release_gathered(self) -> None:
+        for b in self.buckets:
+            if not b.pins:
+                self.runtime.release(b)
+
     def begin_backward(self, boundary: bool) -> None:
         del boundary  # stage 3 reduces every micro-step
         self._end_view_hold()
+        if self.graph_owned:
+            return
         self.runtime.begin_backward()
         self.reducer.begin()
 
     def end_backward(self) -> None:
+        if self.graph_owned:
+            return
         try:
             self.reducer.finish()
         finally:
@@ -130,7 +148,9 @@ class Stage3Strategy:
             self._end_view_hold()
         # with offload_param the optimizer state swaps shards in bucket by bucket (state.residency)
         result = self.state.step(loss_scale * self.options.prescale, max_norm, force_skip, norm_sq_hook)
-        if not result.overflow:
+        if self.graph_owned:
+            self._release_gathered()  # a checkpoint gather may have left a (now stale) bucket gathered
+        elif not result.overflow:
             self.runtime.release_all()
             self.runtime.gather_persistent()  # persistent parameters are gathered from the new shards
         return result

@@ -1,0 +1,304 @@
+"""DeepCompile: ``engine.compile()`` with ``compile.deepcompile: true`` - the ZeRO work moves into the graphs.
+
+Decisions:
+
+* ZeRO-3. The compiled function is ``f(shards, *args) = functional_call(module, gather(shards), args)``:
+  one ``zerospeed::gather`` per bucket feeds the parameters, so Dynamo and ``aot_autograd`` see
+  full-size parameters without any hook (0 graph breaks) and the backward of each gather is that
+  bucket's reduce-scatter. The shard leaves alias the strategy's shards and their ``.grad`` is the
+  strategy's gradient shard, so autograd accumulates the reduced range in place. The strategy's
+  Python hooks are removed (``Stage3Strategy.hand_over_to_graph``) for as long as the engine lives.
+  Passes: ``gather_release`` (gather before the first use, release after the last), ``prefetch``
+  (async all-gather started early by the profile within ``stage3_prefetch_bucket_size`` +
+  ``stage3_max_live_parameters`` worth of bytes), ``selective_unshard`` (at partition time: the
+  buckets with the highest measured gather seconds per byte stay gathered from forward to backward
+  within ``unshard_budget_bytes``, default ``stage3_max_reuse_distance`` elements of the model dtype),
+  ``reduce_early`` (each reduce-scatter right after its last gradient).
+* ZeRO-0/1/2. The module itself is compiled; in the backward graph ``insert_reduce_grads`` hands the
+  gradients of each bucket to the strategy's reducer in one ``zerospeed::reduce_grads`` right after
+  the bucket's last gradient is produced (``reduce_early``); the reducer starts the bucket's reduce
+  or reduce-scatter then. Those gradients never reach autograd's accumulation, so the reducer's
+  Python hooks do not fire for them (they still serve parameters used outside the graph).
+* The schedule is a list of ``(from_step, [pass names])``; a phase that has a successor is a
+  profiling phase: its graphs run eagerly under a timing interpreter (per-node seconds, per-bucket
+  gather seconds), and the next phase is compiled (a recompile, counted) with that profile.
+  Default: ZeRO-3 ``[(0, [gather_release, reduce_early]), (1, [gather_release, prefetch,
+  selective_unshard, reduce_early])]``; ZeRO-0/1/2 ``[(0, [insert_reduce_grads, reduce_early])]``.
+* The graphs' collectives are synchronous (the gather's prefetch is the asynchronous one); the
+  ZeRO-3 watchdog does not see them (a hang is bounded by the process group's timeout).
+* Not supported with DeepCompile (refused in one line): ``offload_param`` (shards may be on NVMe
+  when a graph reads them), a callable backend (DeepCompile compiles with Inductor or runs eagerly).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from zerospeed import comm
+
+from . import ops
+from .backend import backend_fn
+from .zero_passes import PASSES, Candidate, Profile, choose_unsharded, tag_recompute
+
+ZERO3_PASSES = ("gather_release", "prefetch", "selective_unshard", "reduce_early")
+ZERO12_PASSES = ("insert_reduce_grads", "reduce_early")
+PARTITION_PASSES = ("selective_unshard",)
+
+
+def default_schedule(stage: int) -> list[tuple[int, list[str]]]:
+    if stage == 3:
+        return [(0, ["gather_release", "reduce_early"]),
+                (1, ["gather_release", "prefetch", "selective_unshard", "reduce_early"])]
+    return [(0, ["insert_reduce_grads", "reduce_early"])]
+
+
+def compiler_for(backend: Any) -> str:
+    if backend == "inductor":
+        return "inductor"
+    if backend in ("eager", "aot_eager"):
+        return "eager"
+    name = backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
+    raise ValueError(f"engine.compile: backend {name!r} is not supported with compile.deepcompile "
+                     "(DeepCompile hands its graphs to 'inductor' or runs them eagerly: 'eager' / 'aot_eager')")
+
+
+class _Stage3Owner:
+    """What the ops ask of one ZeRO-3 engine's buckets."""
+
+    def __init__(self, strategy: Any, prescale: float, comm_dtype: torch.dtype | None) -> None:
+        self.buckets = {b.index: b for b in strategy.buckets}
+        self.prescale, self.comm_dtype = prescale, comm_dtype
+        self.pending: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.counts = {"gather": 0, "prefetched": 0, "reduce_bucket": 0}  # what the graphs ran
+
+    def slot_shapes(self, bucket: int) -> list[tuple[int, ...]]:
+        return [tuple(s.shape) for s in self.buckets[bucket].layout.slots]
+
+    def shard_numel_dtype(self, bucket: int) -> tuple[int, torch.dtype]:
+        b = self.buckets[bucket]
+        return b.layout.shard_numel, b.dtype
+
+    def gather_start(self, shard: torch.Tensor, bucket: int) -> None:
+        b = self.buckets[bucket]
+        full = torch.empty(b.padded_numel, dtype=shard.dtype, device=shard.device)
+        self.pending[bucket] = (comm.all_gather(full, shard.detach(), group=b.group, async_op=True), full)
+
+    def gather(self, shard: torch.Tensor, bucket: int) -> list[torch.Tensor]:
+        b = self.buckets[bucket]
+        started = self.pending.pop(bucket, None)
+        self.counts["gather"] += 1
+        self.counts["prefetched"] += started is not None
+        if started is None:
+            full = torch.empty(b.padded_numel, dtype=shard.dtype, device=shard.device)
+            comm.all_gather(full, shard.detach(), group=b.group)
+        else:
+            started[0].wait()
+            full = started[1]
+        return [full.narrow(0, s.offset, s.numel).view(s.shape).clone() for s in b.layout.slots]
+
+    def reduce_bucket(self, grads: Sequence[torch.Tensor], bucket: int) -> torch.Tensor:
+        b = self.buckets[bucket]
+        self.counts["reduce_bucket"] += 1
+        dtype = self.comm_dtype or b.dtype
+        full = torch.zeros(b.padded_numel, dtype=dtype, device=b.device)
+        for s, g in zip(b.layout.slots, grads):
+            full.narrow(0, s.offset, s.numel).copy_(g.reshape(-1))
+        if self.prescale != 1.0:
+            full.mul_(self.prescale)
+        received = torch.empty(b.layout.shard_numel, dtype=dtype, device=b.device)
+        comm.reduce_scatter(received, full, group=b.group)
+        return received.to(b.dtype)
+
+
+class _DataParallelOwner:
+    """What ``reduce_grads`` asks of a ZeRO-0/1/2 engine: the reducer, by parameter index."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.reducer = strategy.reducer
+        self.params = [p for b in strategy.buckets for p in b.params]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.bucket_of = {id(p): bi for bi, b in enumerate(strategy.buckets) for p in b.params}
+        self.counts = {"reduce_grads": 0, "grads_in_graph": 0}  # what the graphs ran
+
+    def reduce_grads(self, grads: Sequence[torch.Tensor], params: Sequence[int]) -> None:
+        self.counts["reduce_grads"] += 1
+        self.counts["grads_in_graph"] += len(params)
+        for g, i in zip(grads, params):
+            self.reducer.accept_grad(self.params[i], g)
+
+
+class DeepCompile:
+    """One engine's DeepCompile: the compiled callable the engine's forward calls, its phases and profile."""
+
+    def __init__(self, engine: Any, backend: Any, compile_kwargs: dict[str, Any], schedule: Any,
+                 resolve: Callable[[Sequence[str]], list[Any]], passes: Sequence[str] | None = None) -> None:
+        self.engine = engine
+        self.compiler = compiler_for(backend)
+        self.compile_kwargs = compile_kwargs
+        strategy = engine.strategy
+        self.stage = engine.zero_stage
+        zcfg = engine.config.zero_optimization
+        if self.stage == 3 and getattr(strategy, "swapper", None) is not None:
+            raise ValueError("engine.compile: compile.deepcompile does not support zero_optimization.offload_param "
+                             "(a graph reads the shards directly); disable one of them")
+        self.schedule = [(int(s), list(names)) for s, names in (schedule or default_schedule(self.stage))]
+        if passes:
+            self.schedule[-1] = (self.schedule[-1][0], list(passes))
+        self.resolve = resolve
+        for _, names in self.schedule:
+            resolve(names)  # unknown names: the error lists the known passes
+        self.profiles = {"forward": Profile("forward"), "backward": Profile("backward")}
+        if self.stage == 3:
+            prescale = strategy.options.prescale
+            self.owner: Any = _Stage3Owner(strategy, prescale, strategy.options.comm_dtype)
+            elem = strategy.buckets[0].shard.element_size() if strategy.buckets else 2
+            limit = (int(zcfg.stage3_max_live_parameters) + int(zcfg.stage3_prefetch_bucket_size)) * elem
+            self.unshard_budget_bytes = int(zcfg.stage3_max_reuse_distance) * elem
+            for p in self.profiles.values():
+                p.bucket_bytes = {b.index: b.full_bytes for b in strategy.buckets}
+                p.memory_limit_bytes = limit
+            self._names = self._slot_names(engine.module, strategy.buckets)
+            strategy.hand_over_to_graph()
+        else:
+            self.owner = _DataParallelOwner(strategy)
+        self.key = ops.register_owner(self.owner)
+        for p in self.profiles.values():
+            p.owner_key = self.key
+        self.phase: int | None = None
+        self.fn: Callable[..., Any] | None = None
+        self.kept: list[int] = []
+
+    # -- the callable the engine's forward uses ---------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        phase = self._phase_at(self.engine.global_steps)
+        if phase != self.phase:
+            self._build(phase)
+        assert self.fn is not None
+        if self.stage == 3:
+            return self.fn(self._leaves(), args, kwargs)
+        return self.fn(*args, **kwargs)
+
+    def _phase_at(self, step: int) -> int:
+        current = 0
+        for i, (start, _) in enumerate(self.schedule):
+            if step >= start:
+                current = i
+        return current
+
+    def _build(self, phase: int) -> None:
+        names = self.schedule[phase][1]
+        profiling = phase + 1 < len(self.schedule)
+        graph_passes = [fn for n, fn in zip(names, self.resolve(names)) if n not in PARTITION_PASSES]
+        joint = []
+        if self.stage == 3:
+            self._gather_seconds()
+            self.kept = self._choose_kept() if "selective_unshard" in names else []
+            kept = list(self.kept)
+            joint.append(lambda gm: tag_recompute(gm, kept))
+            graph_passes.insert(0, _record_gathers)
+        be = backend_fn(graph_passes, compiler="profile" if profiling else self.compiler,
+                        profile_for=self.profiles.__getitem__, joint_passes=joint, on_profiled=self._on_profiled)
+        if self.stage == 3:
+            self.fn = torch.compile(_zero3_forward(self.engine.module, self._names, self.key), backend=be,
+                                    **self.compile_kwargs)
+        else:
+            self.fn = torch.compile(self.engine.module, backend=self._with_param_outputs(be), **self.compile_kwargs)
+        self.phase = phase
+
+    def _on_profiled(self, phase: str) -> None:
+        """After the backward of the profiling phase's last step: agree on the profile (ZeRO-3)."""
+        assert self.phase is not None
+        following = self.schedule[self.phase + 1][0]
+        if self.stage == 3 and phase == "backward" and self.engine.global_steps + 1 >= following:
+            self._agree_on_profile()
+
+    def _agree_on_profile(self) -> None:
+        """Every rank must build the same graphs (same collectives in the same order): the per-node
+        seconds become the maximum over the data-parallel group (one all-reduce, in the profiling step)."""
+        keys = [(phase, name) for phase in ("forward", "backward")
+                for name in sorted(self.profiles[phase].node_seconds)]
+        values = torch.tensor([self.profiles[ph].node_seconds[n] for ph, n in keys] + [float(len(keys))],
+                              dtype=torch.float64)
+        comm.all_reduce(values, op=comm.ReduceOp.MAX, group=self.engine.dp_group)
+        if int(values[-1].item()) != len(keys):
+            raise RuntimeError("DeepCompile: ranks profiled different graphs (node counts differ); every rank "
+                               "must run the same model code")
+        for (phase, name), v in zip(keys, values[:-1].tolist()):
+            self.profiles[phase].node_seconds[name] = v
+
+    def _choose_kept(self) -> list[int]:
+        seconds = self._gather_seconds()
+        cands = [Candidate(b, nbytes, seconds.get(b, 0.0)) for b, nbytes in self.profiles["forward"].bucket_bytes.items()]
+        return choose_unsharded(cands, self.unshard_budget_bytes)
+
+    def _gather_seconds(self) -> dict[int, float]:
+        """Per bucket: the profiled all-gather seconds (the backward's re-gather nodes, else the forward's)."""
+        out: dict[int, float] = {}
+        for phase in ("forward", "backward"):
+            prof = self.profiles[phase]
+            for name, b in prof.data.get("gather_nodes", {}).items():
+                if name in prof.node_seconds:
+                    out[b] = prof.node_seconds[name]
+        for prof in self.profiles.values():
+            prof.gather_seconds = dict(out)
+        return out
+
+    def _with_param_outputs(self, be: Callable[..., Any]) -> Callable[..., Any]:
+        """ZeRO-0/1/2: tell insert_reduce_grads which backward outputs are which parameters' gradients."""
+        owner = self.owner
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            mapping = {i: (owner.bucket_of[id(t)], owner.index[id(t)]) for i, t in enumerate(example_inputs)
+                       if id(t) in owner.index}
+            self.profiles["backward"].data["param_of_output"] = mapping
+            self.profiles["backward"].data["num_inputs"] = len(example_inputs)
+            return be(gm, example_inputs)
+
+        return backend
+
+    # -- ZeRO-3 helpers ---------------------------------------------------------------------------
+    @staticmethod
+    def _slot_names(module: torch.nn.Module, buckets: Sequence[Any]) -> list[tuple[int, list[list[str]]]]:
+        names: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        out = []
+        for b in buckets:
+            per_slot: list[list[str]] = [[] for _ in b.layout.slots]
+            for pos, p in b.live_params():
+                per_slot[pos] = names.get(id(p), [])
+            out.append((b.index, per_slot))
+        return out
+
+    def _leaves(self) -> list[torch.Tensor]:
+        leaves = []
+        for b in self.engine.strategy.buckets:
+            leaf = b.shard.detach()
+            if b.trainable and b.num_grad_params:
+                leaf.requires_grad_(True)
+                leaf.grad = b.grad_shard
+            leaves.append(leaf)
+        return leaves
+
+
+def _record_gathers(gm: torch.fx.GraphModule, profile: Profile) -> torch.fx.GraphModule:
+    """Remember which node gathers which bucket (the profiling step times them)."""
+    profile.data["gather_nodes"] = {n.name: int(n.args[2]) for n in gm.graph.nodes if n.target is ops.GATHER}
+    return gm
+
+
+def _zero3_forward(module: torch.nn.Module, names: list[tuple[int, list[list[str]]]], key: int) -> Callable[..., Any]:
+    from torch.func import functional_call
+
+    def zero3_forward(shards: list[torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        values: dict[str, torch.Tensor] = {}
+        for (bucket, slot_names), shard in zip(names, shards):
+            full = ops.gather(shard, key, bucket)
+            for slot, slot_name_list in enumerate(slot_names):
+                for name in slot_name_list:
+                    values[name] = full[slot]
+        return functional_call(module, values, args, kwargs)
+
+    return zero3_forward

@@ -1,0 +1,134 @@
+"""The collectives of DeepCompile as custom ops (``torch.library``), so they can live inside graphs.
+
+Every op forwards to an *owner* - the object that knows the buckets of one engine - looked up by an
+integer key (a graph holds only plain ints, no Python objects). The owners call
+:mod:`zerospeed.comm`, so every collective a graph runs is counted like the eager ones.
+
+* ``zerospeed::gather(shard, key, bucket) -> Tensor[]`` - ZeRO-3: the parameters of one
+  bucket, whole, from this rank's flat shard (one all-gather). Differentiable: its backward is
+  ``reduce_bucket`` (the gradient of the shard is this rank's reduce-scattered range), so the
+  reduce-scatter of each bucket is a node of the backward graph. The outputs are views of one
+  freshly gathered flat buffer (one allocation per bucket, no copy).
+* ``zerospeed::gather_start(shard, key, bucket) -> Tensor`` - starts the all-gather of a bucket
+  asynchronously (prefetch); it returns an empty token that the matching
+  ``zerospeed::gather_wait(shard, key, bucket, token)`` takes (it replaces the ``gather`` in the
+  partitioned graph: same outputs, waits for the started all-gather), so the order is a data
+  dependency that no compiler can reorder.
+* ``zerospeed::release(ts)`` - frees the storage of a gathered bucket (resizes it to 0 bytes) after
+  its last use; only placed where nothing later reads any view of it (see ``zero_passes``).
+* ``zerospeed::reduce_bucket(grads, key, bucket) -> Tensor`` - ZeRO-3: one reduce-scatter of a bucket's
+  gradients; returns this rank's shard of the sum (model dtype).
+* ``zerospeed::reduce_grads(grads, key, params)`` - ZeRO-1/2 (and 0): hands the gradients of the
+  listed parameters (indices into the owner's parameter table) to the strategy's reducer, which
+  accumulates them into its bucket buffers and starts each bucket's reduce(-scatter) as soon as
+  the bucket is complete. Declared as mutating ``grads`` so that no dead-code elimination drops it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+
+_OWNERS: dict[int, "weakref.ref[Any]"] = {}
+_KEYS = itertools.count(1)
+
+
+def register_owner(owner: Any) -> int:
+    """A key for ``owner`` (held weakly: a dropped engine frees its buckets)."""
+    key = next(_KEYS)
+    _OWNERS[key] = weakref.ref(owner)
+    return key
+
+
+def owner_of(key: int) -> Any:
+    ref = _OWNERS.get(key)
+    owner = ref() if ref is not None else None
+    if owner is None:
+        raise RuntimeError(f"zerospeed compile op: no live engine for key {key} (was the engine destroyed?)")
+    return owner
+
+
+@torch.library.custom_op("zerospeed::gather", mutates_args=())
+def gather(shard: torch.Tensor, key: int, bucket: int) -> list[torch.Tensor]:
+    return owner_of(key).gather(shard, bucket)
+
+
+@gather.register_fake
+def _gather_fake(shard: torch.Tensor, key: int, bucket: int) -> list[torch.Tensor]:
+    return [shard.new_empty(shape) for shape in owner_of(key).slot_shapes(bucket)]
+
+
+@torch.library.custom_op("zerospeed::gather_wait", mutates_args=())
+def gather_wait(shard: torch.Tensor, key: int, bucket: int, token: torch.Tensor) -> list[torch.Tensor]:
+    return owner_of(key).gather(shard, bucket)
+
+
+@gather_wait.register_fake
+def _gather_wait_fake(shard: torch.Tensor, key: int, bucket: int, token: torch.Tensor) -> list[torch.Tensor]:
+    return [shard.new_empty(shape) for shape in owner_of(key).slot_shapes(bucket)]
+
+
+@torch.library.custom_op("zerospeed::gather_start", mutates_args=())
+def gather_start(shard: torch.Tensor, key: int, bucket: int) -> torch.Tensor:
+    owner_of(key).gather_start(shard, bucket)
+    return shard.new_empty(0)
+
+
+@gather_start.register_fake
+def _gather_start_fake(shard: torch.Tensor, key: int, bucket: int) -> torch.Tensor:
+    return shard.new_empty(0)
+
+
+@torch.library.custom_op("zerospeed::release", mutates_args=("ts",))
+def release(ts: list[torch.Tensor]) -> None:
+    for t in ts:
+        t.untyped_storage().resize_(0)
+
+
+@release.register_fake
+def _release_fake(ts: list[torch.Tensor]) -> None:
+    return None
+
+
+@torch.library.custom_op("zerospeed::reduce_bucket", mutates_args=())
+def reduce_bucket(grads: list[torch.Tensor], key: int, bucket: int) -> torch.Tensor:
+    return owner_of(key).reduce_bucket(grads, bucket)
+
+
+@reduce_bucket.register_fake
+def _reduce_bucket_fake(grads: list[torch.Tensor], key: int, bucket: int) -> torch.Tensor:
+    numel, dtype = owner_of(key).shard_numel_dtype(bucket)
+    return grads[0].new_empty(numel, dtype=dtype)
+
+
+def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.key, ctx.bucket, ctx.num_inputs = inputs[1], inputs[2], len(inputs)
+
+
+def _gather_backward(ctx: Any, grads: list[torch.Tensor]) -> tuple[Any, ...]:
+    return (reduce_bucket(list(grads), ctx.key, ctx.bucket),) + (None,) * (ctx.num_inputs - 1)
+
+
+gather.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+@torch.library.custom_op("zerospeed::reduce_grads", mutates_args=("grads",))
+def reduce_grads(grads: list[torch.Tensor], key: int, params: list[int]) -> None:
+    owner_of(key).reduce_grads(grads, params)
+
+
+@reduce_grads.register_fake
+def _reduce_grads_fake(grads: list[torch.Tensor], key: int, params: list[int]) -> None:
+    return None
+
+
+GATHER = torch.ops.zerospeed.gather.default
+GATHER_WAIT = torch.ops.zerospeed.gather_wait.default
+GATHER_START = torch.ops.zerospeed.gather_start.default
+RELEASE = torch.ops.zerospeed.release.default
+REDUCE_BUCKET = torch.ops.zerospeed.reduce_bucket.default
+REDUCE_GRADS = torch.ops.zerospeed.reduce_grads.default
+COLLECTIVES = (GATHER, GATHER_WAIT, GATHER_START, REDUCE_BUCKET, REDUCE_GRADS)

@@ -1,0 +1,250 @@
+"""ZeRO graph passes: data in, data out. Each pass is ``(graph_module, profile) -> graph_module`` over a
+forward or backward graph that ``aot_autograd`` produced with the ops of :mod:`zerospeed.compile.ops`.
+
+* :func:`gather_release` (ZeRO-3) - each ``gather`` moves to right before the first node that reads
+  one of its parameters, and a ``release`` of the bucket goes right after the last node that reads
+  any of them (or a view of them). A bucket some view of which leaves the graph (saved for the
+  backward: a bucket kept by selective unsharding) is not released.
+* :func:`prefetch` (ZeRO-3) - a ``gather_start`` for each gather, as early as the profile says it
+  must start to hide its all-gather behind the compute before it, but never where the bytes of
+  the buckets gathered or in flight would exceed ``profile.memory_limit_bytes``.
+* :func:`reduce_early` (all stages) - each reduction (``reduce_bucket``, ``reduce_grads``) moves to
+  right after the node that produces its last gradient.
+* :func:`insert_reduce_grads` (ZeRO-0/1/2) - the backward graph's gradient outputs of the engine's
+  parameters go to one ``reduce_grads`` per bucket, and the outputs become ``None`` (autograd never
+  accumulates them: the strategy's reducer owns them, so its Python hooks do not fire for them).
+* :func:`choose_unsharded` and :func:`tag_recompute` (ZeRO-3, at partition time) - selective
+  unsharding: the buckets whose re-gather costs most per byte stay gathered from the forward to the
+  backward while they fit a byte budget; every other bucket is re-gathered in the backward (its
+  gather is tagged "must recompute" for the partitioner, so the backward graph gets its own gather).
+
+The profile (:class:`Profile`) carries what the passes read: per-node seconds from the profiling
+step, bytes and all-gather seconds per bucket, and the limits. Missing figures (before any
+profiling step) fall back to byte counts, which is the order a profile would give on a uniform link.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .ops import GATHER, GATHER_START, GATHER_WAIT, REDUCE_BUCKET, REDUCE_GRADS, RELEASE
+
+GATHERS = (GATHER, GATHER_WAIT)
+
+
+@dataclass
+class Profile:
+    """What a pass may read. ``phase``: "forward" or "backward"."""
+
+    phase: str = "forward"
+    node_seconds: dict[str, float] = field(default_factory=dict)  # per node name, from the profiling step
+    bucket_bytes: dict[int, int] = field(default_factory=dict)  # full (gathered) bytes of each bucket
+    gather_seconds: dict[int, float] = field(default_factory=dict)  # measured all-gather time per bucket
+    memory_limit_bytes: int | None = None  # gathered + in-flight bucket bytes the prefetch may reach
+    owner_key: int = 0
+    data: dict[str, Any] = field(default_factory=dict)  # free-form (e.g. "param_of_output" for ZeRO-1/2)
+
+
+def _bucket(n: Node) -> int:
+    return int(n.args[2])
+
+
+def _order(gm: GraphModule) -> dict[Node, int]:
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def _aliases(n: Node) -> list[Node]:
+    """``n`` and every node that is a getitem or a view of it, transitively."""
+    out, stack = [], [n]
+    while stack:
+        x = stack.pop()
+        out.append(x)
+        for u in x.users:
+            if u.op == "call_function" and (u.target is operator.getitem or getattr(u.target, "is_view", False)):
+                stack.append(u)
+    return out
+
+
+def _real_users(n: Node) -> list[Node]:
+    """Nodes that read one of the bucket's tensors (other than to alias it or release it)."""
+    aliases = set(_aliases(n))
+    return [u for a in aliases for u in a.users if u not in aliases and u.target is not RELEASE]
+
+
+def _finish(gm: GraphModule) -> GraphModule:
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def gather_release(gm: GraphModule, profile: Profile) -> GraphModule:
+    """Gather right before the first use, release right after the last (see the module docstring)."""
+    graph = gm.graph
+    for g in [n for n in graph.nodes if n.target in GATHERS]:
+        order = _order(gm)
+        users = sorted(_real_users(g), key=order.__getitem__)
+        getitems = sorted((u for u in g.users if u.target is operator.getitem), key=order.__getitem__)
+        if users and order[users[0]] > order[g]:
+            first = users[0]
+            # the gather and the chain of aliases between it and its first reader move together
+            chain = [a for a in sorted(_aliases(g), key=order.__getitem__) if order[a] < order[first]]
+            for a in chain:
+                first.prepend(a)
+        if any(u.op == "output" for u in users):
+            continue  # a view of it leaves the graph (saved for backward): released by whoever holds it
+        if not getitems:
+            continue
+        order = _order(gm)
+        last = max(users, key=order.__getitem__) if users else max(getitems, key=order.__getitem__)
+        with graph.inserting_after(last):
+            graph.call_function(RELEASE, (list(getitems),)).meta["val"] = None
+    return _finish(gm)
+
+
+def prefetch(gm: GraphModule, profile: Profile) -> GraphModule:
+    """Start each bucket's all-gather early enough to hide it, within the memory limit."""
+    graph = gm.graph
+    limit = profile.memory_limit_bytes
+    gathers = [n for n in graph.nodes if n.target is GATHER]
+    for g in gathers:
+        b = _bucket(g)
+        nbytes = profile.bucket_bytes.get(b, 0)
+        need_s = profile.gather_seconds.get(b, float("inf"))
+        live = live_bytes(gm, profile)
+        nodes = list(graph.nodes)
+        pos = nodes.index(g)
+        start, hidden = pos, 0.0
+        while start > 0:
+            prev = nodes[start - 1]
+            if prev.op == "placeholder" or prev is g.args[0]:
+                break
+            if hidden >= need_s:
+                break
+            # starting before ``prev`` puts the bucket in flight from the state after the node before it
+            if limit is not None and start >= 2 and live[start - 2] + nbytes > limit:
+                break
+            hidden += profile.node_seconds.get(prev.name, 0.0)
+            start -= 1
+        if start == pos:
+            continue
+        with graph.inserting_before(nodes[start]):
+            token = graph.call_function(GATHER_START, (g.args[0], g.args[1], g.args[2]))
+        shard_val = g.args[0].meta.get("val") if isinstance(g.args[0], Node) else None
+        if shard_val is not None:  # compilers (Inductor) read each node's fake value
+            token.meta["val"] = shard_val.new_empty(0)
+        g.target = GATHER_WAIT
+        g.args = (g.args[0], g.args[1], g.args[2], token)
+    return _finish(gm)
+
+
+def live_bytes(gm: GraphModule, profile: Profile) -> list[int]:
+    """Bytes of buckets gathered or in flight *after* each node (in graph order)."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    delta = [0] * (len(nodes) + 1)
+    for g in (n for n in nodes if n.target in GATHERS):
+        nbytes = profile.bucket_bytes.get(_bucket(g), 0)
+        token = g.args[3] if len(g.args) > 3 else None
+        begin = order[token] if isinstance(token, Node) else order[g]
+        releases = [u for a in _aliases(g) for u in a.users if u.target is RELEASE]
+        end = order[releases[0]] if releases else len(nodes) - 1
+        delta[begin] += nbytes
+        delta[end] -= nbytes
+    out, run = [], 0
+    for i in range(len(nodes)):
+        run += delta[i]
+        out.append(run)
+    return out
+
+
+def reduce_early(gm: GraphModule, profile: Profile) -> GraphModule:
+    """Each reduction right after the node producing its last gradient."""
+    for r in [n for n in gm.graph.nodes if n.target in (REDUCE_BUCKET, REDUCE_GRADS)]:
+        order = _order(gm)
+        inputs = [a for a in r.all_input_nodes]
+        if not inputs:
+            continue
+        last = max(inputs, key=order.__getitem__)
+        if order[r] > order[last] + 1:
+            last.append(r)
+    return _finish(gm)
+
+
+def insert_reduce_grads(gm: GraphModule, profile: Profile) -> GraphModule:
+    """ZeRO-0/1/2: route the parameters' gradient outputs to one ``reduce_grads`` per bucket.
+
+    ``profile.data["param_of_output"]``: output position -> (bucket index, parameter index); the
+    parameter index is what the owner's ``reduce_grads`` resolves."""
+    mapping: dict[int, tuple[int, int]] = profile.data.get("param_of_output", {})
+    if not mapping:
+        return gm
+    graph = gm.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    values = list(out.args[0])
+    expected = profile.data.get("num_inputs")
+    if expected is not None and expected != len(values):
+        raise RuntimeError(f"insert_reduce_grads: the backward graph has {len(values)} outputs for {expected} "
+                           "forward inputs; cannot tell which gradient is which parameter's")
+    for i in mapping:
+        if i >= len(values):
+            raise ValueError(f"insert_reduce_grads: output {i} does not exist (the graph has {len(values)})")
+    by_bucket: dict[int, list[tuple[int, int]]] = {}
+    for i, (b, p) in sorted(mapping.items()):
+        if isinstance(values[i], Node):
+            by_bucket.setdefault(b, []).append((i, p))
+    order = _order(gm)
+    for b, entries in sorted(by_bucket.items()):
+        grads = [values[i] for i, _ in entries]
+        last = max(grads, key=order.__getitem__)
+        with graph.inserting_after(last):
+            graph.call_function(REDUCE_GRADS, (grads, profile.owner_key, [p for _, p in entries])).meta["val"] = None
+        for i, _ in entries:
+            values[i] = None
+    out.args = (type(out.args[0])(values),) if isinstance(out.args[0], (list, tuple)) else (values,)
+    return _finish(gm)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: Any
+    nbytes: int
+    regather_cost_s: float  # what re-gathering it in the backward costs per step
+
+
+def choose_unsharded(candidates: Iterable[Candidate], budget_bytes: int) -> list[Any]:
+    """Names to keep gathered: highest ``regather_cost_s / nbytes`` first, while they fit the budget."""
+    if budget_bytes < 0:
+        raise ValueError(f"choose_unsharded: budget_bytes must be >= 0, got {budget_bytes}")
+    chosen, left = [], budget_bytes
+    for c in sorted(candidates, key=lambda c: (-(c.regather_cost_s / max(c.nbytes, 1)), str(c.name))):
+        if c.nbytes <= left:
+            chosen.append(c.name)
+            left -= c.nbytes
+    return chosen
+
+
+def tag_recompute(joint: GraphModule, keep: Iterable[int] = ()) -> GraphModule:
+    """Joint graph: every gather (and its aliases) of a bucket not in ``keep`` must be recomputed in
+    the backward, so the forward does not hold the gathered parameters until the backward."""
+    kept = set(keep)
+    for g in [n for n in joint.graph.nodes if n.target is GATHER]:
+        if _bucket(g) in kept:
+            continue
+        for a in _aliases(g):
+            a.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            a.meta["ac_graph_id"] = 0
+    return joint
+
+
+PASSES = {
+    "gather_release": gather_release,
+    "prefetch": prefetch,
+    "reduce_early": reduce_early,
+    "insert_reduce_grads": insert_reduce_grads,
+}

@@ -1,0 +1,244 @@
+"""DeepCompile's graph passes on small FX graphs, without processes: gather/release placement,
+prefetch within a memory limit, selective unsharding by cost per byte, reductions placed right
+after their last gradient, ZeRO-1/2 gradient outputs routed to the reducer, and backend_fn running
+passes over the forward and backward graphs. A local owner stands in for an engine's buckets."""
+
+import operator
+
+import pytest
+import torch
+from torch.fx import Graph, GraphModule
+from torch.utils.checkpoint import CheckpointPolicy
+
+from zerospeed.compile import ops
+from zerospeed.compile.backend import backend_fn, run_passes
+from zerospeed.compile.zero_passes import (Candidate, Profile, choose_unsharded, gather_release, insert_reduce_grads,
+                                           live_bytes, prefetch, reduce_early, tag_recompute)
+
+SHAPES = {0: [(4, 5)], 1: [(5, 2)], 2: [(2, 2)]}
+
+
+class LocalOwner:
+    """Buckets of one parameter each; the 'shard' is the whole flat parameter (world of one)."""
+
+    def __init__(self):
+        self.log = []
+
+    def slot_shapes(self, b):
+        return SHAPES[b]
+
+    def shard_numel_dtype(self, b):
+        return sum(torch.Size(s).numel() for s in SHAPES[b]), torch.float32
+
+    def gather_start(self, shard, b):
+        self.log.append(("start", b))
+
+    def gather(self, shard, b):
+        self.log.append(("gather", b))
+        return [shard.reshape(SHAPES[b][0]).clone()]
+
+    def reduce_bucket(self, grads, b):
+        self.log.append(("reduce", b))
+        return torch.cat([g.reshape(-1) for g in grads])
+
+    def reduce_grads(self, grads, params):
+        self.log.append(("reduce_grads", tuple(params)))
+
+
+OWNER = LocalOwner()
+KEY = ops.register_owner(OWNER)
+
+
+def three_layer_graph() -> GraphModule:
+    """x -> relu(x @ w0) -> @ w1 -> @ w2 with all gathers at the top (as aot_autograd traces them)."""
+    g = Graph()
+    x = g.placeholder("x")
+    shards = [g.placeholder(f"shard{i}") for i in range(3)]
+    ws = []
+    for i, s in enumerate(shards):
+        gathered = g.call_function(ops.GATHER, (s, KEY, i))
+        ws.append(g.call_function(operator.getitem, (gathered, 0)))
+    h = g.call_function(torch.ops.aten.mm.default, (x, ws[0]))
+    h = g.call_function(torch.ops.aten.relu.default, (h,))
+    h = g.call_function(torch.ops.aten.mm.default, (h, ws[1]))
+    h = g.call_function(torch.ops.aten.mm.default, (h, ws[2]))
+    g.output((h,))
+    return GraphModule(torch.nn.Module(), g)
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return [torch.randn(3, 4), torch.randn(20), torch.randn(10), torch.randn(4)]
+
+
+def _names(gm):
+    return [(n.target.name() if hasattr(n.target, "name") else str(n.target)) for n in gm.graph.nodes
+            if n.op == "call_function"]
+
+
+def test_gather_goes_right_before_the_first_use_and_release_right_after_the_last():
+    gm = three_layer_graph()
+    args = _inputs()
+    (expected,) = gm(*args)
+    gather_release(gm, Profile())
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    for g in (n for n in nodes if n.target is ops.GATHER):
+        item = next(iter(g.users))
+        (user,) = [u for u in item.users if u.target is not ops.RELEASE]
+        (rel,) = [u for u in item.users if u.target is ops.RELEASE]
+        assert pos[item] == pos[g] + 1 and pos[user] == pos[item] + 1  # gathered just before its use
+        assert pos[rel] == pos[user] + 1  # released right after its last use
+    OWNER.log.clear()
+    (got,) = gm(*args)
+    assert torch.equal(got, expected)
+    assert OWNER.log == [("gather", 0), ("gather", 1), ("gather", 2)]
+    assert [t for t in _names(gm) if "zerospeed" in t] == ["zerospeed::gather", "zerospeed::release"] * 3
+
+
+def test_a_bucket_saved_for_backward_is_not_released():
+    gm = three_layer_graph()
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    item1 = [n for n in gm.graph.nodes if n.target is operator.getitem][1]
+    view = gm.graph.call_function(torch.ops.aten.t.default, (item1,))
+    out.prepend(view)
+    out.args = ((out.args[0][0], view),)  # a view of w1 leaves the graph (saved for the backward)
+    gm.recompile()
+    gather_release(gm, Profile())
+    released = [n.args[0][0].args[0].args[2] for n in gm.graph.nodes if n.target is ops.RELEASE]
+    assert sorted(released) == [0, 2]
+
+
+def test_prefetch_starts_gathers_early_but_never_beyond_the_memory_limit():
+    seconds = {"mm_default": 1.0, "relu_default": 1.0, "mm_default_1": 1.0, "mm_default_2": 1.0}
+    nbytes = {0: 80, 1: 40, 2: 16}
+
+    def run(limit):
+        gm = gather_release(three_layer_graph(), Profile())
+        prof = Profile(node_seconds=seconds, bucket_bytes=nbytes, gather_seconds={0: 9.0, 1: 9.0, 2: 9.0},
+                       memory_limit_bytes=limit)
+        prefetch(gm, prof)
+        return gm, prof
+
+    # unlimited: buckets 1 and 2 start right after the inputs (bucket 0 is used first: nothing to hide it)
+    gm, prof = run(None)
+    nodes = list(gm.graph.nodes)
+    starts = [n for n in nodes if n.target is ops.GATHER_START]
+    assert sorted(s.args[2] for s in starts) == [1, 2]
+    assert all(nodes[i].op == "placeholder" for i in range(4)) and all(nodes.index(s) <= 5 for s in starts)
+    assert max(live_bytes(gm, prof)) == 136
+    # a limit of 100 bytes: bucket 1 (40) may not start while bucket 0 (80) is live; bucket 2 (16) may
+    gm, prof = run(100)
+    assert max(live_bytes(gm, prof)) <= 100
+    nodes = list(gm.graph.nodes)
+    start = {s.args[2]: nodes.index(s) for s in nodes if s.target is ops.GATHER_START}
+    release0 = next(nodes.index(n) for n in nodes if n.target is ops.RELEASE
+                    and n.args[0][0].args[0].args[2] == 0)
+    assert start[1] > release0  # waited for bucket 0's release
+    waits = {n.args[2]: n for n in nodes if n.target is ops.GATHER_WAIT}
+    assert all(waits[b].args[3].target is ops.GATHER_START for b in start)
+    # the rewritten graph still computes the same thing
+    gm0 = three_layer_graph()
+    args = _inputs()
+    OWNER.log.clear()
+    assert torch.equal(gm(*args)[0], gm0(*args)[0])
+    assert ("start", 1) in OWNER.log and OWNER.log.index(("start", 1)) < OWNER.log.index(("gather", 1))
+    # a profile saying the all-gather is short keeps the start close to the gather
+    gm = gather_release(three_layer_graph(), Profile())
+    prefetch(gm, Profile(node_seconds=seconds, bucket_bytes=nbytes, gather_seconds={0: 0.5, 1: 0.5, 2: 0.5}))
+    nodes = list(gm.graph.nodes)
+    for s in (n for n in nodes if n.target is ops.GATHER_START):
+        wait = next(n for n in nodes if n.target is ops.GATHER_WAIT and n.args[3] is s)
+        between = nodes[nodes.index(s) + 1:nodes.index(wait)]
+        assert 0.5 <= sum(seconds.get(n.name, 0.0) for n in between) <= 1.0  # just enough to hide it
+
+
+def test_selective_unsharding_picks_by_cost_per_byte_within_the_budget():
+    cands = [Candidate("big_cheap", 1000, 1.0), Candidate("small_costly", 100, 0.5),
+             Candidate("mid", 400, 1.0), Candidate("tiny", 10, 0.001)]
+    # per byte: small_costly 5e-3, mid 2.5e-3, big_cheap 1e-3, tiny 1e-4
+    assert choose_unsharded(cands, 520) == ["small_costly", "mid", "tiny"]
+    assert choose_unsharded(cands, 100) == ["small_costly"]
+    assert choose_unsharded(cands, 0) == []
+    assert choose_unsharded(cands, 10_000) == ["small_costly", "mid", "big_cheap", "tiny"]
+    with pytest.raises(ValueError, match="budget_bytes must be >= 0"):
+        choose_unsharded(cands, -1)
+
+
+def test_tag_recompute_marks_every_gather_but_the_kept_ones():
+    gm = tag_recompute(three_layer_graph(), keep=[1])
+    for n in gm.graph.nodes:
+        if n.target is ops.GATHER or n.target is operator.getitem:
+            bucket = (n if n.target is ops.GATHER else n.args[0]).args[2]
+            want = None if bucket == 1 else CheckpointPolicy.MUST_RECOMPUTE
+            assert n.meta.get("recompute") == want
+
+
+def test_reduce_early_and_insert_reduce_grads():
+    g = Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    ga = g.call_function(torch.ops.aten.mul.Tensor, (a, 2.0))
+    other = g.call_function(torch.ops.aten.exp.default, (b,))
+    gb = g.call_function(torch.ops.aten.mul.Tensor, (other, 3.0))
+    gc = g.call_function(torch.ops.aten.neg.default, (other,))
+    g.output((ga, gb, gc, None))
+    gm = GraphModule(torch.nn.Module(), g)
+    prof = Profile(phase="backward", owner_key=KEY,
+                   data={"param_of_output": {0: (0, 10), 1: (1, 11), 2: (0, 12)}, "num_inputs": 4})
+    insert_reduce_grads(gm, prof)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert list(out.args[0]) == [None, None, None, None]
+    reds = [n for n in gm.graph.nodes if n.target is ops.REDUCE_GRADS]
+    assert [(len(r.args[0]), r.args[2]) for r in reds] == [(1, [11]), (2, [10, 12])]  # in graph order
+    nodes = list(gm.graph.nodes)
+    for r in reds:  # right after the last gradient of its bucket
+        assert nodes.index(r) == max(nodes.index(x) for x in r.args[0]) + 1
+    # reduce_early moves a reduction that sits late up to its last input
+    late = Graph()
+    x = late.placeholder("x")
+    grad = late.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    busy = late.call_function(torch.ops.aten.exp.default, (x,))
+    red = late.call_function(ops.REDUCE_BUCKET, ([grad], KEY, 2))
+    late.output((busy, red))
+    lm = reduce_early(GraphModule(torch.nn.Module(), late), Profile())
+    assert [n.target for n in lm.graph.nodes][1:4] == [torch.ops.aten.mul.Tensor, ops.REDUCE_BUCKET,
+                                                       torch.ops.aten.exp.default]
+    with pytest.raises(RuntimeError, match="4 outputs for 5 forward inputs"):
+        insert_reduce_grads(GraphModule(torch.nn.Module(), g), Profile(data={"param_of_output": {0: (0, 1)},
+                                                                            "num_inputs": 5}))
+
+
+def test_backend_fn_runs_passes_over_forward_and_backward_graphs():
+    seen = []
+
+    def record(gm, profile):
+        seen.append((profile.phase, profile.data["tag"], len(gm.graph.nodes)))
+        return gm
+
+    w = torch.randn(4, 3, requires_grad=True)
+
+    def step(x):
+        return torch.tanh(x @ w).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend_fn([record], {"tag": 7}))
+    x = torch.randn(2, 4)
+    loss = compiled(x)
+    loss.backward()
+    grad = w.grad.clone()
+    w.grad = None
+    step(x).backward()
+    assert torch.allclose(grad, w.grad, rtol=1e-6, atol=1e-7)
+    assert [p for p, _, _ in seen] == ["forward", "backward"] and all(t == 7 for _, t, _ in seen)
+
+
+def test_a_pass_that_does_not_return_a_graph_is_named():
+    def bad_pass(gm, profile):
+        return None
+
+    with pytest.raises(TypeError, match="compile pass bad_pass returned NoneType"):
+        run_passes(three_layer_graph(), [bad_pass], Profile())
+    with pytest.raises(TypeError, match="a pass must be callable"):
+        backend_fn([3])
+    with pytest.raises(ValueError, match="compiler must be one of inductor, eager, profile"):
+        backend_fn([], compiler="tvm")
