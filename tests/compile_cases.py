@@ -30,14 +30,14 @@ def batch(step: int, seq: int = TINY.seq_len) -> tuple[torch.Tensor, torch.Tenso
 
 
 def train(stage: int, backend: str | None, steps: int = STEPS, seqs: tuple[int, ...] = (),
-          compile_kwargs: dict | None = None) -> dict:
+          compile_kwargs: dict | None = None, schedule: list | None = None) -> dict:
     """Train ``steps`` steps (then one per extra sequence length in ``seqs``); per-step mean loss
     over ranks, collective calls per step, consolidated weights and the compile report."""
     torch.manual_seed(0)
     model = GPT(TINY)
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config(stage))
     if backend is not None:
-        engine.compile(backend=backend, compile_kwargs=compile_kwargs or {})
+        engine.compile(backend=backend, compile_kwargs=compile_kwargs or {}, schedule=schedule)
     rank, world = dist.get_rank(), dist.get_world_size()
     losses, calls = [], []
     lengths = [TINY.seq_len] * steps + list(seqs)
@@ -78,7 +78,8 @@ def eager_vs_compiled(stages: list[int], backend: str, seqs: tuple[int, ...] = (
     return out
 
 
-def deep_vs_eager(stages: list[int], backend: str, precision: str = "fp32", steps: int = STEPS) -> dict:
+def deep_vs_eager(stages: list[int], backend: str, precision: str = "fp32", steps: int = STEPS,
+                  schedule: list | None = None) -> dict:
     """For each stage: the eager run, then the DeepCompile run (``compile.deepcompile: true``)."""
     import torch._dynamo
 
@@ -104,23 +105,26 @@ def deep_vs_eager(stages: list[int], backend: str, precision: str = "fp32", step
             eager = train(stage, None, steps=steps)
             torch._dynamo.reset()
             config = deep
-            compiled = train(stage, backend, steps=steps)
+            compiled = train(stage, backend, steps=steps, schedule=schedule)
         finally:
             config = plain
         out[stage] = {"eager": eager, "compiled": compiled, "num_params": len(list(GPT(TINY).parameters()))}
     return out
 
 
-def deepcompile_refusal() -> str:
-    """The one-line error of engine.compile() under DeepCompile with ZeRO-3 parameter offload."""
+def deepcompile_refusal(nvme_root: str) -> str:
+    """The one-line error of engine.compile() under DeepCompile with ZeRO-3 parameter offload to NVMe."""
     torch.manual_seed(0)
     model = GPT(TINY)
     cfg = config(3)
     cfg["compile"] = {"deepcompile": True}
-    cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_root, "buffer_count": 1,
+                                                 "buffer_size": 100_000}
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     try:
         engine.compile(backend="eager")
     except ValueError as error:
         return str(error)
+    finally:
+        engine.destroy()
     return ""

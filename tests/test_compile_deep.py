@@ -4,7 +4,9 @@ Parity: at ZeRO stages 0-3, world 2, a tiny GPT trained with ``engine.compile(ba
 DeepCompile matches the same run without compile. fp32: 1e-6 relative on every per-step loss and
 final weight (the graphs run the same kernels; the bound allows reassociation only); bf16 (stage
 3): 1e-2 relative (bf16 rounds at 8 bits; both runs round the same kernels, the reduce-scatter sums
-in a different place). Inductor (stage 3): 1e-5 relative (fused C++ kernels sum in another order).
+in a different place). Inductor (stage 3): losses 1e-5 relative (fused C++ kernels sum in another
+order); weights 2e-3 relative: AdamW's first steps move every element by about lr whatever the size of
+its gradient, so an element whose gradient is ~0 can move differently after a reassociation.
 Each compiled run has 0 graph breaks, no more collective calls per step than eager, and its report
 shows the collectives ran inside the graphs (gathers and reduce-scatters at stage 3, the gradients
 of every parameter handed to the reducer at stages 0-2).
@@ -21,10 +23,11 @@ def _rel(a, b):
     return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
 
 
-def _check(pair, tol, stage):
+def _check(pair, tol, stage, weight_tol=None):
     eager, compiled = pair["eager"], pair["compiled"]
     assert max(abs(a - b) / abs(b) for a, b in zip(compiled["losses"], eager["losses"])) < tol, stage
-    assert max((_rel(compiled["weights"][k], eager["weights"][k]) for k in eager["weights"]), default=0) < tol, stage
+    worst = max((_rel(compiled["weights"][k], eager["weights"][k]) for k in eager["weights"]), default=0)
+    assert worst < (weight_tol or tol), (stage, worst)
     assert all(c <= e for c, e in zip(compiled["calls"], eager["calls"])), (stage, compiled["calls"], eager["calls"])
     rep = compiled["report"]
     assert rep["deepcompile"] and rep["graph_breaks"] == 0, (stage, rep["graph_break_reasons"])
@@ -51,14 +54,16 @@ def test_deepcompile_matches_eager_at_stages_0_to_3_without_graph_breaks():
 
 @pytest.mark.timeout(400)
 def test_deepcompile_zero3_inductor_and_bf16():
-    results = run_distributed(deep_vs_eager, 2, [3], "inductor", "fp32", 2, timeout=380)
+    # one phase (no profiling step): Inductor compiles the forward and backward graphs once
+    schedule = [(0, ["gather_release", "selective_unshard", "reduce_early"])]
+    results = run_distributed(deep_vs_eager, 2, [3], "inductor", "fp32", 2, schedule, timeout=380)
     assert results[0][3]["eager"]["weights"]
-    _check(results[0][3], 1e-5, 3)
+    _check(results[0][3], 1e-5, 3, weight_tol=2e-3)
     results = run_distributed(deep_vs_eager, 2, [3], "eager", "bf16", 2, timeout=380)
     _check(results[0][3], 1e-2, 3)
 
 
-def test_deepcompile_with_parameter_offload_is_refused_in_one_line():
-    message = run_distributed(deepcompile_refusal, 1, timeout=120)[0]
+def test_deepcompile_with_parameter_offload_is_refused_in_one_line(tmp_path):
+    message = run_distributed(deepcompile_refusal, 1, str(tmp_path), timeout=120)[0]
     assert message == ("engine.compile: compile.deepcompile does not support zero_optimization.offload_param "
                        "(a graph reads the shards directly); disable one of them")

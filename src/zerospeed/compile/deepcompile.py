@@ -23,7 +23,9 @@ Decisions:
   profiling phase: its graphs run eagerly under a timing interpreter (per-node seconds, per-bucket
   gather seconds), and the next phase is compiled (a recompile, counted) with that profile.
   Default: ZeRO-3 ``[(0, [gather_release, reduce_early]), (1, [gather_release, prefetch,
-  selective_unshard, reduce_early])]``; ZeRO-0/1/2 ``[(0, [insert_reduce_grads, reduce_early])]``.
+  selective_unshard, reduce_early])]`` (without prefetch under Inductor); ZeRO-0/1/2 ``[(0, [insert_reduce_grads, reduce_early])]``.
+* With Inductor, ``prefetch`` is refused: Inductor's lowering of the rewritten ``gather_wait`` node
+  fails (not investigated further yet), so Inductor graphs gather synchronously.
 * The graphs' collectives are synchronous (the gather's prefetch is the asynchronous one); the
   ZeRO-3 watchdog does not see them (a hang is bounded by the process group's timeout).
 * Not supported with DeepCompile (refused in one line): ``offload_param`` (shards may be on NVMe
@@ -47,10 +49,12 @@ ZERO12_PASSES = ("insert_reduce_grads", "reduce_early")
 PARTITION_PASSES = ("selective_unshard",)
 
 
-def default_schedule(stage: int) -> list[tuple[int, list[str]]]:
+def default_schedule(stage: int, compiler: str = "eager") -> list[tuple[int, list[str]]]:
     if stage == 3:
-        return [(0, ["gather_release", "reduce_early"]),
-                (1, ["gather_release", "prefetch", "selective_unshard", "reduce_early"])]
+        optimized = ["gather_release", "prefetch", "selective_unshard", "reduce_early"]
+        if compiler == "inductor":
+            optimized.remove("prefetch")  # Inductor cannot lower gather_wait yet (see the module docstring)
+        return [(0, ["gather_release", "reduce_early"]), (1, optimized)]
     return [(0, ["insert_reduce_grads", "reduce_early"])]
 
 
@@ -143,13 +147,18 @@ class DeepCompile:
         if self.stage == 3 and getattr(strategy, "swapper", None) is not None:
             raise ValueError("engine.compile: compile.deepcompile does not support zero_optimization.offload_param "
                              "(a graph reads the shards directly); disable one of them")
-        self.schedule = [(int(s), list(names)) for s, names in (schedule or default_schedule(self.stage))]
+        self.schedule = [(int(s), list(names)) for s, names in (schedule or default_schedule(self.stage, self.compiler))]
         if passes:
             self.schedule[-1] = (self.schedule[-1][0], list(passes))
+        if self.compiler == "inductor" and any("prefetch" in names for _, names in self.schedule):
+            raise ValueError("engine.compile: the prefetch pass is not supported with backend 'inductor' yet "
+                             "(Inductor cannot lower zerospeed::gather_wait); use backend 'eager' or drop prefetch")
         self.resolve = resolve
         for _, names in self.schedule:
             resolve(names)  # unknown names: the error lists the known passes
         self.profiles = {"forward": Profile("forward"), "backward": Profile("backward")}
+        for p in self.profiles.values():
+            p.data["compiler"] = self.compiler
         if self.stage == 3:
             prescale = strategy.options.prescale
             self.owner: Any = _Stage3Owner(strategy, prescale, strategy.options.comm_dtype)
@@ -230,7 +239,9 @@ class DeepCompile:
 
     def _choose_kept(self) -> list[int]:
         seconds = self._gather_seconds()
-        cands = [Candidate(b, nbytes, seconds.get(b, 0.0)) for b, nbytes in self.profiles["forward"].bucket_bytes.items()]
+        # without a profile: a latency plus bytes over a nominal bandwidth (small buckets cost most per byte)
+        cands = [Candidate(b, nbytes, seconds.get(b, 1e-4 + nbytes / 1e9))
+                 for b, nbytes in self.profiles["forward"].bucket_bytes.items()]
         return choose_unsharded(cands, self.unshard_budget_bytes)
 
     def _gather_seconds(self) -> dict[int, float]:

@@ -4,7 +4,9 @@ forward or backward graph that ``aot_autograd`` produced with the ops of :mod:`z
 * :func:`gather_release` (ZeRO-3) - each ``gather`` moves to right before the first node that reads
   one of its parameters, and a ``release`` of the bucket goes right after the last node that reads
   any of them (or a view of them). A bucket some view of which leaves the graph (saved for the
-  backward: a bucket kept by selective unsharding) is not released.
+  backward: a bucket kept by selective unsharding) is not released. Under Inductor no release node
+  is inserted: Inductor's generated code frees every buffer after its last use itself (and a
+  storage-resizing node in an Inductor graph crashed its generated code when tried).
 * :func:`prefetch` (ZeRO-3) - a ``gather_start`` for each gather, as early as the profile says it
   must start to hide its all-gather behind the compute before it, but never where the bytes of
   the buckets gathered or in flight would exceed ``profile.memory_limit_bytes``.
@@ -98,8 +100,8 @@ def gather_release(gm: GraphModule, profile: Profile) -> GraphModule:
                 first.prepend(a)
         if any(u.op == "output" for u in users):
             continue  # a view of it leaves the graph (saved for backward): released by whoever holds it
-        if not getitems:
-            continue
+        if not getitems or profile.data.get("compiler") == "inductor":
+            continue  # Inductor frees each buffer after its last use itself (an explicit release crashes it)
         order = _order(gm)
         last = max(users, key=order.__getitem__) if users else max(getitems, key=order.__getitem__)
         with graph.inserting_after(last):
