@@ -80,7 +80,7 @@ NO_OP_FIELDS: dict[str, str] = {
                                                                               "as all-reduces, see comm/collectives)",
 }
 # DeepCompile-only options (config/compile.py): any value but DeepSpeed's default is refused by name, and
-# the default asks for nothing, because DeepCompile is not built; free_activation_threshold only acts with
+# the default asks for nothing zerospeed's DeepCompile does not do; free_activation_threshold only acts with
 # free_activation (refused when true)
 from zerospeed.config.compile import DEEPCOMPILE_ONLY_DEFAULTS  # noqa: E402
 

@@ -8,11 +8,11 @@
 * :mod:`zerospeed.compile.backend` - :func:`backend_fn`, an ``aot_autograd`` backend running passes
   ``(graph, profile) -> graph`` over the forward and backward graphs (usable as
   ``engine.compile(backend=backend_fn([...]))``);
-* :mod:`zerospeed.compile.zero_passes` - gather/release insertion and selective unsharding, tested
-  on small graphs, not yet bound to the ZeRO-3 runtime.
-
-DeepCompile (ZeRO-aware passes over the forward/backward graphs, ``compile.deepcompile``) is not
-built; its config keys are refused by name (:mod:`zerospeed.config.compile`).
+* :mod:`zerospeed.compile.zero_passes` - the ZeRO graph passes (gather/release, prefetch, selective
+  unsharding, reductions in the backward graph), data in, data out;
+* :mod:`zerospeed.compile.ops` - the collectives as ``torch.library`` custom ops (through comm/);
+* :mod:`zerospeed.compile.deepcompile` - ``compile.deepcompile: true``: the schedule, the profiling
+  step and the binding of the passes to an engine's ZeRO strategy.
 """
 
 from .backend import Profile, backend_fn
