@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--mbs", default="2,4,8")
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--budget", type=float, default=0.4, help="model-based runs get this share of the grid's experiments")
     p.add_argument("--live", default="model_based,cost_model", help="tuner types run live after the grid")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--no_write", action="store_true")
@@ -97,22 +98,25 @@ def main() -> None:
          "best / grid best": 1.0, "experiments / grid": 1.0, "wall s": grid_wall,
          "tuned / starting config": grid_best / start_tp},
     ]
+    budget = max(1, int(args.budget * n_grid))  # the target's share of the grid's experiments
     live_notes = []
     for kind in args.live.split(","):
         live_cfg = {**space, "autotuning": {"enabled": True, "fast": True, "tuner_type": kind,
-                                            "tuner_early_stopping": 5, "model_info": info, **profile}}
+                                            "tuner_early_stopping": budget, "tuner_num_trials": budget,
+                                            "model_info": info, **profile}}
         live, live_wall, _ = tune(work, f"{kind}_live", live_cfg, args.timeout)
         live_ok = [e["metrics"]["throughput"] for e in live["experiments"] if e["status"] == "ok"]
         live_best_cfg = next(e["candidate"] for e in live["experiments"] if e["name"] == live["best"])
         # the live run's best, as the grid measured that same config (removes run-to-run noise)
         live_best_in_grid = ok.get(json.dumps(live_best_cfg, sort_keys=True))
-        rows.append({"system": f"{kind} live (early stop 5)", "experiments": len(live["experiments"]),
+        rows.append({"system": f"{kind} live (budget {budget} experiments)", "experiments": len(live["experiments"]),
                      "best samples/s": max(live_ok), "best / grid best": (live_best_in_grid or 0) / grid_best,
                      "experiments / grid": len(live["experiments"]) / n_grid, "wall s": live_wall,
                      "tuned / starting config": max(live_ok) / start_tp})
         live_notes.append(f"{kind} live best: {live['best']} (grid measured it at {live_best_in_grid})")
     candidates = [json.loads(k) for k in table]
-    for kind in ("random", "model_based", "cost_model"):
+    for kind, trials, stop in [(k, t, e) for t, e in ((10_000, 5), (budget, budget))
+                               for k in ("random", "model_based", "cost_model")]:
         fracs, counts, walls = [], [], []
         for seed in range(args.seeds):
             used: list[str] = []
@@ -122,12 +126,13 @@ def main() -> None:
                 used.append(key)
                 return ok.get(key)
 
-            tuner = make_tuner(kind, candidates, maximize=True, num_trials=10_000, early_stopping=5, seed=seed)
+            tuner = make_tuner(kind, candidates, maximize=True, num_trials=trials, early_stopping=stop, seed=seed)
             out = tuner.search(evaluate)
             fracs.append((out.best_value or 0) / grid_best)
             counts.append(out.num_measured)
             walls.append(sum(table[k]["elapsed"] for k in used))
-        rows.append({"system": f"{kind} replayed over the grid's table ({args.seeds} seeds, early stop 5)",
+        how = "early stop 5" if stop == 5 else f"budget {budget} experiments"
+        rows.append({"system": f"{kind} replayed over the grid's table ({args.seeds} seeds, {how})",
                      "experiments": f"{min(counts)}-{max(counts)} (mean {sum(counts) / len(counts):.1f})",
                      "best / grid best": f"{min(fracs):.3f}-{max(fracs):.3f} (mean {sum(fracs) / len(fracs):.3f})",
                      "experiments / grid": sum(counts) / len(counts) / n_grid,
