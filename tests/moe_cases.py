@@ -322,3 +322,45 @@ def hf_mixtral_zero_init_logits(ep_size: int) -> float:
     x = mixtral_tokens(comm.get_rank())
     with torch.no_grad():
         return (engine(x).logits - ref(x).logits).abs().max().item()
+
+
+def stage3_offload_accumulation(offload: bool) -> float:
+    """ZeRO-3 at ep2 with gradient accumulation 2 (and parameter + optimizer offload to the CPU tier):
+    worst weight difference after 2 steps against the one-process reference on the same micro-batches."""
+    import zerospeed
+
+    reset_expert_groups()
+    rank, world = comm.get_rank(), comm.get_world_size()
+    torch.manual_seed(0)
+    ref = Net(1, 2, True)
+    model = Net(2, 2, True)
+    copy_from_reference(model, ref)
+    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero.update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": zero}
+    engine, *_ = zerospeed.initialize(model=model, config=config)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    for _ in range(2):
+        ref_opt.zero_grad()
+        total = 0.0
+        for micro in range(2):
+            for r in range(world):
+                x, y = tokens(r + 10 * micro)
+                out, l_aux = ref(x)
+                total = total + loss_of(out, l_aux, y) / (world * 2)
+        total.backward()
+        ref_opt.step()
+        for micro in range(2):
+            x, y = tokens(rank + 10 * micro)
+            out, l_aux = engine(x)
+            engine.backward(loss_of(out, l_aux, y))
+            engine.step()
+    ref_p = dict(ref.named_parameters())
+    worst = 0.0
+    with zerospeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for name, p in engine.module.named_parameters():
+            worst = max(worst, (p.detach() - ref_p[name]).abs().max().item())
+    return worst

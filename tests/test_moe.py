@@ -280,3 +280,10 @@ def test_autoep_checks_the_preset_and_refuses_pipelines_and_models_without_moe()
 def test_hf_mixtral_built_under_zero_init_is_replaced_with_its_values() -> None:
     for diff in run_distributed(moe_cases.hf_mixtral_zero_init_logits, 2, 2, timeout=240):
         assert diff < 1e-5
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_zero3_moe_with_accumulation_and_offload_matches_one_process(offload: bool) -> None:
+    """ep2 x dp2 at ZeRO-3, gradient accumulation 2; with offload_param and offload_optimizer on the cpu tier."""
+    for worst in run_distributed(moe_cases.stage3_offload_accumulation, 4, offload, timeout=240):
+        assert worst < 1e-5
