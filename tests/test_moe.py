@@ -287,3 +287,19 @@ def test_zero3_moe_with_accumulation_and_offload_matches_one_process(offload: bo
     """ep2 x dp2 at ZeRO-3, gradient accumulation 2; with offload_param and offload_optimizer on the cpu tier."""
     for worst in run_distributed(moe_cases.stage3_offload_accumulation, 4, offload, timeout=240):
         assert worst < 1e-5
+
+
+def test_used_token_masks_padding_out_of_top1_routing() -> None:
+    torch.manual_seed(0)
+    m = MoE(8, _expert(), num_experts=2, k=1, capacity_factor=2.0, use_rts=False)
+    x = torch.randn(2, 3, 8)
+    used = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    out, l_aux, counts = m(x, used_token=used)
+    assert int(counts.sum()) == 4  # the two padding tokens went nowhere
+    assert torch.equal(out[0, 2], torch.zeros(8)) and torch.equal(out[1, 1], torch.zeros(8))
+    full, _, _ = m(x)
+    torch.testing.assert_close(out[used.bool()], full[used.bool()])  # real tokens: as without the mask
+    with pytest.raises(ValueError, match="used_token masks apply to top-1 gating only .* k=2"):
+        MoE(8, _expert(), num_experts=2, k=2)(x, used_token=used)
+    with pytest.raises(ValueError, match="used_token has 5 entries for 6 tokens"):
+        m(x, used_token=torch.ones(5))

@@ -112,12 +112,15 @@ def _agreed_capacity(needed: int, ep_group: object) -> int:
 
 def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, noisy_gate_policy: str | None = None,
                drop_tokens: bool = True, use_rts: bool = True, ep_group: object = None,
-               renormalize: bool = False) -> GateOutput:
+               renormalize: bool = False, used_token: torch.Tensor | None = None) -> GateOutput:
+    """``used_token`` ``[S]`` (1 / 0): tokens with 0 go to no expert (padding; DeepSpeed's mask)."""
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
     choose = logits + _gumbel(logits.shape, logits.device) if noisy_gate_policy == "RSample" else gates
     indices1 = torch.argmax(choose, dim=1)
     mask1 = F.one_hot(indices1, num_experts).to(gates.dtype)
+    if used_token is not None:
+        mask1 = mask1 * used_token.to(mask1.dtype)[:, None]
     exp_counts = mask1.sum(dim=0).detach().to(torch.int64)
     l_aux = torch.sum(gates.mean(dim=0) * mask1.mean(dim=0)) * num_experts
     if drop_tokens:
@@ -226,8 +229,10 @@ class TopKGate(nn.Module):
         self.renormalize = renormalize
         self.ep_group: object = None  # set by the MoE layer (capacity agreement without dropping)
 
-    def forward(self, x: torch.Tensor) -> GateOutput:
-        """``x`` [S, M] tokens -> :class:`GateOutput`."""
+    def forward(self, x: torch.Tensor, used_token: torch.Tensor | None = None) -> GateOutput:
+        """``x`` [S, M] tokens -> :class:`GateOutput`; ``used_token`` [S] masks tokens out (top-1 only)."""
+        if used_token is not None and self.k != 1:
+            raise ValueError(f"MoE: used_token masks apply to top-1 gating only (as in DeepSpeed); k={self.k}")
         x = x.float()
         if self.training and self.noisy_gate_policy == "Jitter":
             x = x * torch.empty_like(x).uniform_(1.0 - 1e-2, 1.0 + 1e-2)
@@ -237,7 +242,7 @@ class TopKGate(nn.Module):
         if self.k == 1:
             return top1gating(logits, factor, self.min_capacity,
                               self.noisy_gate_policy if self.training else None, self.drop_tokens,
-                              self.use_rts, self.ep_group, renormalize)
+                              self.use_rts, self.ep_group, renormalize, used_token)
         if self.k == 2:
             return top2gating(logits, factor, self.min_capacity, self.drop_tokens,
                               self.top2_2nd_expert_sampling and self.training, self.ep_group, renormalize)

@@ -82,10 +82,11 @@ class MOELayer(nn.Module):
         self.ep_size = groups.ep_size
         gate.ep_group = groups.ep_group
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, used_token: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         model_dim = hidden.shape[-1]
         tokens = hidden.reshape(-1, model_dim)
-        routed = self.gate(tokens)
+        routed = self.gate(tokens, None if used_token is None else used_token.reshape(-1))
         capacity = routed.capacity
         num_experts = self.ep_size * self.num_local_experts
         dispatched = tokens.new_zeros(num_experts * capacity, model_dim)
@@ -178,8 +179,13 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: input's last dimension is {hidden_states.shape[-1]}, expected hidden_size="
                              f"{self.hidden_size}")
         if used_token is not None:
-            raise ValueError("MoE: used_token masks are not supported; drop padding tokens before the layer")
-        output, l_aux, exp_counts = self.deepspeed_moe(hidden_states)
+            if self.k != 1:
+                raise ValueError(f"MoE: used_token masks apply to top-1 gating only (as in DeepSpeed); this layer "
+                                 f"has k={self.k}")
+            if used_token.numel() != hidden_states.numel() // self.hidden_size:
+                raise ValueError(f"MoE: used_token has {used_token.numel()} entries for "
+                                 f"{hidden_states.numel() // self.hidden_size} tokens")
+        output, l_aux, exp_counts = self.deepspeed_moe(hidden_states, used_token)
         if self.use_residual:
             dense = self.mlp(hidden_states)
             if isinstance(dense, tuple):
