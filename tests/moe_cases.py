@@ -254,8 +254,8 @@ def mixtral_tokens(rank: int) -> torch.Tensor:
     return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(7 + rank))
 
 
-def hf_mixtral_parity(ep_size: int, steps: int = 2, family: str = "mixtral", autoep: bool = False
-                      ) -> dict[str, float]:
+def hf_mixtral_parity(ep_size: int, steps: int = 2, family: str = "mixtral", autoep: bool = False,
+                      save_dir: str | None = None) -> dict[str, float]:
     """A HF Mixtral (or Qwen2-MoE) whose MoE blocks are replaced (experts over ``ep_size`` ranks), trained
     with zerospeed ZeRO-1, vs the unmodified HF model trained by torch AdamW on the global mean loss.
     ``autoep``: the replacement is asked for by the config (``expert_parallel``), not done by hand."""
@@ -303,6 +303,15 @@ def hf_mixtral_parity(ep_size: int, steps: int = 2, family: str = "mixtral", aut
             src = ref_p[name]
         w = max(w, (p.detach() - src.detach()).abs().max().item())
     worst["weight"] = w
+    if save_dir is not None:  # written in HF's layout: the original HF class loads the trained weights
+        from zerospeed.integrations.transformers import save_pretrained
+
+        save_pretrained(engine, save_dir)
+        if rank == 0:
+            loaded = type(ref).from_pretrained(save_dir).float().eval()
+            x = mixtral_tokens(5)
+            with torch.no_grad():
+                worst["saved_logits"] = (loaded(x).logits - ref(x).logits).abs().max().item()
     return worst
 
 

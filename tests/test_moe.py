@@ -234,10 +234,14 @@ def test_hf_router_that_scores_differently_is_refused_naming_it() -> None:
 
 
 @pytest.mark.parametrize("family,autoep", [("mixtral", False), ("qwen2_moe", False), ("mixtral", True)])
-def test_hf_moe_trains_at_ep2_matching_one_process(family: str, autoep: bool) -> None:
-    """``autoep``: DeepSpeed's AutoEP config section (expert_parallel) does the replacement in initialize."""
-    for r in run_distributed(moe_cases.hf_mixtral_parity, 2, 2, 2, family, autoep, timeout=240):
+def test_hf_moe_trains_at_ep2_matching_one_process(tmp_path, family: str, autoep: bool) -> None:
+    """``autoep``: DeepSpeed's AutoEP config section (expert_parallel) does the replacement in initialize.
+    The trained model is saved with save_pretrained (experts of both ranks, HF's layout) and loaded by
+    the original HF class."""
+    results = run_distributed(moe_cases.hf_mixtral_parity, 2, 2, 2, family, autoep, str(tmp_path), timeout=240)
+    for r in results:
         assert r["first_logits"] < 1e-5 and r["loss"] < 1e-5 and r["weight"] < 1e-5, r
+    assert results[0]["saved_logits"] < 1e-5, results[0]
 
 
 @pytest.mark.parametrize("section,match", [

@@ -8,6 +8,10 @@ below ZeRO-3; at stage 3 an all-gather over each bucket's expert-data-parallel g
 on every rank), the first rank of each expert-data-parallel group contributes them (the other
 replicas hold the same values), and rank 0 adds the names it lacks.
 
+A HF model whose MoE blocks :func:`zerospeed.moe.hf.expert_parallel` replaced gets its blocks' entries
+back in HF's layout (:func:`zerospeed.moe.hf.hf_state_dict`), so ``save_pretrained`` writes a folder
+the original HF class loads.
+
 Decisions: the tensors travel with ``all_gather_object`` over the data-parallel group (one call,
 rank 0 must hold the whole model anyway); expert names are global, so nothing is renamed; entries
 are added after rank 0's own keys, in global-name order per rank.
@@ -38,8 +42,10 @@ def add_experts_of_other_ranks(model: nn.Module, state: dict[str, torch.Tensor],
     A collective over the data-parallel group when the model has expert parallelism; returns
     ``state`` unchanged otherwise. Every rank must call it.
     """
+    from zerospeed.moe.hf import hf_state_dict  # blocks replaced in a HF model: back to HF's names
+
     if not _has_expert_parallelism(model):
-        return state
+        return hf_state_dict(model, state)
     from zerospeed.zero.init import GatheredParameters
 
     experts = [(n, p) for n, p in model.named_parameters() if is_expert_param(p)]
@@ -56,4 +62,4 @@ def add_experts_of_other_ranks(model: nn.Module, state: dict[str, torch.Tensor],
     for part in everything:
         for name in sorted(part):
             out.setdefault(name, part[name])
-    return out
+    return hf_state_dict(model, out)

@@ -145,3 +145,33 @@ def expert_parallel(model: nn.Module, ep_size: int = 1, top_k: int | None = None
             replacement = _convert(name, block, ep_size, top_k, renormalize, grouped)
         setattr(parent, attr, replacement)
     return model
+
+
+def hf_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (a full state dict of ``model`` in zerospeed's names) with every replaced block's
+    entries back in the HF layout: ``<block>.gate.weight`` and the stacked ``<block>.experts.
+    gate_up_proj`` ``[E, 2I, H]`` / ``down_proj`` ``[E, H, I]`` (the shared expert keeps its names).
+    Entries of a block whose experts are not all in ``state`` are left as they are. Used when the
+    engine consolidates weights (``save_pretrained``, ``save_16bit_model``), so the written folder
+    loads into the original HF class."""
+    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, HFMoEBlock)]
+    if not blocks or not state:
+        return state
+    out = dict(state)
+    for name, block in blocks:
+        p = f"{name}.moe.deepspeed_moe." if name else "moe.deepspeed_moe."
+        E = block.moe.num_experts
+        ups = [out.get(f"{p}experts.deepspeed_experts.{g}.gate_up.weight") for g in range(E)]
+        downs = [out.get(f"{p}experts.deepspeed_experts.{g}.down.weight") for g in range(E)]
+        gate = out.get(f"{p}gate.wg.weight")
+        if gate is None or any(t is None for t in ups + downs):
+            continue
+        for g in range(E):
+            del out[f"{p}experts.deepspeed_experts.{g}.gate_up.weight"], out[f"{p}experts.deepspeed_experts.{g}.down.weight"]
+        del out[f"{p}gate.wg.weight"]
+        base = f"{name}." if name else ""
+        dtype = ups[0].dtype
+        out[f"{base}gate.weight"] = gate.to(dtype)
+        out[f"{base}experts.gate_up_proj"] = torch.stack(ups)
+        out[f"{base}experts.down_proj"] = torch.stack(downs)
+    return out
