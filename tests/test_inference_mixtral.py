@@ -74,7 +74,10 @@ def test_grouped_experts_equal_a_per_expert_loop(mixtral):
             e = int(experts[t, j])
             gate, up = (moe.gate_up[e] @ x[t]).split(moe.inter)
             ref[t] += weights[t, j] * (moe.down[e] @ (torch.nn.functional.silu(gate) * up))
-    torch.testing.assert_close(moe(x), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(moe(x), ref, rtol=1e-5, atol=1e-5)  # every expert in use: batched
+    assert len(set(experts[:1].reshape(-1).tolist())) * 2 <= moe.num_experts  # one token: the few-expert path
+    torch.testing.assert_close(moe(x[:1]), ref[:1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(moe(x[:3]), ref[:3], rtol=1e-5, atol=1e-5)
 
 
 def test_mixtral_config_errors_are_one_line(mixtral, tmp_path):

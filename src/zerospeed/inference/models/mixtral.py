@@ -12,6 +12,10 @@ Our own modules, not HF's. Attention and norms are the Llama family's
   (``C`` = the busiest expert's pair count this forward: nothing is dropped, padding rows are
   zeros), two batched matmuls run every expert at once, and each token sums its ``k`` rows
   weighted by its routing weights. One forward is a fixed number of kernels whatever ``E`` is.
+  When at most half the experts have tokens (decoding one or a few sequences), the batch would
+  mostly multiply unused experts' weights: then only the experts in use run, one after the other
+  (measured at H 1024, I 2816, 8 experts, one token, one thread: 4x faster than the batch over
+  all 8). Both paths combine each token's ``k`` rows in the same order.
 
 Decisions:
 
@@ -51,22 +55,36 @@ class MixtralMoE(nn.Module):
         weights, experts = torch.topk(probs, self.k, dim=-1)
         return weights / weights.sum(dim=-1, keepdim=True), experts
 
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up[e]).split(self.inter, dim=-1)
+        return F.linear(self.act(gate) * up, self.down[e])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, H = x.shape
         weights, experts = self.route(x)
         flat = experts.reshape(-1)  # pair p = token p // k, its (p % k)-th choice
-        # slot of each pair within its expert: pairs of one expert numbered in token order
-        onehot = F.one_hot(flat, self.num_experts)
-        slot = ((onehot.cumsum(0) - 1) * onehot).sum(-1)
-        capacity = int(onehot.sum(0).max().item()) if T else 0
         token = torch.arange(T, device=x.device).repeat_interleave(self.k)
-        batch = x.new_zeros(self.num_experts * max(capacity, 1), H)
-        where = flat * max(capacity, 1) + slot
-        batch.index_copy_(0, where, x.index_select(0, token))
-        batch = batch.view(self.num_experts, -1, H)
-        gate, up = torch.bmm(batch, self.gate_up.transpose(1, 2)).split(self.inter, dim=-1)
-        out = torch.bmm(self.act(gate) * up, self.down.transpose(1, 2)).reshape(-1, H)
-        rows = out.index_select(0, where).view(T, self.k, H)
+        onehot = F.one_hot(flat, self.num_experts)
+        counts = onehot.sum(0)
+        hit = torch.nonzero(counts).flatten().tolist()
+        if 2 * len(hit) <= self.num_experts:
+            # few experts in use (decoding a small batch): only their weights are read, one at a time
+            pair_out = x.new_empty(T * self.k, H)
+            for e in hit:
+                rows = torch.nonzero(flat == e).flatten()
+                pair_out[rows] = self._expert(e, x.index_select(0, token.index_select(0, rows)))
+        else:
+            # grouped: every pair in its expert's slot of an [E, C, H] batch, two batched matmuls
+            slot = ((onehot.cumsum(0) - 1) * onehot).sum(-1)  # pairs of one expert numbered in token order
+            capacity = int(counts.max().item())
+            where = flat * capacity + slot
+            batch = x.new_zeros(self.num_experts * capacity, H)
+            batch.index_copy_(0, where, x.index_select(0, token))
+            batch = batch.view(self.num_experts, capacity, H)
+            gate, up = torch.bmm(batch, self.gate_up.transpose(1, 2)).split(self.inter, dim=-1)
+            out = torch.bmm(self.act(gate) * up, self.down.transpose(1, 2)).reshape(-1, H)
+            pair_out = out.index_select(0, where)
+        rows = pair_out.view(T, self.k, H)
         return (rows * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
 
