@@ -102,8 +102,8 @@ def test_grouped_experts_equal_the_loop_in_values_and_gradients() -> None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
 
 
-def test_sparse_dispatch_equals_deepspeeds_dense_einsums() -> None:
-    """The layer's index dispatch/combine give what DeepSpeed's einsums with the dense masks give."""
+def test_sparse_dispatch_equals_the_dense_einsums() -> None:
+    """The layer's index dispatch/combine give what GShard's einsums with the dense masks give."""
     torch.manual_seed(0)
     for k, drop in ((1, True), (2, True), (2, False), (3, True), (3, False)):
         m = MoE(8, _expert(), num_experts=4, k=k, eval_capacity_factor=0.5, min_capacity=1,

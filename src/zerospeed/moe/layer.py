@@ -22,8 +22,9 @@ Decisions:
   ``ep_size_<ep>``; their gradients are reduced over the expert-data-parallel group only (see
   :mod:`zerospeed.moe.groups`).
 * Dispatch and combine are index operations over the gate's sparse routes (``index_add`` of the
-  ``S*k`` routed tokens into their slots, ``index_select`` of the ``S*k`` slots back), not
-  DeepSpeed's einsums with dense ``[S, E, C]`` masks: those are matmuls of ``S*E*C*M``
+  ``S*k`` routed tokens into their slots, ``index_select`` of the ``S*k`` slots back; DeepSpeed
+  0.19.8 routes sparsely too), not GShard's einsums with dense ``[S, E, C]`` masks (earlier
+  DeepSpeed versions): those are matmuls of ``S*E*C*M``
   multiply-adds each (as many as the experts' own compute at top-2, capacity 1.25), these move
   ``S*k*M`` elements. The results are the same sums; dropped tokens add zeros.
 * ``use_residual`` (Residual-MoE): a dense copy of the expert runs on every token and the two
