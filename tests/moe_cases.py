@@ -224,11 +224,11 @@ def checkpoint_case(path: str, stage: int, ep_size: int, save: bool, steps: int 
     return weights
 
 
-def tiny_mixtral(seed: int = 0) -> nn.Module:
+def tiny_mixtral(seed: int = 0, kv_heads: int = 1) -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                        num_attention_heads=2, num_key_value_heads=kv_heads, num_local_experts=4, num_experts_per_tok=2,
                         max_position_embeddings=32, initializer_range=0.2)
     torch.manual_seed(seed)
     return MixtralForCausalLM(cfg).float()
@@ -372,4 +372,41 @@ def stage3_offload_accumulation(offload: bool) -> float:
     with zerospeed.zero.GatheredParameters(list(engine.module.parameters())):
         for name, p in engine.module.named_parameters():
             worst = max(worst, (p.detach() - ref_p[name]).abs().max().item())
+    return worst
+
+
+def tp_autoep_parity(stage: int, steps: int = 2) -> dict[str, Any]:
+    """World 4 as tp2 x dp2 (AutoTP splits the attention) with AutoEP at ep2 over the data-parallel ranks
+    of each tp slice: losses and the consolidated weights (rank 0) vs one process on the global batch."""
+    import zerospeed
+
+    reset_expert_groups()
+    rank, world = comm.get_rank(), comm.get_world_size()
+    ref = tiny_mixtral(kv_heads=2)
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+              "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": 2},
+              "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}}
+    engine, *_ = zerospeed.initialize(model=tiny_mixtral(kv_heads=2), config=config)
+    dp, dp_rank = comm.get_mesh().dp_size, comm.get_mesh().dp_rank
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    worst: dict[str, Any] = {"loss": 0.0}
+    for _ in range(steps):
+        ref_opt.zero_grad()
+        total = sum(ref(mixtral_tokens(r), labels=mixtral_tokens(r)).loss for r in range(dp)) / dp
+        total.backward()
+        ref_opt.step()
+        x = mixtral_tokens(dp_rank)
+        loss = engine(x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        comm.all_reduce(mean)  # every tp rank of a replica has the same loss
+        worst["loss"] = max(worst["loss"], abs(mean.item() / world - total.item()))
+    full = engine.consolidated_state_dict()
+    if rank == 0:
+        ref_state = ref.state_dict()
+        worst["keys"] = sorted(full) == sorted(ref_state)
+        worst["weight"] = max((full[k].float() - ref_state[k]).abs().max().item() for k in ref_state)
+    comm.reset_mesh()
     return worst

@@ -307,3 +307,12 @@ def test_used_token_masks_padding_out_of_top1_routing() -> None:
         MoE(8, _expert(), num_experts=2, k=2)(x, used_token=used)
     with pytest.raises(ValueError, match="used_token has 5 entries for 6 tokens"):
         m(x, used_token=torch.ones(5))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tensor_parallel_mesh_with_autoep_matches_one_process(stage: int) -> None:
+    """tp2 x dp2 (attention split by AutoTP) x ep2 (experts over each tp slice's data-parallel ranks)."""
+    results = run_distributed(moe_cases.tp_autoep_parity, 4, stage, timeout=240)
+    for r in results:
+        assert r["loss"] < 1e-5, r
+    assert results[0]["keys"] and results[0]["weight"] < 1e-5, results[0]
