@@ -1,5 +1,9 @@
 """ZeRO stage 3: parameters, gradients and optimizer states all partitioned over the data-parallel group.
 
+Mixture-of-experts expert parameters are partitioned over their expert-data-parallel group instead
+(``options.group_of_param``): their buckets all-gather and reduce-scatter over that group, and
+``options.unit_name`` gives modules labels that agree across expert-parallel ranks (see the planner).
+
 Composed from small parts (each module says more):
 
 * :mod:`~zerospeed.zero.stage3.planner` - module units and their buckets (adopting a ``zero.Init`` model);
