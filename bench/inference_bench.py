@@ -203,16 +203,80 @@ def run_hf_cb(prompts, arrive, args) -> dict:
     return summarise(times, arrive, start, end, toks) | {"kv_cache_bytes": None, "tokens": toks}
 
 
-def worker(args) -> None:
-    import torch
+def run_vllm(prompts, arrive, args) -> dict:
+    """vLLM's CPU build, in its own virtualenv (``--vllm-python``), driven step by step through its
+    ``LLMEngine`` (token-id prompts, no tokenizer, greedy, EOS ignored) so that arrivals, time to
+    first token and inter-token latency are measured as for zerospeed. vLLM runs its engine core in
+    a child process (its default): CPU seconds are this process's plus its children's over the
+    measured window, peak RSS the sum of their peaks. The KV cache is fixed at ``--kv-bytes`` (vLLM
+    refuses to start on this machine otherwise); ``OMP_NUM_THREADS`` is left unset (vLLM binds its
+    own threads)."""
+    import psutil
+    from vllm import LLM, SamplingParams
 
-    torch.set_num_threads(args.threads)
+    llm = LLM(model=str(MODEL_DIR), dtype="float32", skip_tokenizer_init=True, max_model_len=512,
+              max_num_seqs=64, kv_cache_memory_bytes=args.kv_bytes, seed=0)
+    engine = llm.llm_engine
+    sp = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                        detokenize=False)
+    llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=2, temperature=0.0,
+                                                                          detokenize=False), use_tqdm=False)
+    me = psutil.Process()
+
+    def cpu_all() -> float:
+        total = 0.0
+        for p in [me, *me.children(recursive=True)]:
+            c = p.cpu_times()
+            total += c.user + c.system
+        return total
+
+    times = [[] for _ in prompts]
+    toks = [[] for _ in prompts]
+    cpu0 = cpu_all()
+    start = _start_clock()
+    nxt, live = 0, 0
+    while nxt < len(prompts) or live:
+        now = time.perf_counter() - start
+        while nxt < len(prompts) and arrive[nxt] <= now:
+            engine.add_request(str(nxt), {"prompt_token_ids": prompts[nxt]}, sp)
+            nxt, live = nxt + 1, live + 1
+        if not live:
+            time.sleep(min(0.001, max(0.0, arrive[nxt] - now)))
+            continue
+        outs = engine.step()
+        t = time.perf_counter()
+        for o in outs:
+            i = int(o.request_id)
+            ids = list(o.outputs[0].token_ids)
+            new = ids[len(toks[i]):] if len(ids) >= len(toks[i]) else ids  # cumulative or delta outputs
+            toks[i].extend(new)
+            times[i].extend([t] * len(new))
+            if o.finished:
+                live -= 1
+    end = time.perf_counter()
+    cpu_s = cpu_all() - cpu0
+    rss = 0
+    for p in me.children(recursive=True):  # the engine core's peak (VmHWM); this process's is added by worker()
+        try:
+            with open(f"/proc/{p.pid}/status") as f:
+                rss += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+        except (OSError, StopIteration):
+            pass
+    return summarise(times, arrive, start, end, toks, cpu_s=cpu_s) | {"kv_cache_bytes": args.kv_bytes,
+                                                                      "tokens": toks, "child_peak_rss_bytes": rss}
+
+
+def worker(args) -> None:
+    if args.worker != "vllm":
+        import torch
+
+        torch.set_num_threads(args.threads)
     prompts = requests()
     arrive = [0.0] * len(prompts) if args.mode == "offline" else arrivals(args.rate)
     fn = {"zerospeed": run_zerospeed, "hf_static8": lambda p, a, x: run_hf_static(p, a, x, 8),
-          "hf_static1": lambda p, a, x: run_hf_static(p, a, x, 1), "hf_cb": run_hf_cb}[args.worker]
+          "hf_static1": lambda p, a, x: run_hf_static(p, a, x, 1), "hf_cb": run_hf_cb, "vllm": run_vllm}[args.worker]
     res = fn(prompts, arrive, args)
-    res["peak_rss_bytes"] = peak_rss_bytes()
+    res["peak_rss_bytes"] = peak_rss_bytes() + res.pop("child_peak_rss_bytes", 0)
     Path(args.out).write_text(json.dumps(res))
 
 
