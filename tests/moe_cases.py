@@ -22,12 +22,12 @@ def expert() -> nn.Module:
 class Net(nn.Module):
     """dense -> MoE -> dense, returning (output, l_aux)."""
 
-    def __init__(self, ep_size: int, k: int, drop: bool, grouped: bool = True) -> None:
+    def __init__(self, ep_size: int, k: int, drop: bool, grouped: bool = True, expert_tp: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(HIDDEN, HIDDEN)
         self.moe = MoE(HIDDEN, expert(), num_experts=EXPERTS, ep_size=ep_size, k=k, capacity_factor=1.0,
                        min_capacity=1, drop_tokens=drop, use_rts=False, top2_2nd_expert_sampling=False,
-                       grouped_experts=grouped)
+                       grouped_experts=grouped, enable_expert_tensor_parallelism=expert_tp)
         self.out = nn.Linear(HIDDEN, HIDDEN)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -410,3 +410,156 @@ def tp_autoep_parity(stage: int, steps: int = 2) -> dict[str, Any]:
         worst["weight"] = max((full[k].float() - ref_state[k]).abs().max().item() for k in ref_state)
     comm.reset_mesh()
     return worst
+
+
+def _local(model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This tp rank's piece of the reference tensor ``full`` for ``model``'s parameter ``name``."""
+    from zerospeed.module_inject import local_piece, tp_param_splits
+
+    split = tp_param_splits(model).get(name)
+    return full if split is None else local_piece(full, split, comm.get_mesh().tp_rank)
+
+
+def expert_tp_parity(ep_size: int, k: int, drop: bool, steps: int = 2) -> dict[str, Any]:
+    """World 4 as tp2 x dp2, experts split over tp (enable_expert_tensor_parallelism) at ``ep_size``:
+    outputs, l_aux, gradients (this rank's tp piece) and weights after SGD steps vs one process."""
+    from zerospeed.module_inject import tp_param_splits
+
+    reset_expert_groups()
+    mesh = comm.build_mesh(tp=2)
+    torch.manual_seed(0)
+    ref = Net(1, k, drop)
+    model = Net(ep_size, k, drop, expert_tp=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(_local(model, name, ref.state_dict()[name]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    groups = model.moe.expert_groups
+    comm.COUNTER.reset()
+    worst: dict[str, Any] = {"out": 0.0, "l_aux": 0.0, "grad": 0.0, "weight": 0.0}
+    from zerospeed.moe.registry import is_expert_param
+
+    for _ in range(steps):
+        ref_opt.zero_grad()
+        ref_outs, total = [], 0.0
+        for r in range(mesh.dp_size):
+            x, y = tokens(r)
+            out, l_aux = ref(x)
+            ref_outs.append((out.detach(), l_aux.detach()))
+            total = total + loss_of(out, l_aux, y) / mesh.dp_size
+        total.backward()
+        opt.zero_grad()
+        x, y = tokens(mesh.dp_rank)  # every tp rank of a replica has the same tokens
+        out, l_aux = model(x)
+        worst["out"] = max(worst["out"], (out - ref_outs[mesh.dp_rank][0]).abs().max().item())
+        worst["l_aux"] = max(worst["l_aux"], (l_aux - ref_outs[mesh.dp_rank][1]).abs().item())
+        loss_of(out, l_aux, y).backward()
+        for p in model.parameters():  # data-parallel mean: dense over dp, experts over expert-dp
+            comm.all_reduce(p.grad, group=groups.edp_group if is_expert_param(p) else mesh.dp_group)
+            p.grad.div_(mesh.dp_size)
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            worst["grad"] = max(worst["grad"], (p.grad - _local(model, name, ref_params[name].grad)).abs().max().item())
+        opt.step()
+        ref_opt.step()
+    for name, p in model.named_parameters():
+        worst["weight"] = max(worst["weight"], (p.detach() - _local(model, name, ref.state_dict()[name])).abs().max().item())
+    worst["all_to_all_elements"] = comm.COUNTER.elements("all_to_all")
+    worst["all_to_all_count"] = comm.COUNTER.count("all_to_all")
+    worst["split_experts"] = sorted({n.split(".deepspeed_experts.")[1] for n in tp_param_splits(model)
+                                     if ".deepspeed_experts." in n})
+    worst["local_expert_weight"] = list(model.moe.deepspeed_moe.experts.deepspeed_experts.values())[0][0].weight.shape
+    comm.reset_mesh()
+    return worst
+
+
+def expert_tp_engine(stage: int, steps: int = 3) -> dict[str, Any]:
+    """zerospeed.initialize (ZeRO ``stage``, tensor_parallel 2) on tp2 x dp2 x ep2 with experts split over
+    tp vs the one-process reference (AdamW, clipping): losses, gradient norms, weights and the
+    consolidated state dict (full experts, rank 0)."""
+    import zerospeed
+
+    reset_expert_groups()
+    mesh = comm.build_mesh(tp=2)
+    rank, dp = comm.get_rank(), mesh.dp_size
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 200,
+                                    "stage3_param_persistence_threshold": 0},
+              "gradient_clipping": 1.0, "tensor_parallel": {"autotp_size": 2}}
+    torch.manual_seed(0)
+    ref = Net(1, 2, True)
+    model = Net(2, 2, True, expert_tp=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(_local(model, name, ref.state_dict()[name]))
+    engine, _, _, _ = zerospeed.initialize(model=model, config=config)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    worst: dict[str, Any] = {"loss": 0.0, "grad_norm": 0.0}
+    for _ in range(steps):
+        ref_opt.zero_grad()
+        total = sum(loss_of(*ref(tokens(r)[0]), tokens(r)[1]) for r in range(dp)) / dp
+        total.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item()
+        ref_opt.step()
+        x, y = tokens(mesh.dp_rank)
+        out, l_aux = engine(x)
+        loss = loss_of(out, l_aux, y)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        comm.all_reduce(mean)  # the tp ranks of a replica have the same loss
+        worst["loss"] = max(worst["loss"], abs(mean.item() / comm.get_world_size() - total.item()))
+        worst["grad_norm"] = max(worst["grad_norm"], abs(engine.get_global_grad_norm() - ref_norm))
+    full = engine.consolidated_state_dict()
+    if rank == 0:
+        ref_state = ref.state_dict()
+        worst["keys"] = sorted(full) == sorted(ref_state)
+        worst["weight"] = max((full[k] - ref_state[k]).abs().max().item() for k in ref_state if k in full)
+    comm.reset_mesh()
+    return worst
+
+
+def expert_tp_checkpoint(path: str, save: bool, expert_tp: bool, stage: int) -> dict[str, Any]:
+    """Save (``save``) after 2 steps or load into a fresh engine; return the consolidated weights (rank 0)
+    and the loss after one more step on the same global batch. ``expert_tp``: world 4 as tp2 x dp2 with
+    experts split over tp; else plain ep2 over the ranks (the same 2 data-parallel replicas)."""
+    import zerospeed
+
+    reset_expert_groups()
+    mesh = comm.build_mesh(tp=2) if expert_tp else None
+    dp_rank = mesh.dp_rank if mesh is not None else comm.get_rank()
+    dp = mesh.dp_size if mesh is not None else comm.get_world_size()
+    torch.manual_seed(0 if save else 123)
+    model = Net(2, 2, True, expert_tp=expert_tp)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 200,
+                                    "stage3_param_persistence_threshold": 0}}
+    if expert_tp:
+        config["tensor_parallel"] = {"autotp_size": 2}
+
+    def step() -> torch.Tensor:
+        x, y = tokens(dp_rank)
+        out, l_aux = engine(x)
+        loss = loss_of(out, l_aux, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    engine, _, _, _ = zerospeed.initialize(model=model, config=config)
+    if save:
+        for _ in range(2):
+            step()
+        engine.save_checkpoint(path, tag="t")
+    else:
+        engine.load_checkpoint(path, tag="t")
+    result: dict[str, Any] = {"weights": engine.consolidated_state_dict()}
+    step()
+    loss = step()
+    comm.all_reduce(loss)
+    result["next_loss"] = loss.item() / comm.get_world_size()
+    result["dp"] = dp
+    comm.reset_mesh()
+    return result

@@ -316,3 +316,70 @@ def test_tensor_parallel_mesh_with_autoep_matches_one_process(stage: int) -> Non
     for r in results:
         assert r["loss"] < 1e-5, r
     assert results[0]["keys"] and results[0]["weight"] < 1e-5, results[0]
+
+
+@pytest.mark.parametrize("ep,k,drop", [(2, 1, True), (2, 2, False), (2, 2, True), (1, 2, True)])
+def test_expert_tensor_parallelism_matches_one_process(ep: int, k: int, drop: bool) -> None:
+    """tp2 x dp2: each expert's FFN split over the tp group (column, then row + all-reduce); the capacity
+    slots are split over tp around the all-to-all (DeepSpeed's drop / gather of duplicate tokens)."""
+    results = run_distributed(moe_cases.expert_tp_parity, 4, ep, k, drop, timeout=180)
+    for r in results:
+        assert r["out"] < 1e-5 and r["l_aux"] < 1e-6, r
+        assert r["grad"] < 1e-5 and r["weight"] < 1e-5, r
+        assert tuple(r["local_expert_weight"]) == (8, moe_cases.HIDDEN)  # 16 inner features / tp 2
+        assert r["split_experts"] == [f"{g}.{n}" for g in range(4) for n in ("0.bias", "0.weight", "2.weight")]
+        if ep == 1:
+            assert r["all_to_all_count"] == 0
+        else:
+            assert r["all_to_all_count"] == 2 * 2 * 2  # steps x (dispatch + combine) x (forward + backward)
+        if ep > 1 and drop:  # E x C' x M / tp per direction, C' = capacity rounded up to a multiple of tp
+            capacity = max(1, math.ceil(k * moe_cases.TOKENS / moe_cases.EXPERTS))
+            rounded = math.ceil(capacity / 2) * 2
+            assert r["all_to_all_elements"] == 2 * 2 * 2 * moe_cases.EXPERTS * rounded * moe_cases.HIDDEN // 2
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_expert_tensor_parallelism_with_zero_matches_one_process(stage: int) -> None:
+    results = run_distributed(moe_cases.expert_tp_engine, 4, stage, timeout=240)
+    for r in results:
+        assert r["loss"] < 1e-5 and r["grad_norm"] < 1e-5, r
+    assert results[0]["keys"] and results[0]["weight"] < 1e-5, results[0]
+
+
+def test_expert_tensor_parallel_checkpoint_loads_without_tp_and_consolidates(tmp_path) -> None:
+    """tp2 x dp2 x ep2 with experts split over tp (ZeRO-2) -> checkpoint -> ep2 at world 2 without tp
+    (ZeRO-1) and the offline consolidation: full experts by name and global index, same next step."""
+    from safetensors.torch import load_file
+
+    from zerospeed.checkpoint import consolidate
+
+    saved = run_distributed(moe_cases.expert_tp_checkpoint, 4, str(tmp_path), True, True, 2, timeout=180)[0]
+    loaded = run_distributed(moe_cases.expert_tp_checkpoint, 2, str(tmp_path), False, False, 1, timeout=180)[0]
+    full = saved["weights"]
+    assert sum(".deepspeed_experts." in n for n in full) == 4 * 4 and full["moe.deepspeed_moe.experts."
+                                                                            "deepspeed_experts.3.0.weight"].shape == (16, 8)
+    assert sorted(loaded["weights"]) == sorted(full)
+    for name, t in loaded["weights"].items():
+        torch.testing.assert_close(t, full[name], rtol=0, atol=0, msg=name)
+    assert abs(loaded["next_loss"] - saved["next_loss"]) < 1e-5, (loaded["next_loss"], saved["next_loss"])
+    consolidate(str(tmp_path), str(tmp_path / "model.safetensors"), tag="t")
+    offline = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(offline) == sorted(full)
+    for name, t in offline.items():
+        torch.testing.assert_close(t, full[name], rtol=0, atol=0, msg=name)
+
+
+def test_expert_that_cannot_be_split_column_then_row_is_refused_in_one_line() -> None:
+    from zerospeed.module_inject import ExpertTPError, LinearAllreduce, LinearLayer, split_expert_ffn
+
+    deep = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+    with pytest.raises(ExpertTPError, match=r"layer 2 is \[16 -> 16\], expected \[8 -> 16\]"):
+        split_expert_ffn(deep, None, 2, 0)
+    with pytest.raises(ExpertTPError, match="has 1 nn.Linear layer"):
+        split_expert_ffn(nn.Sequential(nn.Linear(8, 8)), None, 2, 0)
+    with pytest.raises(ExpertTPError, match="inner size 15 is not divisible by tp=2"):
+        split_expert_ffn(nn.Sequential(nn.Linear(8, 15), nn.GELU(), nn.Linear(15, 8)), None, 2, 0)
+    split = split_expert_ffn(_expert(), None, 2, 1)  # rank 1's pieces: rows 8..15 of the first, columns of the last
+    assert isinstance(split[0], LinearLayer) and isinstance(split[2], LinearAllreduce)
+    assert split[0].weight.shape == (8, 8) and split[0].bias.shape == (8,) and split[2].weight.shape == (8, 8)
+    assert split[2].bias.shape == (8,)  # the row layer's bias is whole, added once after the all-reduce

@@ -14,13 +14,14 @@ import torch
 from torch import nn
 
 from zerospeed.module_inject.auto_tp import AutoTP, TPError, auto_tp, tp_param_splits
+from zerospeed.module_inject.expert_tp import ExpertTPError, split_expert_ffn
 from zerospeed.module_inject.layers import LinearAllreduce, LinearLayer, LmHeadLayer, TPLayer, VocabParallelEmbedding
 from zerospeed.module_inject.policy import LayerPlan, plan_model
 from zerospeed.module_inject.tp_shard import TPSplit, assemble, local_piece
 
-__all__ = ["AutoTP", "LayerPlan", "LinearAllreduce", "LinearLayer", "LmHeadLayer", "TPError", "TPLayer", "TPSplit",
-           "VocabParallelEmbedding", "assemble", "auto_tp", "local_piece", "plan_model", "tp_model_init",
-           "tp_param_splits"]
+__all__ = ["AutoTP", "ExpertTPError", "LayerPlan", "LinearAllreduce", "LinearLayer", "LmHeadLayer", "TPError",
+           "TPLayer", "TPSplit", "VocabParallelEmbedding", "assemble", "auto_tp", "local_piece", "plan_model", "split_expert_ffn",
+           "tp_model_init", "tp_param_splits"]
 
 
 def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None, config: Any = None,

@@ -269,10 +269,18 @@ def auto_tp(model: nn.Module, tp_group: Any = None, partition_config: Any = None
 
 
 def tp_param_splits(model: nn.Module) -> dict[str, TPSplit]:
-    """``{qualified parameter name: TPSplit}`` of every tensor-parallel parameter (tied names included)."""
+    """``{qualified parameter name: TPSplit}`` of every tensor-parallel parameter (tied names included).
+
+    A module may also declare splits of parameters that live on *other* ranks under its name through
+    an ``absent_tp_splits()`` method (``{relative name: TPSplit}``): the experts of other
+    expert-parallel ranks, so a consolidated state dict holding them is merged over tp as well."""
     out: dict[str, TPSplit] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, TPLayer):
             for pname, split in module.tp_splits.items():
                 out[f"{name}.{pname}" if name else pname] = split
+        absent = getattr(module, "absent_tp_splits", None)
+        if callable(absent):
+            for pname, split in absent().items():
+                out.setdefault(f"{name}.{pname}" if name else pname, split)
     return out

@@ -27,11 +27,19 @@ Decisions:
   own forward gathers its parameters).
 * ``grouped=False``: a Python loop over the experts (the reference the grouped path is tested and
   benchmarked against).
+* ``tp=(tp_group, tp_size, tp_rank)`` with ``tp_size > 1`` (expert tensor parallelism): each copy
+  is split by :func:`zerospeed.module_inject.split_expert_ffn` (column-parallel input layers,
+  row-parallel output layer, all-reduced over the tp group), and the experts run one at a time:
+  the tp layers' collectives are autograd functions that ``vmap`` cannot batch, so the grouped
+  path would need a second, collective-free copy of the layers' arithmetic. ``absent_tp_splits``
+  names the same splits for the experts of the other expert-parallel ranks (``num_experts`` in
+  all), so a consolidated state dict holding them is merged over tp like the local ones.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,14 +61,25 @@ def whole_copy(module: nn.Module) -> nn.Module:
 
 class Experts(nn.Module):
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None,
-                 grouped: bool = True, first_expert: int = 0) -> None:
+                 grouped: bool = True, first_expert: int = 0, tp: tuple[Any, int, int] | None = None,
+                 num_experts: int | None = None) -> None:
         super().__init__()
         if not isinstance(expert, nn.Module):
             raise TypeError(f"MoE: expert must be a torch.nn.Module, got {type(expert).__name__}")
-        self.deepspeed_experts = nn.ModuleDict({str(first_expert + i): whole_copy(expert)
-                                                for i in range(num_local_experts)})
+        self.tp_size = 1 if tp is None else tp[1]
+        copies = {}
+        for i in range(num_local_experts):
+            piece = whole_copy(expert)
+            if self.tp_size > 1:
+                from zerospeed.module_inject import split_expert_ffn
+
+                piece = split_expert_ffn(piece, *tp)
+            copies[str(first_expert + i)] = piece
+        self.deepspeed_experts = nn.ModuleDict(copies)
         self.first_expert = first_expert
         self.num_local_experts = num_local_experts
+        self.num_experts = num_experts if num_experts is not None else num_local_experts
+        grouped = grouped and self.tp_size == 1
         self.grouped = grouped
         if expert_group_name is not None:
             for p in self.parameters():
@@ -70,6 +89,17 @@ class Experts(nn.Module):
             # ZeRO-3 gathers them (over their expert-dp group) around this module's forward
             for p in self.parameters():
                 register_external_parameter(self, p)
+
+    def absent_tp_splits(self) -> dict[str, Any]:
+        """``{"deepspeed_experts.<g>.<param>": TPSplit}`` for every expert ``g`` of the other ranks."""
+        if self.tp_size == 1:
+            return {}
+        from zerospeed.module_inject import tp_param_splits
+
+        template = tp_param_splits(next(iter(self.deepspeed_experts.values())))
+        local = range(self.first_expert, self.first_expert + self.num_local_experts)
+        return {f"deepspeed_experts.{g}.{name}": split for g in range(self.num_experts) if g not in local
+                for name, split in template.items()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] != self.num_local_experts:

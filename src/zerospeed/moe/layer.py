@@ -33,9 +33,20 @@ Decisions:
   Two arguments are zerospeed's own: ``grouped_experts`` (see :mod:`zerospeed.moe.experts`) and
   ``renormalize_topk`` (None: DeepSpeed's weights; True / False: the kept experts' gate values are /
   are not divided by their sum, for HF routers that say so).
-* ``enable_expert_tensor_parallelism`` is accepted with tensor-parallel degree 1 (nothing to split)
-  and refused above it with a clear error. ``use_tutel`` is accepted and ignored (a CUDA kernel
-  library; the grouped path below is zerospeed's fast path).
+* ``enable_expert_tensor_parallelism`` with the current mesh's tensor-parallel degree ``tp > 1``:
+  each expert's FFN is split over the mesh's tp group (:func:`zerospeed.module_inject.
+  split_expert_ffn`: column-parallel input layers, row-parallel output layer all-reduced over tp),
+  and, with ``ep_size > 1``, each tp rank sends only its ``1/tp`` of the capacity slots through the
+  all-to-all, the slices being all-gathered over tp right after it, before the experts and again
+  before the combine (:mod:`zerospeed.moe.tp_tokens`; DeepSpeed's drop / gather of the tp ranks'
+  duplicate tokens). All-to-all: ``E*C'*M/tp`` elements each way per forward, ``C'`` the capacity
+  rounded up to a multiple of tp (the extra slots stay empty). The expert-parallel and
+  expert-data-parallel groups are those of the tp rank's data-parallel slice of the mesh, as without
+  expert tensor parallelism; each tp rank holds its own piece of every local expert. With tp 1 (or
+  no mesh) the flag changes nothing. Without the flag and ``tp > 1`` the experts are replicated over
+  the tp group and every tp rank sends the same slots (de-duplication not built).
+* ``use_tutel`` is accepted and ignored (a CUDA kernel library; the grouped path below is
+  zerospeed's fast path).
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ from zerospeed import comm
 from zerospeed.moe.experts import Experts, whole_copy
 from zerospeed.moe.gating import TopKGate
 from zerospeed.moe.groups import ExpertGroups, expert_groups
+from zerospeed.moe.tp_tokens import drop_tokens, gather_tokens
 
 
 class _AllToAll(torch.autograd.Function):
@@ -74,7 +86,8 @@ class _AllToAll(torch.autograd.Function):
 class MOELayer(nn.Module):
     """Gate + dispatch + all-to-all + experts + combine (``deepspeed_moe`` inside :class:`MoE`)."""
 
-    def __init__(self, gate: TopKGate, experts: Experts, groups: ExpertGroups, num_local_experts: int) -> None:
+    def __init__(self, gate: TopKGate, experts: Experts, groups: ExpertGroups, num_local_experts: int,
+                 tp: tuple[Any, int, int] | None = None) -> None:
         super().__init__()
         self.gate = gate
         self.experts = experts
@@ -82,6 +95,14 @@ class MOELayer(nn.Module):
         self.num_local_experts = num_local_experts
         self.ep_size = groups.ep_size
         gate.ep_group = groups.ep_group
+        #: (tp group, size, rank) over which the capacity slots are split around the all-to-all
+        self.token_split = tp if tp is not None and tp[1] > 1 and groups.ep_size > 1 else None
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.token_split is None else drop_tokens(x, 1, *self.token_split)
+
+    def _join(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.token_split is None else gather_tokens(x, 1, *self.token_split)
 
     def forward(self, hidden: torch.Tensor, used_token: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,6 +110,8 @@ class MOELayer(nn.Module):
         tokens = hidden.reshape(-1, model_dim)
         routed = self.gate(tokens, None if used_token is None else used_token.reshape(-1))
         capacity = routed.capacity
+        if self.token_split is not None:  # slots laid out rounded up to a multiple of tp (extra ones stay empty)
+            capacity = -(-capacity // self.token_split[1]) * self.token_split[1]
         num_experts = self.ep_size * self.num_local_experts
         dispatched = tokens.new_zeros(num_experts * capacity, model_dim)
         for route in routed.routes:
@@ -97,7 +120,7 @@ class MOELayer(nn.Module):
         dispatched = dispatched.reshape(num_experts, capacity, model_dim)
         ep, local = self.ep_size, self.num_local_experts
         if ep > 1:
-            dispatched = _AllToAll.apply(self.groups.ep_group, dispatched)
+            dispatched = self._join(_AllToAll.apply(self.groups.ep_group, self._split(dispatched)))
         # [ep (source rank), local experts, C, M] -> [local experts, ep * C, M]
         expert_in = dispatched.reshape(ep, local, capacity, model_dim).transpose(0, 1).reshape(
             local, ep * capacity, model_dim)
@@ -106,7 +129,7 @@ class MOELayer(nn.Module):
         expert_out = expert_out.reshape(local, ep, capacity, out_dim).transpose(0, 1).reshape(
             ep * local, capacity, out_dim)
         if ep > 1:
-            expert_out = _AllToAll.apply(self.groups.ep_group, expert_out)
+            expert_out = self._join(_AllToAll.apply(self.groups.ep_group, self._split(expert_out)))
         flat_out = expert_out.reshape(num_experts * capacity, out_dim)
         combined = None
         for route in routed.routes:
@@ -143,13 +166,13 @@ class MoE(nn.Module):
         for name, value in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MoE: {name} must be a positive number, got {value!r}")
+        tp = None
         if enable_expert_tensor_parallelism:
             from zerospeed.comm.mesh import get_mesh
 
             mesh = get_mesh()
             if mesh is not None and mesh.tp_size > 1:
-                raise ValueError("MoE: enable_expert_tensor_parallelism with tensor-parallel degree "
-                                 f"{mesh.tp_size} is not supported yet; experts are replicated over the tp group")
+                tp = (mesh.tp_group, mesh.tp_size, mesh.tp_rank)
         if ep_size > 1 and not comm.is_initialized():
             raise RuntimeError(f"MoE: ep_size={ep_size} needs torch.distributed: call zerospeed.init_distributed() "
                                "before building the model")
@@ -164,8 +187,9 @@ class MoE(nn.Module):
         gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                         noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling, renormalize_topk)
         experts = Experts(expert, self.num_local_experts, groups.name, grouped=grouped_experts,
-                          first_expert=groups.ep_rank * self.num_local_experts)
-        self.deepspeed_moe = MOELayer(gate, experts, groups, self.num_local_experts)
+                          first_expert=groups.ep_rank * self.num_local_experts, tp=tp, num_experts=num_experts)
+        self.enable_expert_tensor_parallelism = tp is not None
+        self.deepspeed_moe = MOELayer(gate, experts, groups, self.num_local_experts, tp)
         if use_residual:
             self.mlp = whole_copy(expert)
             self.coefficient = nn.Linear(hidden_size, 2)
