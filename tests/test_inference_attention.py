@@ -66,6 +66,24 @@ def test_decode_kernel_and_torch_path_match_reference(hq, hkv, window):
     torch.testing.assert_close(outs[False], ref, atol=1e-5, rtol=1e-5)
 
 
+def test_decode_kernel_threads_split_sequences():
+    """With several torch threads the kernel splits sequences across POSIX threads: same result."""
+    lens = [31, 2, 17, 9, 25]
+    q, kc, vc, tables = _case(4, 2, lens, seed=7)
+    tab = torch.tensor([t + [0] * (8 - len(t)) for t in tables])
+    args = (q, kc, vc, tab, torch.tensor(lens), BS, max(lens), None, 6)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernel.decode_attention(*args)
+        torch.set_num_threads(3)
+        three = cpu_kernel.decode_attention(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, three)
+    torch.testing.assert_close(one, _reference(q, kc, vc, tables, lens, None, 6), atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_with_prefill_chunks_in_the_same_forward():
     """Mixed forward: kernel decodes plus a fresh prompt and a continued prompt, same as torch path."""
     lens = [13, 6]
