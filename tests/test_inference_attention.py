@@ -135,6 +135,19 @@ def test_prefill_cap_bounds_prompt_tokens_beside_decodes(mistral):
     assert [(s.request_id, n) for s, n in batch.items] == [("a", 1), ("b", 5)]
 
 
+def test_chunked_lm_head_equals_one_matmul(mistral):
+    """The LM head over vocabulary slices (4-10 rows on CPU) gives exactly F.linear's logits."""
+    from zerospeed.inference.models import layers
+
+    engine = build_engine(mistral[0], num_blocks=8)
+    model = engine.model
+    big = torch.nn.Linear(64, 3 * layers.LOGITS_CHUNK + 17, bias=False)  # several slices and a ragged end
+    model.lm_head = big
+    for rows in (3, 4, 7, 10, 11):
+        h = torch.randn(rows, 64)
+        assert torch.equal(model.compute_logits(h), torch.nn.functional.linear(h, big.weight))
+
+
 def test_backend_and_cap_errors(mistral):
     path = mistral[0]
     with pytest.raises(ValueError, match="attention_backend: 'flash' is not one of"):

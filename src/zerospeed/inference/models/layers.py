@@ -119,6 +119,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_d
     return torch.cat(((xr * cos) + (rot * sin), xp), dim=-1)
 
 
+# The LM head for 4-10 rows (a decode step with a few sequences) runs as F.linear over 1024-row
+# slices of the vocabulary. Measured on this 2-core CPU (MKL, one thread, 32k x 256 fp32 head):
+# one F.linear took 6.1-12.9 ms for 4-10 rows (10 ms at 8, against 2.8 ms at 1 row and 6.7 ms at 12),
+# the slices 4.8-6.6 ms, with bitwise-identical logits; outside that range one call was faster.
+LOGITS_CHUNKED_ROWS = (4, 10)
+LOGITS_CHUNK = 1024
+
+
 class CausalLM(nn.Module):
     """What every family implements: a ragged forward to final hidden states, then logits for the
     rows asked for (each sequence's last token). Families set ``spec``, ``tp`` and ``lm_head``."""
@@ -139,6 +147,12 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.input_embedding().weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w, rows = self.lm_head.weight, hidden.shape[0]
+        if (w.device.type == "cpu" and LOGITS_CHUNKED_ROWS[0] <= rows <= LOGITS_CHUNKED_ROWS[1]
+                and self.lm_head.bias is None and w.shape[0] > 2 * LOGITS_CHUNK):
+            # the same values as one F.linear (checked bitwise in the tests), faster on CPU for these rows
+            return torch.cat([F.linear(hidden, w[i:i + LOGITS_CHUNK]) for i in range(0, w.shape[0], LOGITS_CHUNK)],
+                             dim=1).float()
         return self.lm_head(hidden).float()
 
 
