@@ -420,16 +420,17 @@ def _local(model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
     return full if split is None else local_piece(full, split, comm.get_mesh().tp_rank)
 
 
-def expert_tp_parity(ep_size: int, k: int, drop: bool, steps: int = 2) -> dict[str, Any]:
-    """World 4 as tp2 x dp2, experts split over tp (enable_expert_tensor_parallelism) at ``ep_size``:
-    outputs, l_aux, gradients (this rank's tp piece) and weights after SGD steps vs one process."""
+def expert_tp_parity(ep_size: int, k: int, drop: bool, steps: int = 2, expert_tp: bool = True) -> dict[str, Any]:
+    """World 4 as tp2 x dp2, experts split over tp (``expert_tp``: enable_expert_tensor_parallelism) or
+    replicated over it, at ``ep_size``: outputs, l_aux, gradients (this rank's tp piece) and weights
+    after SGD steps vs one process."""
     from zerospeed.module_inject import tp_param_splits
 
     reset_expert_groups()
     mesh = comm.build_mesh(tp=2)
     torch.manual_seed(0)
     ref = Net(1, k, drop)
-    model = Net(ep_size, k, drop, expert_tp=True)
+    model = Net(ep_size, k, drop, expert_tp=expert_tp)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(_local(model, name, ref.state_dict()[name]))

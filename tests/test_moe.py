@@ -338,6 +338,22 @@ def test_expert_tensor_parallelism_matches_one_process(ep: int, k: int, drop: bo
             assert r["all_to_all_elements"] == 2 * 2 * 2 * moe_cases.EXPERTS * rounded * moe_cases.HIDDEN // 2
 
 
+@pytest.mark.parametrize("k,drop", [(1, True), (2, False)])
+def test_tp_duplicate_tokens_are_not_sent_twice_with_replicated_experts(k: int, drop: bool) -> None:
+    """tp2 x dp2 x ep2, experts *not* tensor-parallel: each tp rank sends half of the (duplicate) capacity
+    slots through the all-to-all, the halves are gathered over tp after it; results as one process."""
+    results = run_distributed(moe_cases.expert_tp_parity, 4, 2, k, drop, 2, False, timeout=180)
+    for r in results:
+        assert r["out"] < 1e-5 and r["l_aux"] < 1e-6, r
+        assert r["grad"] < 1e-5 and r["weight"] < 1e-5, r
+        assert r["split_experts"] == [] and tuple(r["local_expert_weight"]) == (16, moe_cases.HIDDEN)
+        assert r["all_to_all_count"] == 2 * 2 * 2
+        if drop:  # capacity 2 divides by tp: E*C*M / tp per direction, half of what tp 1 sends (E*C*M)
+            capacity = max(1, math.ceil(k * moe_cases.TOKENS / moe_cases.EXPERTS))
+            assert capacity % 2 == 0
+            assert r["all_to_all_elements"] == 2 * 2 * 2 * moe_cases.EXPERTS * capacity * moe_cases.HIDDEN // 2
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_expert_tensor_parallelism_with_zero_matches_one_process(stage: int) -> None:
     results = run_distributed(moe_cases.expert_tp_engine, 4, stage, timeout=240)

@@ -33,18 +33,21 @@ Decisions:
   Two arguments are zerospeed's own: ``grouped_experts`` (see :mod:`zerospeed.moe.experts`) and
   ``renormalize_topk`` (None: DeepSpeed's weights; True / False: the kept experts' gate values are /
   are not divided by their sum, for HF routers that say so).
-* ``enable_expert_tensor_parallelism`` with the current mesh's tensor-parallel degree ``tp > 1``:
-  each expert's FFN is split over the mesh's tp group (:func:`zerospeed.module_inject.
-  split_expert_ffn`: column-parallel input layers, row-parallel output layer all-reduced over tp),
-  and, with ``ep_size > 1``, each tp rank sends only its ``1/tp`` of the capacity slots through the
-  all-to-all, the slices being all-gathered over tp right after it, before the experts and again
+* With the current mesh's tensor-parallel degree ``tp > 1`` every tp rank holds the same tokens.
+  With ``ep_size > 1`` each tp rank sends only its ``1/tp`` of the capacity slots through the
+  all-to-all and the slices are all-gathered over tp right after it, before the experts and again
   before the combine (:mod:`zerospeed.moe.tp_tokens`; DeepSpeed's drop / gather of the tp ranks'
   duplicate tokens). All-to-all: ``E*C'*M/tp`` elements each way per forward, ``C'`` the capacity
-  rounded up to a multiple of tp (the extra slots stay empty). The expert-parallel and
-  expert-data-parallel groups are those of the tp rank's data-parallel slice of the mesh, as without
-  expert tensor parallelism; each tp rank holds its own piece of every local expert. With tp 1 (or
-  no mesh) the flag changes nothing. Without the flag and ``tp > 1`` the experts are replicated over
-  the tp group and every tp rank sends the same slots (de-duplication not built).
+  rounded up to a multiple of tp (the extra slots stay empty), instead of ``E*C*M``.
+* ``enable_expert_tensor_parallelism`` (with ``tp > 1``): each expert's FFN is split over the
+  mesh's tp group (:func:`zerospeed.module_inject.split_expert_ffn`: column-parallel input layers,
+  row-parallel output layer all-reduced over tp); each tp rank holds its own piece of every local
+  expert. Without it the experts are replicated over the tp group and every tp rank runs them on
+  the gathered slots: DeepSpeed runs each tp rank's experts on its slice only, with the experts
+  spread over the whole world; here the expert-parallel and expert-data-parallel groups stay those
+  of the tp rank's data-parallel slice of the mesh (either way), so replicated experts get the
+  same gradient on every tp rank and checkpoints, norms and ZeRO see plain replicas. With tp 1 (or
+  no mesh) the flag changes nothing.
 * ``use_tutel`` is accepted and ignored (a CUDA kernel library; the grouped path below is
   zerospeed's fast path).
 """
@@ -166,13 +169,10 @@ class MoE(nn.Module):
         for name, value in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MoE: {name} must be a positive number, got {value!r}")
-        tp = None
-        if enable_expert_tensor_parallelism:
-            from zerospeed.comm.mesh import get_mesh
+        from zerospeed.comm.mesh import get_mesh
 
-            mesh = get_mesh()
-            if mesh is not None and mesh.tp_size > 1:
-                tp = (mesh.tp_group, mesh.tp_size, mesh.tp_rank)
+        mesh = get_mesh()
+        tp = (mesh.tp_group, mesh.tp_size, mesh.tp_rank) if mesh is not None and mesh.tp_size > 1 else None
         if ep_size > 1 and not comm.is_initialized():
             raise RuntimeError(f"MoE: ep_size={ep_size} needs torch.distributed: call zerospeed.init_distributed() "
                                "before building the model")
@@ -187,8 +187,9 @@ class MoE(nn.Module):
         gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                         noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling, renormalize_topk)
         experts = Experts(expert, self.num_local_experts, groups.name, grouped=grouped_experts,
-                          first_expert=groups.ep_rank * self.num_local_experts, tp=tp, num_experts=num_experts)
-        self.enable_expert_tensor_parallelism = tp is not None
+                          first_expert=groups.ep_rank * self.num_local_experts,
+                          tp=tp if enable_expert_tensor_parallelism else None, num_experts=num_experts)
+        self.enable_expert_tensor_parallelism = bool(enable_expert_tensor_parallelism) and tp is not None
         self.deepspeed_moe = MOELayer(gate, experts, groups, self.num_local_experts, tp)
         if use_residual:
             self.mlp = whole_copy(expert)
