@@ -98,6 +98,20 @@ def test_int8_kernels_equal_the_reference(bits: int, static: bool, bias: bool) -
         layer.use_kernel("rowscale")
 
 
+def test_dtype_cast_keeps_scales_fp32() -> None:
+    """``model.to(bfloat16)`` (init_inference's dtype) casts the bias, not the scales: every kernel still runs."""
+    gen = torch.Generator().manual_seed(0)
+    layer = QuantizedLinear.from_weight(torch.randn(48, 32, generator=gen) * 0.1, torch.randn(48, generator=gen), 8,
+                                        act_bits=8, act_range=(torch.tensor(-3.0), torch.tensor(3.0)))
+    x = torch.randn(200, 32, generator=gen)  # enough rows for the oneDNN kernel
+    reference = layer(x)
+    layer.to(torch.bfloat16)
+    assert layer.scale.dtype == layer.act_low.dtype == torch.float32 and layer.bias.dtype == torch.bfloat16
+    for kernel in layer.available_kernels():
+        out = layer.use_kernel(kernel)(x.bfloat16())
+        assert out.dtype == torch.bfloat16 and ((out.float() - reference).abs().max() / reference.abs().max()) < 1e-2
+
+
 def test_cleaned_model_is_smaller_in_bytes() -> None:
     cfg = ds({"weight_quantization": wq(4, ["blocks"], groups=4)})
     dense = tiny_gpt()

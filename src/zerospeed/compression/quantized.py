@@ -187,6 +187,17 @@ class _Packed(nn.Module):
             self.__dict__["_cache_row_scale"] = cached
         return cached[1]
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        """Dtype casts (``model.to(torch.bfloat16)``, ``.half()``) leave the floating-point buffers (scales,
+        zero points, static ranges) in fp32, where their precision is part of the format; device moves apply."""
+        kept = {n: b for n, b in self._buffers.items() if b is not None and b.is_floating_point()}
+        out = super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return out
+
     def __getstate__(self) -> dict:
         # caches (the oneDNN prepacked weight is an opaque tensor) are rebuilt on demand, never copied
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_cache_")}
@@ -293,8 +304,9 @@ class QuantizedLinear(_Packed):
             xq = _quantize_input(flat, x_scale, self.act_static)
             if kernel == "onednn":
                 packed, w_zero = self._packed_weight()
+                bias = None if self.bias is None else self.bias.detach().float()  # fp32 even after model.half()
                 y = torch.ops.onednn.qlinear_pointwise.tensor(xq, x_scale, _ZERO, packed, self.row_scale(), w_zero,
-                                                               self.bias, 1.0, 0, torch.float32, "none", [], "")
+                                                               bias, 1.0, 0, torch.float32, "none", [], "")
             else:
                 acc = torch._int_mm(xq, self.codes().t())
                 # int32 -> fp32 scaled, written over the int32 accumulator (same size): one big tensor, not two
