@@ -147,8 +147,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.input_embedding().weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w, rows = self.lm_head.weight, hidden.shape[0]
-        if (w.device.type == "cpu" and LOGITS_CHUNKED_ROWS[0] <= rows <= LOGITS_CHUNKED_ROWS[1]
+        w, rows = getattr(self.lm_head, "weight", None), hidden.shape[0]  # None: a QuantizedLinear (quant)
+        if (w is not None and w.device.type == "cpu" and LOGITS_CHUNKED_ROWS[0] <= rows <= LOGITS_CHUNKED_ROWS[1]
                 and self.lm_head.bias is None and w.shape[0] > 2 * LOGITS_CHUNK):
             # the same values as one F.linear (checked bitwise in the tests), faster on CPU for these rows
             return torch.cat([F.linear(hidden, w[i:i + LOGITS_CHUNK]) for i in range(0, w.shape[0], LOGITS_CHUNK)],
