@@ -30,6 +30,9 @@ fp32 ``F.linear`` 1024x192 @ 192x576 1.46 ms, 1024x768 @ 768x192 2.0 ms:
   (exactly the training-time simulation), then ``linear``.  Everything else (groups inside a row,
   asymmetric with activations, > 8 bits) takes it; tests compare the fast kernels against it.
 
+The int8-activation kernels read the input's scale as a Python number (the fused quantization takes
+a float), so under ``torch.compile`` each such layer is a graph break; ``rowscale`` and ``dequant`` trace.
+
 Not used, measured at the same shapes: ``aten._weight_int8pack_mm`` (fp32 73-119 ms, bf16 1.2-5 ms:
 slower than dequantizing), ``aten._weight_int4pack_mm_for_cpu`` (slower still), fbgemm's dynamic
 ``quantized::linear_dynamic`` (0.58 ms and 0.88 ms: asymmetric uint8 input, so not the simulated
