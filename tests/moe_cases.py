@@ -564,3 +564,71 @@ def expert_tp_checkpoint(path: str, save: bool, expert_tp: bool, stage: int) -> 
     result["dp"] = dp
     comm.reset_mesh()
     return result
+
+
+class TPBlockNet(nn.Module):
+    """A block list AutoTP splits (``ffn``: fc_in column, fc_out row) with an MoE after the FFN."""
+
+    class Block(nn.Module):
+        def __init__(self, ep_size: int, expert_tp: bool) -> None:
+            super().__init__()
+            self.ffn = nn.ModuleDict({"fc_in": nn.Linear(HIDDEN, 16), "fc_out": nn.Linear(16, HIDDEN)})
+            self.moe = MoE(HIDDEN, expert(), num_experts=EXPERTS, ep_size=ep_size, k=2, min_capacity=1,
+                           use_rts=False, top2_2nd_expert_sampling=False, enable_expert_tensor_parallelism=expert_tp)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = x + self.ffn["fc_out"](torch.tanh(self.ffn["fc_in"](x)))
+            out, l_aux, _ = self.moe(h)
+            return h + out, l_aux
+
+    def __init__(self, ep_size: int, expert_tp: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([self.Block(ep_size, expert_tp)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, l_aux = self.layers[0](x)
+        return out, l_aux
+
+
+def autotp_with_expert_tp(stage: int, steps: int = 2) -> dict[str, Any]:
+    """tp2 x dp2 x ep2 through initialize: AutoTP splits the dense FFN, the MoE splits its experts itself;
+    losses and consolidated weights vs one process."""
+    import zerospeed
+    from zerospeed.module_inject import LinearAllreduce, LinearLayer
+
+    reset_expert_groups()
+    mesh = comm.build_mesh(tp=2)
+    torch.manual_seed(0)
+    ref = TPBlockNet(1)
+    model = TPBlockNet(2, expert_tp=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(_local(model, name, ref.state_dict()[name]))
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": 2}}
+    engine, _, _, _ = zerospeed.initialize(model=model, config=config)
+    block = engine.module.layers[0]
+    worst: dict[str, Any] = {"loss": 0.0, "ffn_split": isinstance(block.ffn["fc_in"], LinearLayer)
+                             and isinstance(block.ffn["fc_out"], LinearAllreduce),
+                             "gate_whole": type(block.moe.deepspeed_moe.gate.wg) is nn.Linear}
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    for _ in range(steps):
+        ref_opt.zero_grad()
+        total = sum(loss_of(*ref(tokens(r)[0]), tokens(r)[1]) for r in range(mesh.dp_size)) / mesh.dp_size
+        total.backward()
+        ref_opt.step()
+        x, y = tokens(mesh.dp_rank)
+        loss = loss_of(*engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        comm.all_reduce(mean)
+        worst["loss"] = max(worst["loss"], abs(mean.item() / comm.get_world_size() - total.item()))
+    full = engine.consolidated_state_dict()
+    if comm.get_rank() == 0:
+        ref_state = ref.state_dict()
+        worst["keys"] = sorted(full) == sorted(ref_state)
+        worst["weight"] = max((full[k] - ref_state[k]).abs().max().item() for k in ref_state if k in full)
+    comm.reset_mesh()
+    return worst

@@ -399,3 +399,21 @@ def test_expert_that_cannot_be_split_column_then_row_is_refused_in_one_line() ->
     assert isinstance(split[0], LinearLayer) and isinstance(split[2], LinearAllreduce)
     assert split[0].weight.shape == (8, 8) and split[0].bias.shape == (8,) and split[2].weight.shape == (8, 8)
     assert split[2].bias.shape == (8,)  # the row layer's bias is whole, added once after the all-reduce
+
+
+def test_autotp_leaves_moe_layers_to_themselves() -> None:
+    """AutoTP's heuristic does not plan the router or the experts of an MoE layer inside a block."""
+    from zerospeed.config.tensor_parallel import TensorParallelConfig
+    from zerospeed.module_inject import plan_model
+
+    plan = plan_model(moe_cases.TPBlockNet(1), TensorParallelConfig())
+    assert {n: p.kind for n, p in plan.items()} == {"layers.0.ffn.fc_in": "column", "layers.0.ffn.fc_out": "row"}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_autotp_model_with_expert_tensor_parallel_moe_matches_one_process(stage: int) -> None:
+    results = run_distributed(moe_cases.autotp_with_expert_tp, 4, stage, timeout=240)
+    for r in results:
+        assert r["ffn_split"] and r["gate_whole"], r
+        assert r["loss"] < 1e-5, r
+    assert results[0]["keys"] and results[0]["weight"] < 1e-5, results[0]

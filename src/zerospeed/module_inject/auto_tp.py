@@ -164,7 +164,9 @@ class AutoTP:
         """Every tp rank holds the same full weights (a checksum per parameter, compared over the group)."""
         if self.tp_size == 1:
             return
-        sums = [(n, float(p.detach().double().sum()) if p.numel() else 0.0) for n, p in self.model.named_parameters()]
+        split = tp_param_splits(self.model)  # pieces split already (e.g. tensor-parallel experts) differ by design
+        sums = [(n, float(p.detach().double().sum()) if p.numel() and n not in split else 0.0)
+                for n, p in self.model.named_parameters()]
         everyone = comm.all_gather_object(sums, group=self.tp_group)
         for i, (name, value) in enumerate(sums):
             for rank, other in enumerate(everyone):

@@ -19,7 +19,10 @@ Precedence (first that speaks for a layer wins):
    row-parallel and the others column-parallel. A group with a single linear stays replicated.
 
 ``lm_head`` / ``embed_out`` (``lm_head_patterns``) outside the blocks becomes the vocabulary-parallel
-LM head. Modules named only ``gate`` / ``router`` (MoE routers) stay replicated.
+LM head. Modules named only ``gate`` / ``router`` (MoE routers) stay replicated. A module whose class
+sets ``tp_managed = True`` decides its own tensor parallelism (zerospeed's MoE layer: its router
+replicated, its experts replicated or split by the layer itself): no layer inside it is planned, and
+a model whose only candidates sit in such modules is not an error (it has nothing else to split).
 
 The parser only decides; it does not touch the model (see :mod:`zerospeed.module_inject.auto_tp`).
 """
@@ -159,7 +162,8 @@ def _no_blocks_message(model: nn.Module, linears: list[str]) -> str:
 def plan_model(model: nn.Module, tp: TensorParallelConfig, injection_policy: dict[Any, Any] | None = None
                ) -> dict[str, LayerPlan]:
     """``{module name: LayerPlan}`` for every linear layer that will be replaced (skips omitted)."""
-    linears = [name for name, m in model.named_modules() if name and is_linear(m)]
+    managed = tuple(f"{name}." for name, m in model.named_modules() if name and getattr(type(m), "tp_managed", False))
+    linears = [name for name, m in model.named_modules() if name and is_linear(m) and not name.startswith(managed)]
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     lm_patterns = tp.partition_config.lm_head_patterns if tp.partition_config else ["lm_head", "embed_out"]
     decided: dict[str, LayerPlan] = {}
@@ -231,8 +235,8 @@ def plan_model(model: nn.Module, tp: TensorParallelConfig, injection_policy: dic
     for name, plan in decided.items():
         if plan.kind == "column" and _tail(name, lm_patterns) and not is_conv1d(model.get_submodule(name)):
             plan = LayerPlan(name, "lm_head", plan.source)
-        if plan.kind != "skip":
+        if plan.kind != "skip" and not name.startswith(managed):
             out[name] = plan
-    if not any(p.kind in ("column", "row") for p in out.values()):
+    if not any(p.kind in ("column", "row") for p in out.values()) and not managed:
         raise ValueError(_no_blocks_message(model, linears))
     return out

@@ -146,6 +146,10 @@ class MOELayer(nn.Module):
 class MoE(nn.Module):
     """DeepSpeed's ``deepspeed.moe.layer.MoE`` (see the module docstring)."""
 
+    #: AutoTP leaves this layer alone: the router stays replicated, the experts are split by the layer
+    #: itself (``enable_expert_tensor_parallelism``) or replicated over the tp group
+    tp_managed = True
+
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,

@@ -81,9 +81,12 @@ def mesh_for(raw: Any, mpu: Any = None, mesh_param: Any = None, pp: int = 1,
 
 
 def is_split(model: nn.Module) -> bool:
+    """Whether the model was split already (``tp_model_init``); tensor-parallel layers inside a module
+    that manages its own tensor parallelism (``tp_managed``: MoE experts) do not count."""
     from zerospeed.module_inject import TPLayer
 
-    return any(isinstance(m, TPLayer) for m in model.modules())
+    managed = tuple(f"{n}." for n, m in model.named_modules() if n and getattr(type(m), "tp_managed", False))
+    return any(isinstance(m, TPLayer) and not n.startswith(managed) for n, m in model.named_modules())
 
 
 def prepare_model(model: nn.Module, mesh: Mesh, tp_cfg: TensorParallelConfig, optimizer: Any) -> nn.Module:
