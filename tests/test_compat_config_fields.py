@@ -86,6 +86,12 @@ from zerospeed.config.compile import DEEPCOMPILE_ONLY_DEFAULTS  # noqa: E402
 
 NO_OP_FIELDS.update({f"compile.{k}": "DeepCompile-only option, refused unless at DeepSpeed's default"
                      for k in (*DEEPCOMPILE_ONLY_DEFAULTS, "free_activation_threshold")})
+# AutoEP keys zerospeed accepts only at DeepSpeed's default (config/expert_parallel.py refuses any other value by
+# name): the default asks for nothing zerospeed's expert-parallel replacement does not do
+from zerospeed.config.expert_parallel import DEFAULT_ONLY as AUTOEP_DEFAULT_ONLY  # noqa: E402
+
+NO_OP_FIELDS.update({f"expert_parallel.{k}": "AutoEP option, refused unless at DeepSpeed's default"
+                     for k in AUTOEP_DEFAULT_ONLY})
 
 
 def _models(annotation: object) -> list[type[BaseModel]]:
