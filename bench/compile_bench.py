@@ -1,15 +1,26 @@
-"""engine.compile() versus eager, at ZeRO stages 0-3, 2 processes (gloo on CPU).
+"""Compiled training, 2 processes (gloo on CPU): eager ZeRO versus engine.compile() versus DeepCompile,
+with FSDP2 + torch.compile and DeepSpeed 0.19.8's engine.compile() as the peers.
 
-For each stage: an eager engine and an ``engine.compile(backend)`` engine train the same GPT on the
-same batches; reported per stage: median step time of each (warmup steps excluded, the first
-compiled step included in compile time, not in step time), the ratio compiled/eager, compile
-seconds (Dynamo + backend, ``engine.get_compile_time()``), graphs, graph breaks and recompiles
-(``engine.compile_report()``), and the max relative loss difference over the measured steps.
+Systems (each stage 0-3 where it applies; every (system, stage) runs in fresh processes so peak RSS
+is its own):
 
-DeepCompile and DeepSpeed's / FSDP2's compiled peers are not run: DeepCompile is not built in
-zerospeed (see README, "torch.compile").
+* ``eager`` - zerospeed, no compile;
+* ``compile`` - zerospeed ``engine.compile(backend)``: the module compiled, ZeRO hooks outside the graph;
+* ``deepcompile`` - zerospeed with ``compile.deepcompile: true``: gathers, releases and reductions in
+  the graphs (default schedule: a profiling step, then the optimized graphs);
+* ``fsdp2+compile`` - ``fully_shard`` on every block and the root, then ``torch.compile`` (stage-3 peer);
+* ``deepspeed compile`` - DeepSpeed's ``engine.compile(backend)`` at each stage (needs DeepSpeed:
+  run with the bench venv); ``deepspeed deepcompile`` - DeepSpeed with ``compile.deepcompile``, whose
+  exact error is recorded where it does not run.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=$PWD/src python bench/compile_bench.py --backend inductor --stages 0 1 2 3
+Reported per row: median step time (warmup excluded; the steps that compile are warmup), the first
+step's wall time (compile included), compile seconds (zerospeed: ``engine.get_compile_time()``),
+graph breaks and recompiles (zerospeed: ``engine.compile_report()``), peak RSS of rank 0, the
+losses' max relative difference from zerospeed eager at the same stage, and the ratio of the step
+time to zerospeed eager at the same stage.
+
+    DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=.venv-bench/torch_extensions OMP_NUM_THREADS=1 PYTHONPATH=$PWD/src \
+        .venv-bench/bin/python bench/compile_bench.py --backend inductor --stages 0 1 2 3
 """
 
 from __future__ import annotations
@@ -18,70 +29,93 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+SYSTEMS = ("eager", "compile", "deepcompile", "fsdp2+compile", "deepspeed compile", "deepspeed deepcompile")
 
-def _worker(stages: list[int], backend: str, steps: int, warmup: int, layers: int, d_model: int,
-            seq: int, micro: int) -> list[dict]:
+
+def _worker(system: str, stage: int, backend: str, steps: int, warmup: int, layers: int, d_model: int,
+            seq: int, micro: int) -> dict[str, Any]:
     import torch
     import torch._dynamo
     import torch.distributed as dist
 
-    import zerospeed
-    from common import time_steps
+    from common import peak_rss_bytes, time_steps
     from gpt_model import GPT, GPTConfig
 
     torch.set_num_threads(1)
     cfg = GPTConfig(vocab_size=256, n_layer=layers, n_head=max(1, d_model // 64), d_model=d_model, seq_len=seq)
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    def batches(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(i * world + rank)
         data = torch.randint(0, cfg.vocab_size, (micro, seq + 1), generator=g)
         return data[:, :-1], data[:, 1:]
 
-    rows = []
-    for stage in stages:
-        out: dict = {"stage": stage}
-        for mode in ("eager", "compiled"):
-            torch._dynamo.reset()
-            torch.manual_seed(0)
-            model = GPT(cfg)
-            ds = {"train_batch_size": micro * world, "steps_per_print": 0,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                  "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-            engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-            losses: list[float] = []
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ds = {"train_batch_size": micro * world, "steps_per_print": 0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    out: dict[str, Any] = {"system": system, "stage": stage}
+    engine: Any = None
+    if system in ("eager", "compile", "deepcompile"):
+        import zerospeed
 
-            def step(i: int) -> None:
-                x, y = batches(i)
-                loss = engine(x, targets=y)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
+        if system == "deepcompile":
+            ds["compile"] = {"deepcompile": True}
+        engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+        if system != "eager":
+            engine.compile(backend=backend)
+    elif system.startswith("deepspeed"):
+        import deepspeed
 
-            first = 0.0
-            if mode == "compiled":
-                engine.compile(backend=backend)
-                t0 = time.perf_counter()
-                step(-1)  # compiles
-                first = time.perf_counter() - t0
-                losses.clear()
-            timing = time_steps(step, steps, warmup, barrier=dist.barrier)
-            out[f"{mode}_step_s"] = timing.median_s
-            out[f"{mode}_losses"] = losses[warmup:]
-            if mode == "compiled":
-                rep = engine.compile_report()
-                out.update({"first_compiled_step_s": first, "compile_s": engine.get_compile_time(),
-                            "graphs": rep["graphs"], "graph_breaks": rep["graph_breaks"],
-                            "recompiles": rep["recompiles"]})
-        eager_l, comp_l = out.pop("eager_losses"), out.pop("compiled_losses")
-        out["ratio_compiled_over_eager"] = out["compiled_step_s"] / out["eager_step_s"]
-        out["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(comp_l, eager_l))
-        rows.append(out)
-    return rows
+        if system == "deepspeed deepcompile":
+            ds["compile"] = {"deepcompile": True}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+        engine.compile(backend=backend)
+    if engine is not None:
+        def step(i: int) -> float:
+            x, y = batch(i)
+            loss = engine(x, targets=y)
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+    else:  # fsdp2+compile
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        compiled = torch.compile(model, backend=backend)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(i: int) -> float:
+            x, y = batch(i)
+            loss = compiled(x, targets=y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.item()
+
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    losses.append(step(0))
+    out["first_step_s"] = time.perf_counter() - t0
+    timing = time_steps(lambda i: losses.append(step(i + 1)), steps, warmup, barrier=dist.barrier)
+    out["step_s"] = timing.median_s
+    out["losses"] = losses
+    out["peak_rss_bytes"] = peak_rss_bytes()
+    if system in ("compile", "deepcompile"):
+        rep = engine.compile_report()
+        out.update({"compile_s": round(engine.get_compile_time(), 2), "graph_breaks": rep["graph_breaks"],
+                    "recompiles": rep["recompiles"]})
+    elif system == "deepspeed compile":
+        out["compile_s"] = round(float(engine.get_compile_time()), 2)
+    return out
 
 
 def main() -> None:
@@ -91,24 +125,53 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="inductor")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=192)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--no-write", action="store_true", help="print only (trial runs)")
     a = p.parse_args()
-    rows = run_distributed(_worker, 2, a.stages, a.backend, a.steps, a.warmup, a.layers, a.d_model, a.seq,
-                           a.micro, timeout=3000)[0]
+    rows: list[dict[str, Any]] = []
+    eager: dict[int, dict[str, Any]] = {}
+    for stage in a.stages:
+        for system in a.systems:
+            if system == "fsdp2+compile" and stage != 3:
+                continue
+            if system == "deepspeed deepcompile" and stage != 3:
+                continue
+            t0 = time.perf_counter()
+            try:
+                row = run_distributed(_worker, 2, system, stage, a.backend, a.steps, a.warmup, a.layers, a.d_model,
+                                      a.seq, a.micro, timeout=900)[0]
+            except Exception as error:  # a peer that does not run here: its exact error is the result
+                lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+                errs = [ln for ln in lines if "Error" in ln or "error" in ln]
+                row = {"system": system, "stage": stage, "error": (errs[-1] if errs else lines[-1])[:400]}
+            row["wall_s"] = round(time.perf_counter() - t0, 1)
+            if system == "eager" and "step_s" in row:
+                eager[stage] = row
+            base = eager.get(stage)
+            if base is not None and "step_s" in row:
+                row["ratio_vs_eager"] = round(row["step_s"] / base["step_s"], 3)
+                row["max_rel_loss_diff_vs_eager"] = max(abs(x - y) / abs(y) for x, y in zip(row["losses"],
+                                                                                            base["losses"]))
+            print({k: v for k, v in row.items() if k != "losses"}, flush=True)
+            rows.append(row)
+    for row in rows:
+        row.pop("losses", None)
+    if a.no_write:
+        return
     json_path, md_path = write_results(
         "compile_bench", rows, params=vars(a),
-        notes=["2 gloo processes, 1 torch thread each, on a machine shared with other jobs: timings are noisy",
-               "compile_s: Dynamo + backend seconds (engine.get_compile_time()); first_compiled_step_s: wall time "
-               "of the step that compiled",
-               "the losses of the measured steps of the eager and compiled runs are compared "
-               "(max_rel_loss_diff); DeepCompile, DeepSpeed's engine.compile and FSDP2 + torch.compile not run"])
-    for row in rows:
-        print(row)
+        notes=["2 gloo processes, 1 torch thread each, on a 2-core machine shared with other jobs: timings are noisy",
+               "each (system, stage) runs in fresh processes; peak_rss_bytes is rank 0's peak resident set",
+               "first_step_s includes compilation; step_s is the median of the measured steps after warmup",
+               "ratio_vs_eager: step_s over zerospeed eager's at the same stage; fsdp2+compile is compared "
+               "with the stage-3 row",
+               "deepcompile under Inductor runs without the prefetch pass (see zerospeed.compile.deepcompile)"])
     print(json_path, md_path)
 
 

@@ -31,6 +31,7 @@ def _check(pair, tol, stage, weight_tol=None):
     assert all(c <= e for c, e in zip(compiled["calls"], eager["calls"])), (stage, compiled["calls"], eager["calls"])
     rep = compiled["report"]
     assert rep["deepcompile"] and rep["graph_breaks"] == 0, (stage, rep["graph_break_reasons"])
+    assert rep["graphs"] == 1 + rep["recompiles"], rep  # one graph per compilation: nothing split
     ops = rep["graph_ops"]
     if stage == 3:
         # per step: one gather per bucket in forward, one in backward for every bucket not kept

@@ -12,7 +12,9 @@ layer (Megatron's fused region): the last copy is remembered per tp group until 
 layer (or the LM head) closes the region, or the input changes (another tensor, or an in-place
 write bumping its version).
 
-Every collective goes through :mod:`zerospeed.comm` (counted). When autograd is off
+Every collective goes through :mod:`zerospeed.comm` (counted); under ``torch.compile`` through its
+custom ops (:mod:`zerospeed.comm.traceable`), so the collectives are nodes of the graph instead of
+graph breaks. When autograd is off
 (``torch.no_grad()`` / inference mode) or the input does not require grad, the collective is
 called directly, with no ``autograd.Function`` in the way: inference pays for the communication
 and nothing else.
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.comm import traceable
 
 
 def _tracking(x: torch.Tensor) -> bool:
@@ -32,12 +35,17 @@ def _tracking(x: torch.Tensor) -> bool:
 
 
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return traceable.all_reduce_sum(x, traceable.group_id(group))
     x = x.contiguous()
     comm.all_reduce(x, group=group)
     return x
 
 
 def _gather_last(x: torch.Tensor, group: Any, tp_size: int) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        out = traceable.all_gather_stack(x, traceable.group_id(group), tp_size)
+        return torch.cat(out.unbind(0), dim=-1)
     x = x.contiguous()
     out = x.new_empty((tp_size, *x.shape))
     comm.all_gather(out, x, group=group)
@@ -82,6 +90,17 @@ _OPEN_REGION: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id(group
 def copy_to_tp(x: torch.Tensor, group: Any, tp_size: int) -> torch.Tensor:
     if tp_size == 1 or not _tracking(x):
         return x
+    if torch.compiler.is_compiling():
+        # Dynamo cannot read a version counter (data-dependent): inside a graph the region is keyed
+        # on the input tensor alone (a traced graph has no in-place writes on a layer's input between
+        # the column layers reading it)
+        gid = -1 - traceable.group_id(group)
+        open_region = _OPEN_REGION.get(gid)
+        if open_region is not None and open_region[0] is x:
+            return open_region[2]
+        y = _CopyToTP.apply(x, group)
+        _OPEN_REGION[gid] = (x, 0, y)
+        return y
     key = id(group)
     open_region = _OPEN_REGION.get(key)
     if open_region is not None and open_region[0] is x and open_region[1] == x._version:
@@ -93,6 +112,9 @@ def copy_to_tp(x: torch.Tensor, group: Any, tp_size: int) -> torch.Tensor:
 
 def close_region(group: Any) -> None:
     """A row-parallel layer (or the LM head) ran: the next column layer starts a new region."""
+    if torch.compiler.is_compiling():
+        _OPEN_REGION.pop(-1 - traceable.group_id(group), None)
+        return
     _OPEN_REGION.pop(id(group), None)
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerospeed.comm import traceable
 from zerospeed.module_inject.functional import copy_to_tp, gather_from_tp, reduce_from_tp
 from zerospeed.module_inject.tp_shard import TPSplit, local_piece
 
@@ -41,6 +42,7 @@ class TPLayer(nn.Module):
         super().__init__()
         self.tp_group, self.tp_size, self.tp_rank = tp_group, tp_size, tp_rank
         self.tp_splits: dict[str, TPSplit] = {}
+        traceable.group_id(tp_group)  # registered eagerly: a compiled forward refers to it by number
 
     def _set_piece(self, name: str, full: torch.Tensor | None, split: TPSplit | None, requires_grad: bool) -> None:
         if full is None:
