@@ -8,6 +8,8 @@ is its own):
 * ``compile`` - zerospeed ``engine.compile(backend)``: the module compiled, ZeRO hooks outside the graph;
 * ``deepcompile`` - zerospeed with ``compile.deepcompile: true``: gathers, releases and reductions in
   the graphs (default schedule: a profiling step, then the optimized graphs);
+* ``deepcompile aot_eager`` (stage 3) - the same with the graphs run eagerly (``backend="aot_eager"``),
+  which is where the ``prefetch`` pass runs (it is refused under Inductor);
 * ``fsdp2+compile`` - ``fully_shard`` on every block and the root, then ``torch.compile`` (stage-3 peer);
 * ``deepspeed compile`` - DeepSpeed's ``engine.compile(backend)`` at each stage (needs DeepSpeed:
   run with the bench venv); ``deepspeed deepcompile`` - DeepSpeed with ``compile.deepcompile``, whose
@@ -34,7 +36,9 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-SYSTEMS = ("eager", "compile", "deepcompile", "fsdp2+compile", "deepspeed compile", "deepspeed deepcompile")
+SYSTEMS = ("eager", "compile", "deepcompile", "deepcompile aot_eager", "fsdp2+compile", "deepspeed compile",
+           "deepspeed deepcompile")
+STAGE3_ONLY = ("deepcompile aot_eager", "fsdp2+compile", "deepspeed deepcompile")
 
 
 def _worker(system: str, stage: int, backend: str, steps: int, warmup: int, layers: int, d_model: int,
@@ -62,14 +66,14 @@ def _worker(system: str, stage: int, backend: str, steps: int, warmup: int, laye
           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     out: dict[str, Any] = {"system": system, "stage": stage}
     engine: Any = None
-    if system in ("eager", "compile", "deepcompile"):
+    if system in ("eager", "compile", "deepcompile", "deepcompile aot_eager"):
         import zerospeed
 
-        if system == "deepcompile":
+        if system.startswith("deepcompile"):
             ds["compile"] = {"deepcompile": True}
         engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
         if system != "eager":
-            engine.compile(backend=backend)
+            engine.compile(backend="aot_eager" if system == "deepcompile aot_eager" else backend)
     elif system.startswith("deepspeed"):
         import deepspeed
 
@@ -109,7 +113,7 @@ def _worker(system: str, stage: int, backend: str, steps: int, warmup: int, laye
     out["step_s"] = timing.median_s
     out["losses"] = losses
     out["peak_rss_bytes"] = peak_rss_bytes()
-    if system in ("compile", "deepcompile"):
+    if system in ("compile", "deepcompile", "deepcompile aot_eager"):
         rep = engine.compile_report()
         out.update({"compile_s": round(engine.get_compile_time(), 2), "graph_breaks": rep["graph_breaks"],
                     "recompiles": rep["recompiles"]})
@@ -138,9 +142,7 @@ def main() -> None:
     eager: dict[int, dict[str, Any]] = {}
     for stage in a.stages:
         for system in a.systems:
-            if system == "fsdp2+compile" and stage != 3:
-                continue
-            if system == "deepspeed deepcompile" and stage != 3:
+            if system in STAGE3_ONLY and stage != 3:
                 continue
             t0 = time.perf_counter()
             try:
