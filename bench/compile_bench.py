@@ -15,7 +15,8 @@ is its own):
   run with the bench venv); ``deepspeed deepcompile`` - DeepSpeed with ``compile.deepcompile``, whose
   exact error is recorded where it does not run.
 
-Reported per row: median step time (warmup excluded; the steps that compile are warmup), the first
+Reported per row: median step time (warmup excluded; the steps that compile are warmup) and median
+CPU seconds per step (the slower rank; robust to other jobs on a shared machine), the first
 step's wall time (compile included), compile seconds (zerospeed: ``engine.get_compile_time()``),
 graph breaks and recompiles (zerospeed: ``engine.compile_report()``), peak RSS of rank 0, the
 losses' max relative difference from zerospeed eager at the same stage, and the ratio of the step
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -106,11 +108,23 @@ def _worker(system: str, stage: int, backend: str, steps: int, warmup: int, laye
             return loss.item()
 
     losses: list[float] = []
+    cpu: list[float] = []
+
+    def timed(i: int) -> None:
+        c0 = time.process_time()
+        losses.append(step(i + 1))
+        cpu.append(time.process_time() - c0)
+
     t0 = time.perf_counter()
     losses.append(step(0))
     out["first_step_s"] = time.perf_counter() - t0
-    timing = time_steps(lambda i: losses.append(step(i + 1)), steps, warmup, barrier=dist.barrier)
+    timing = time_steps(timed, steps, warmup, barrier=dist.barrier)
     out["step_s"] = timing.median_s
+    # CPU seconds of this process per step (all its threads): what the step costs, whatever else
+    # runs on the shared machine; the slower rank's median is reported
+    mine = torch.tensor([sorted(cpu[warmup:])[len(cpu[warmup:]) // 2]], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    out["cpu_step_s"] = float(mine.item())
     out["losses"] = losses
     out["peak_rss_bytes"] = peak_rss_bytes()
     if system in ("compile", "deepcompile", "deepcompile aot_eager"):
@@ -150,14 +164,17 @@ def main() -> None:
                                       a.seq, a.micro, timeout=900)[0]
             except Exception as error:  # a peer that does not run here: its exact error is the result
                 lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-                errs = [ln for ln in lines if "Error" in ln or "error" in ln]
-                row = {"system": system, "stage": stage, "error": (errs[-1] if errs else lines[-1])[:400]}
+                # the first exception line of the rank that failed first (not its peers' lost connections)
+                errs = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", ln)
+                        and "Connection" not in ln and "DistributedTestError" not in ln]
+                row = {"system": system, "stage": stage, "error": (errs[0] if errs else lines[-1])[:400]}
             row["wall_s"] = round(time.perf_counter() - t0, 1)
             if system == "eager" and "step_s" in row:
                 eager[stage] = row
             base = eager.get(stage)
             if base is not None and "step_s" in row:
                 row["ratio_vs_eager"] = round(row["step_s"] / base["step_s"], 3)
+                row["cpu_ratio_vs_eager"] = round(row["cpu_step_s"] / base["cpu_step_s"], 3)
                 row["max_rel_loss_diff_vs_eager"] = max(abs(x - y) / abs(y) for x, y in zip(row["losses"],
                                                                                             base["losses"]))
             print({k: v for k, v in row.items() if k != "losses"}, flush=True)
@@ -171,6 +188,8 @@ def main() -> None:
         notes=["2 gloo processes, 1 torch thread each, on a 2-core machine shared with other jobs: timings are noisy",
                "each (system, stage) runs in fresh processes; peak_rss_bytes is rank 0's peak resident set",
                "first_step_s includes compilation; step_s is the median of the measured steps after warmup",
+               "cpu_step_s: median CPU seconds per step of a rank (all its threads; the slower rank), which "
+               "other jobs on the machine inflate much less than wall time; cpu_ratio_vs_eager compares those",
                "ratio_vs_eager: step_s over zerospeed eager's at the same stage; fsdp2+compile is compared "
                "with the stage-3 row",
                "deepcompile under Inductor runs without the prefetch pass (see zerospeed.compile.deepcompile)"])

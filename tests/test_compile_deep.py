@@ -36,6 +36,8 @@ def _check(pair, tol, stage, weight_tol=None):
     if stage == 3:
         # per step: one gather per bucket in forward, one in backward for every bucket not kept
         assert ops["gather"] > 0 and ops["reduce_bucket"] > 0, ops
+        if rep["backend"] == "eager":  # the default schedule's prefetch started some all-gathers early
+            assert ops["prefetched"] > 0, ops
     else:
         assert ops["grads_in_graph"] == pair["num_params"] * len(compiled["losses"]), ops
     return rep

@@ -23,9 +23,7 @@ Decisions:
   profiling phase: its graphs run eagerly under a timing interpreter (per-node seconds, per-bucket
   gather seconds), and the next phase is compiled (a recompile, counted) with that profile.
   Default: ZeRO-3 ``[(0, [gather_release, reduce_early]), (1, [gather_release, prefetch,
-  selective_unshard, reduce_early])]`` (without prefetch under Inductor); ZeRO-0/1/2 ``[(0, [insert_reduce_grads, reduce_early])]``.
-* With Inductor, ``prefetch`` is refused: Inductor's lowering of the rewritten ``gather_wait`` node
-  fails (not investigated further yet), so Inductor graphs gather synchronously.
+  selective_unshard, reduce_early])]``; ZeRO-0/1/2 ``[(0, [insert_reduce_grads, reduce_early])]``.
 * The graphs' collectives are synchronous (the gather's prefetch is the asynchronous one); the
   ZeRO-3 watchdog does not see them (a hang is bounded by the process group's timeout).
 * Not supported with DeepCompile (refused in one line): ``offload_param`` (shards may be on NVMe
@@ -42,19 +40,15 @@ from zerospeed import comm
 
 from . import ops
 from .backend import backend_fn
-from .zero_passes import PASSES, Candidate, Profile, choose_unsharded, tag_recompute
+from .zero_passes import Candidate, Profile, choose_unsharded, tag_recompute
 
-ZERO3_PASSES = ("gather_release", "prefetch", "selective_unshard", "reduce_early")
-ZERO12_PASSES = ("insert_reduce_grads", "reduce_early")
 PARTITION_PASSES = ("selective_unshard",)
 
 
 def default_schedule(stage: int, compiler: str = "eager") -> list[tuple[int, list[str]]]:
     if stage == 3:
-        optimized = ["gather_release", "prefetch", "selective_unshard", "reduce_early"]
-        if compiler == "inductor":
-            optimized.remove("prefetch")  # Inductor cannot lower gather_wait yet (see the module docstring)
-        return [(0, ["gather_release", "reduce_early"]), (1, optimized)]
+        return [(0, ["gather_release", "reduce_early"]),
+                (1, ["gather_release", "prefetch", "selective_unshard", "reduce_early"])]
     return [(0, ["insert_reduce_grads", "reduce_early"])]
 
 
@@ -150,9 +144,6 @@ class DeepCompile:
         self.schedule = [(int(s), list(names)) for s, names in (schedule or default_schedule(self.stage, self.compiler))]
         if passes:
             self.schedule[-1] = (self.schedule[-1][0], list(passes))
-        if self.compiler == "inductor" and any("prefetch" in names for _, names in self.schedule):
-            raise ValueError("engine.compile: the prefetch pass is not supported with backend 'inductor' yet "
-                             "(Inductor cannot lower zerospeed::gather_wait); use backend 'eager' or drop prefetch")
         self.resolve = resolve
         for _, names in self.schedule:
             resolve(names)  # unknown names: the error lists the known passes

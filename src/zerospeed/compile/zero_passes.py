@@ -142,6 +142,7 @@ def prefetch(gm: GraphModule, profile: Profile) -> GraphModule:
             token.meta["val"] = shard_val.new_empty(0)
         g.target = GATHER_WAIT
         g.args = (g.args[0], g.args[1], g.args[2], token)
+        g.meta.pop("eager_input_vals", None)  # recorded for the gather's 3 arguments (Inductor reads it)
     return _finish(gm)
 
 

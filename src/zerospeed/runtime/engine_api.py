@@ -81,7 +81,8 @@ HAS: tuple[str, ...] = (
 )
 
 _INTERNAL = "an internal step of DeepSpeed's engine; zerospeed's ZeRO strategy does it inside backward/step"
-_NO_COMPILE = "DeepCompile graph backends are not built in zerospeed yet; use engine.compile() (torch.compile of the module)"
+_NO_COMPILE = ("DeepSpeed's backend getters are not in zerospeed: set compile.deepcompile: true and call "
+               "engine.compile() (the backend itself is zerospeed.compile.backend_fn)")
 _NO_FEATURE = "the feature is not in zerospeed (its config section is refused when enabled)"
 
 #: name -> why it is not there (the error says it)
@@ -147,7 +148,6 @@ _OFF_QUERIES: dict[str, Any] = {
         "zero_hpz_partition_size", "zero_save_muon_momentum_buffer_in_memory", "managed_gradient_accumulation",
         "use_node_local_storage", "load_universal_checkpoint", "is_sanity_checks_enabled",
         "zero_log_trace_cache_warnings", "zero_allgather_sequential", "zero_nvme_offload_optimizer",
-        "is_deepcompile_enabled", "is_deepcompile_active",
         "zero_elastic_checkpoint", "zero_round_robin_gradients",
     ), False),
     **dict.fromkeys((
@@ -551,7 +551,8 @@ class DeepSpeedEngineAPI:
     # -- torch.compile (zerospeed.compile) --------------------------------------------------------
     def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None,
                 schedule: Any = None) -> None:
-        """torch.compile the wrapped module in place (the ZeRO machinery stays outside the graph)."""
+        """torch.compile the wrapped module in place (the ZeRO machinery stays outside the graph), or,
+        with ``compile.deepcompile: true``, move the ZeRO gathers and reductions into the graphs."""
         from zerospeed.compile.engine_compile import compile_engine
 
         compile_engine(self, backend, compile_kwargs, schedule)
@@ -573,6 +574,14 @@ class DeepSpeedEngineAPI:
         from zerospeed.compile.engine_compile import state_of
 
         return state_of(self).report()
+
+    def is_deepcompile_enabled(self) -> bool:
+        return bool(self.config.compile.deepcompile)
+
+    def is_deepcompile_active(self) -> bool:
+        from zerospeed.compile.engine_compile import state_of
+
+        return state_of(self).deepcompile is not None
 
     def register_compile_pass(self, name: str, fn: Any) -> None:
         """Register a graph pass ``(graph_module, profile) -> graph_module`` under ``name``."""
