@@ -465,7 +465,8 @@ def expert_tp_parity(ep_size: int, k: int, drop: bool, steps: int = 2, expert_tp
         opt.step()
         ref_opt.step()
     for name, p in model.named_parameters():
-        worst["weight"] = max(worst["weight"], (p.detach() - _local(model, name, ref.state_dict()[name])).abs().max().item())
+        diff = (p.detach() - _local(model, name, ref.state_dict()[name])).abs().max().item()
+        worst["weight"] = max(worst["weight"], diff)
     worst["all_to_all_elements"] = comm.COUNTER.elements("all_to_all")
     worst["all_to_all_count"] = comm.COUNTER.count("all_to_all")
     worst["split_experts"] = sorted({n.split(".deepspeed_experts.")[1] for n in tp_param_splits(model)
