@@ -132,7 +132,9 @@ class ExperimentRunner:
         config_path.write_text(json.dumps(config, indent=2))
         cmd = self.command(config_path, values)
         (folder / "cmd.txt").write_text(shlex.join(cmd) + "\n")
-        env = {**os.environ, **self.env}
+        # a native crash (e.g. at interpreter exit) leaves a Python traceback of every thread in
+        # stderr.log, which the failure record quotes
+        env = {"PYTHONFAULTHANDLER": "1", **os.environ, **self.env}
         start = time.perf_counter()
         status, reason = "ok", ""
         with open(folder / "stdout.log", "wb") as out, open(folder / "stderr.log", "wb") as err:
