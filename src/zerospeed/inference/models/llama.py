@@ -62,11 +62,14 @@ class LlamaBlock(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    #: the decoder block; a family that only swaps the FFN (Mixtral) subclasses with its own
+    block_cls: type[nn.Module] = LlamaBlock
+
     def __init__(self, spec: ModelSpec, max_positions: int, tp: TPInfo = TPInfo()) -> None:
         super().__init__()
         self.spec, self.tp = spec, tp
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaBlock(spec, i, tp) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(self.block_cls(spec, i, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:

@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zerospeed.inference.models.layers import CausalLM, RMSNorm, RotaryTable, TPInfo, activation
-from zerospeed.inference.models.llama import LlamaAttention
+from zerospeed.inference.models.layers import RMSNorm, TPInfo, activation
+from zerospeed.inference.models.llama import LlamaAttention, LlamaForCausalLM
 from zerospeed.inference.models.spec import ModelLoadError, ModelSpec
 
 
@@ -101,30 +101,16 @@ class MixtralBlock(nn.Module):
         return h + self.moe(self.post_norm(h))
 
 
-class MixtralForCausalLM(CausalLM):
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Llama's embedding, rotary table, norm and LM head around Mixtral's sparse-MoE blocks."""
+
+    block_cls = MixtralBlock
+
     def __init__(self, spec: ModelSpec, max_positions: int, tp: TPInfo = TPInfo()) -> None:
-        super().__init__()
         if tp.size > 1:
             raise ModelLoadError(f"{spec.model_type}: tensor parallelism (size {tp.size}) is not supported for "
                                  "mixture-of-experts models yet; serve it with tensor_parallel size 1")
-        self.spec, self.tp = spec, tp
-        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(MixtralBlock(spec, i, tp) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-        self.rotary = RotaryTable(spec, max_positions)
-
-    def input_embedding(self) -> nn.Embedding:
-        return self.embed
-
-    def forward(self, input_ids, meta, kv):
-        h = self.embed(input_ids)
-        cos, sin = self.rotary.lookup(meta.positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, meta, cos, sin, kv.k[i], kv.v[i])
-        return self.norm(h)
+        super().__init__(spec, max_positions, tp)
 
 
 def _stacked(reader, names: list[str], shape: tuple[int, ...]):
