@@ -59,7 +59,8 @@ def test_tune_resume_and_run_at_two_processes(tmp_path: Path) -> None:
         assert len(steps) == 2 and all(t > 0 for t in steps)
         assert metrics["latency"] == pytest.approx(statistics.median(steps))
         assert metrics["throughput"] == pytest.approx(metrics["train_batch_size"] / statistics.median(steps))
-        assert metrics["latency_mean"] >= min(steps) * 0.99
+        # the slowest rank's total over the steps never exceeds the sum of each step's slowest rank
+        assert 0 < metrics["latency_mean"] <= sum(steps) / len(steps) * 1.0001
     # an interruption during one experiment: its record is missing, so only it runs again
     interrupted = sorted(ok)[0]
     (tmp_path / "autotuning_exps" / interrupted / "result.json").unlink()
