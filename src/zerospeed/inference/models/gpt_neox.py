@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zerospeed.inference.models.layers import CausalLM, RotaryTable, RowLinear, TPInfo, activation, apply_rotary
+from zerospeed.inference.models.layers import RotaryDecoderLM, RowLinear, TPInfo, activation, apply_rotary
 from zerospeed.inference.models.spec import ModelSpec
 
 
@@ -48,27 +48,11 @@ class GPTNeoXBlock(nn.Module):
         return self._mlp(self.ln_2(h)) + h
 
 
-class GPTNeoXForCausalLM(CausalLM):
-    def __init__(self, spec: ModelSpec, max_positions: int, tp: TPInfo = TPInfo()) -> None:
-        super().__init__()
-        self.spec, self.tp = spec, tp
-        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(GPTNeoXBlock(spec, i, tp) for i in range(spec.num_layers))
-        self.ln_f = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-        self.rotary = RotaryTable(spec, max_positions)
+class GPTNeoXForCausalLM(RotaryDecoderLM):
+    block_cls = GPTNeoXBlock
 
-    def input_embedding(self) -> nn.Embedding:
-        return self.embed
-
-    def forward(self, input_ids, meta, kv):
-        h = self.embed(input_ids)
-        cos, sin = self.rotary.lookup(meta.positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, meta, cos, sin, kv.k[i], kv.v[i])
-        return self.ln_f(h)
+    def final_norm(self, spec: ModelSpec) -> nn.Module:
+        return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
 
 
 def _qkv(t: torch.Tensor, spec: ModelSpec, tp: TPInfo) -> torch.Tensor:
@@ -83,8 +67,8 @@ def load_weights(model: GPTNeoXForCausalLM, reader) -> None:
     spec, tp = model.spec, model.tp
     H, I = spec.hidden_size, spec.intermediate_size
     reader.put(model.embed.weight, "gpt_neox.embed_in.weight", (spec.vocab_size, H))
-    reader.put(model.ln_f.weight, "gpt_neox.final_layer_norm.weight", (H,))
-    reader.put(model.ln_f.bias, "gpt_neox.final_layer_norm.bias", (H,))
+    reader.put(model.norm.weight, "gpt_neox.final_layer_norm.weight", (H,))
+    reader.put(model.norm.bias, "gpt_neox.final_layer_norm.bias", (H,))
     if spec.tie_word_embeddings:
         reader.ignore("embed_out.weight")
     else:

@@ -156,6 +156,38 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
+class RotaryDecoderLM(CausalLM):
+    """Embedding, a stack of ``block_cls`` decoder blocks sharing one rotary table, a final norm and
+    the LM head: the body of the Llama family, Mixtral and GPT-NeoX, which differ in their blocks
+    (``block_cls``) and final norm (:meth:`final_norm`)."""
+
+    block_cls: type[nn.Module]
+
+    def __init__(self, spec: ModelSpec, max_positions: int, tp: TPInfo = TPInfo()) -> None:
+        super().__init__()
+        self.spec, self.tp = spec, tp
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(self.block_cls(spec, i, tp) for i in range(spec.num_layers))
+        self.norm = self.final_norm(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rotary = RotaryTable(spec, max_positions)
+
+    def final_norm(self, spec: ModelSpec) -> nn.Module:  # pragma: no cover
+        raise NotImplementedError
+
+    def input_embedding(self) -> nn.Embedding:
+        return self.embed
+
+    def forward(self, input_ids: torch.Tensor, meta: Any, kv: Any) -> torch.Tensor:
+        h = self.embed(input_ids)
+        cos, sin = self.rotary.lookup(meta.positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, meta, cos, sin, kv.k[i], kv.v[i])
+        return self.norm(h)
+
+
 class RowLinear(nn.Module):
     """A row-parallel linear layer (input features split across TP ranks): partial products are
     all-reduced, and the bias is added once afterwards. With one rank it is a plain ``F.linear``

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zerospeed.inference.models.layers import CausalLM, RMSNorm, RotaryTable, RowLinear, TPInfo, activation, apply_rotary
+from zerospeed.inference.models.layers import RMSNorm, RotaryDecoderLM, RowLinear, TPInfo, activation, apply_rotary
 from zerospeed.inference.models.spec import ModelSpec
 
 
@@ -61,30 +61,12 @@ class LlamaBlock(nn.Module):
         return h + self.mlp(self.post_norm(h))
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(RotaryDecoderLM):
     #: the decoder block; a family that only swaps the FFN (Mixtral) subclasses with its own
     block_cls: type[nn.Module] = LlamaBlock
 
-    def __init__(self, spec: ModelSpec, max_positions: int, tp: TPInfo = TPInfo()) -> None:
-        super().__init__()
-        self.spec, self.tp = spec, tp
-        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(self.block_cls(spec, i, tp) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-        self.rotary = RotaryTable(spec, max_positions)
-
-    def input_embedding(self) -> nn.Embedding:
-        return self.embed
-
-    def forward(self, input_ids, meta, kv):
-        h = self.embed(input_ids)
-        cos, sin = self.rotary.lookup(meta.positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, meta, cos, sin, kv.k[i], kv.v[i])
-        return self.norm(h)
+    def final_norm(self, spec: ModelSpec) -> nn.Module:
+        return RMSNorm(spec.hidden_size, spec.norm_eps)
 
 
 def load_weights(model: LlamaForCausalLM, reader) -> None:
