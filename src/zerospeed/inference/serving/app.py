@@ -118,6 +118,25 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+async def sse_stream(g: Generation, deltas: AsyncIterator[str], base: dict[str, Any],
+                     include_usage: bool) -> AsyncIterator[str]:
+    """An OpenAI event stream: the endpoint's chunks, then the usage chunk (when asked) and
+    ``[DONE]``; a failed generation ends the stream with an error event and ``[DONE]``."""
+    try:
+        async for chunk in deltas:
+            yield chunk
+    except GenerationFailed as e:
+        yield sse({"error": {"message": e.message, "type": "server_error", "param": None,
+                             "code": "engine_error"}})
+        yield sse("[DONE]")
+        return
+    finally:
+        await deltas.aclose()  # a client that went away closes this stream: close the endpoint's too
+    if include_usage:
+        yield sse(dict(base, choices=[], usage=g.usage()))
+    yield sse("[DONE]")
+
+
 # -- request parsing ---------------------------------------------------------------------------------
 
 
@@ -246,24 +265,18 @@ class Handlers:
                     "top_logprobs": [self.top_entries(top, i) for i in range(len(tokens))],
                     "text_offset": []}
 
-        async def chunks(g: Generation) -> AsyncIterator[str]:
-            try:
-                async for d in coalesce(g.events()):
-                    chunk = dict(base, choices=[{
-                        "index": d.index, "text": d.text,
-                        "logprobs": logprobs_of(d.token_ids, d.logprobs, d.top_logprobs),
-                        "finish_reason": d.finish_reason}])
-                    if req.include_usage():
-                        chunk["usage"] = None
-                    yield sse(chunk)
-            except GenerationFailed as e:
-                yield sse({"error": {"message": e.message, "type": "server_error", "param": None,
-                                     "code": "engine_error"}})
-                yield sse("[DONE]")
-                return
-            if req.include_usage():
-                yield sse(dict(base, choices=[], usage=g.usage()))
-            yield sse("[DONE]")
+        async def deltas(g: Generation) -> AsyncIterator[str]:
+            async for d in coalesce(g.events()):
+                chunk = dict(base, choices=[{
+                    "index": d.index, "text": d.text,
+                    "logprobs": logprobs_of(d.token_ids, d.logprobs, d.top_logprobs),
+                    "finish_reason": d.finish_reason}])
+                if req.include_usage():
+                    chunk["usage"] = None
+                yield sse(chunk)
+
+        def chunks(g: Generation) -> AsyncIterator[str]:
+            return sse_stream(g, deltas(g), base, req.include_usage())
 
         def final(g: Generation) -> dict[str, Any]:
             return dict(base, choices=[
@@ -313,7 +326,7 @@ class Handlers:
                                 "bytes": list(tok.encode()), "top_logprobs": alts})
             return {"content": content}
 
-        async def chunks(g: Generation) -> AsyncIterator[str]:
+        def chunks(g: Generation) -> AsyncIterator[str]:
             def chunk(delta: dict[str, Any], finish: str | None, lp: Any = None) -> str:
                 c = dict(base, choices=[{"index": 0, "delta": delta, "logprobs": lp,
                                          "finish_reason": finish}])
@@ -321,22 +334,16 @@ class Handlers:
                     c["usage"] = None
                 return sse(c)
 
-            yield chunk({"role": "assistant", "content": ""}, None)
-            try:
+            async def deltas() -> AsyncIterator[str]:
+                yield chunk({"role": "assistant", "content": ""}, None)
                 async for d in coalesce(g.events()):
                     if d.text or d.logprobs:
                         yield chunk({"content": d.text}, None,
                                     logprobs_of(d.token_ids, d.logprobs, d.top_logprobs))
                     if d.finish_reason is not None:
                         yield chunk({}, d.finish_reason)
-            except GenerationFailed as e:
-                yield sse({"error": {"message": e.message, "type": "server_error", "param": None,
-                                     "code": "engine_error"}})
-                yield sse("[DONE]")
-                return
-            if req.include_usage():
-                yield sse(dict(base, choices=[], usage=g.usage()))
-            yield sse("[DONE]")
+
+            return sse_stream(g, deltas(), base, req.include_usage())
 
         def final(g: Generation) -> dict[str, Any]:
             c = g.choices[0]
