@@ -123,7 +123,8 @@ class AutotuningProbe:
 
     def _finish(self, step: int) -> None:
         engine = self.engine
-        elapsed = time.perf_counter() - (self._t_start or 0.0)
+        # up to the last step's end (not 'now'), so it is exactly the sum of this rank's step durations
+        elapsed = self._t_last - (self._t_start or 0.0)
         steps = step - self.start_step
         times = comm.all_gather_object({"elapsed": elapsed, "steps": self._durations, "peak": peak_memory_bytes()},
                                        engine.dp_group)
