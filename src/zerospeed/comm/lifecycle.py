@@ -18,7 +18,9 @@ Order of :func:`shutdown` (each step bounded; it never raises, since it runs at 
    a rank that never arrives is *named* in the warning instead of hanging the others. A rank that is
    exiting because of an uncaught exception skips the barrier (its peers would wait for nothing;
    torchrun stops them anyway), and so does a group whose store is unreachable;
-3. ``destroy_process_group()``, which destroys every subgroup and then the default group.
+3. ``destroy_process_group()``, which unregisters every subgroup and then the default group. The
+   C++ group objects (and the joins of their threads) go only with the last Python reference to
+   them; an engine or a watchdog still holding a group keeps it until interpreter finalization.
 
 Decisions: only a group zerospeed created is torn down at exit (a group the user created is the
 user's to destroy, though an explicit ``shutdown()`` call tears down whatever default group
