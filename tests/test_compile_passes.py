@@ -12,8 +12,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from zerospeed.compile import ops
 from zerospeed.compile.backend import backend_fn, run_passes
-from zerospeed.compile.zero_passes import (Candidate, Profile, choose_unsharded, gather_release, insert_reduce_grads,
-                                           live_bytes, prefetch, reduce_early, tag_recompute)
+from zerospeed.compile.zero_passes import (Candidate, Profile, async_reduce, choose_unsharded, gather_release,
+                                           insert_reduce_grads, live_bytes, prefetch, reduce_early, tag_recompute)
 
 SHAPES = {0: [(4, 5)], 1: [(5, 2)], 2: [(2, 2)]}
 
@@ -40,6 +40,15 @@ class LocalOwner:
     def reduce_bucket(self, grads, b):
         self.log.append(("reduce", b))
         return torch.cat([g.reshape(-1) for g in grads])
+
+    def reduce_start(self, grads, b):
+        self.log.append(("reduce_start", b))
+        self.started = getattr(self, "started", {})
+        self.started[b] = torch.cat([g.reshape(-1) for g in grads])
+
+    def reduce_wait(self, b):
+        self.log.append(("reduce_wait", b))
+        return self.started.pop(b)
 
     def reduce_grads(self, grads, params):
         self.log.append(("reduce_grads", tuple(params)))
@@ -151,6 +160,62 @@ def test_prefetch_starts_gathers_early_but_never_beyond_the_memory_limit():
         wait = next(n for n in nodes if n.target is ops.GATHER_WAIT and n.args[3] is s)
         between = nodes[nodes.index(s) + 1:nodes.index(wait)]
         assert 0.5 <= sum(seconds.get(n.name, 0.0) for n in between) <= 1.0  # just enough to hide it
+
+
+def test_prefetch_window_starts_gathers_as_early_as_it_allows_in_the_order_of_use():
+    seconds = {"mm_default": 1.0, "relu_default": 1.0, "mm_default_1": 1.0, "mm_default_2": 1.0}
+    nbytes = {0: 80, 1: 40, 2: 16}
+
+    def starts(window, limit=None):
+        gm = gather_release(three_layer_graph(), Profile())
+        prefetch(gm, Profile(node_seconds=seconds, bucket_bytes=nbytes, gather_seconds={0: 0.5, 1: 0.5, 2: 0.5},
+                             memory_limit_bytes=limit, prefetch_window_bytes=window))
+        nodes = list(gm.graph.nodes)
+        return gm, {s.args[2]: nodes.index(s) for s in nodes if s.target is ops.GATHER_START}
+
+    # no window limit: both all-gathers start right after the inputs, in the order the graph uses them
+    gm, pos = starts(None)
+    assert pos == {1: 4, 2: 5}
+    args = _inputs()
+    OWNER.log.clear()
+    assert torch.equal(gm(*args)[0], three_layer_graph()(*args)[0])
+    assert OWNER.log[:2] == [("start", 1), ("start", 2)]
+    # a window of 56 bytes: bucket 2 (16) may be gathered ahead of bucket 1 (40) but not also of bucket 0 (80),
+    # and bucket 1 not ahead of bucket 0: both start right after bucket 0's gather
+    gm, pos = starts(56)
+    names = [n.name for n in gm.graph.nodes]
+    assert names[4:7] == ["gather_default", "gather_start_default", "gather_start_default_1"]
+    _, pos0 = starts(0)  # no window: each start only as early as its profiled time needs
+    assert pos0 == {1: 8, 2: 12}
+    # the memory limit still wins over the window
+    gm, _ = starts(None, limit=100)
+    assert max(live_bytes(gm, Profile(bucket_bytes=nbytes))) <= 100
+
+
+def test_async_reduce_waits_at_the_end_or_when_the_bytes_in_flight_would_exceed_the_limit():
+    def graph():
+        g = Graph()
+        xs = [g.placeholder(f"x{i}") for i in range(3)]
+        outs = []
+        for i, x in enumerate(xs):
+            grad = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+            outs.append(g.call_function(ops.REDUCE_BUCKET, ([grad], KEY, i)))
+        g.output(tuple(outs))
+        return GraphModule(torch.nn.Module(), g)
+
+    args = [torch.randn(20), torch.randn(10), torch.randn(4)]
+    expected = graph()(*args)
+    nbytes = {0: 80, 1: 40, 2: 16}
+    for limit, log in [(None, [0, 1, 2, "w0", "w1", "w2"]), (120, [0, 1, "w0", 2, "w1", "w2"]),
+                       (10, [0, "w0", 1, "w1", 2, "w2"])]:
+        gm = async_reduce(graph(), Profile(phase="backward", bucket_bytes=nbytes, reduce_limit_bytes=limit))
+        assert not [n for n in gm.graph.nodes if n.target is ops.REDUCE_BUCKET]
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        assert all(v.target is ops.REDUCE_WAIT for v in out.args[0])
+        OWNER.log.clear()
+        got = gm(*args)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert OWNER.log == [("reduce_start", e) if isinstance(e, int) else ("reduce_wait", int(e[1])) for e in log]
 
 
 def test_selective_unsharding_picks_by_cost_per_byte_within_the_budget():

@@ -9,11 +9,15 @@ Decisions:
   strategy's gradient shard, so autograd accumulates the reduced range in place. The strategy's
   Python hooks are removed (``Stage3Strategy.hand_over_to_graph``) for as long as the engine lives.
   Passes: ``gather_release`` (gather before the first use, release after the last), ``prefetch``
-  (async all-gather started early by the profile within ``stage3_prefetch_bucket_size`` +
-  ``stage3_max_live_parameters`` worth of bytes), ``selective_unshard`` (at partition time: the
-  buckets with the highest measured gather seconds per byte stay gathered from forward to backward
-  within ``unshard_budget_bytes``, default ``stage3_max_reuse_distance`` elements of the model dtype),
-  ``reduce_early`` (each reduce-scatter right after its last gradient).
+  (async all-gather started early enough by the profile to hide it, and earlier while at most
+  ``stage3_prefetch_bucket_size`` elements of other buckets are gathered ahead of its use; never
+  beyond ``stage3_max_live_parameters`` + ``stage3_prefetch_bucket_size`` elements gathered or in
+  flight), ``selective_unshard`` (at partition time: the buckets with the highest measured gather
+  seconds per byte stay gathered from forward to backward within ``unshard_budget_bytes``, default
+  ``stage3_max_reuse_distance`` elements of the model dtype), ``reduce_early`` (each reduce-scatter
+  right after its last gradient), ``async_reduce`` (the reduce-scatters run asynchronously while the
+  backward computes; they are waited for at the end of the backward graph, or earlier when more than
+  ``reduce_bucket_size`` elements would be in flight).
 * ZeRO-0/1/2. The module itself is compiled; in the backward graph ``insert_reduce_grads`` hands the
   gradients of each bucket to the strategy's reducer in one ``zerospeed::reduce_grads`` right after
   the bucket's last gradient is produced (``reduce_early``); the reducer starts the bucket's reduce
@@ -23,9 +27,10 @@ Decisions:
   profiling phase: its graphs run eagerly under a timing interpreter (per-node seconds, per-bucket
   gather seconds), and the next phase is compiled (a recompile, counted) with that profile.
   Default: ZeRO-3 ``[(0, [gather_release, reduce_early]), (1, [gather_release, prefetch,
-  selective_unshard, reduce_early])]``; ZeRO-0/1/2 ``[(0, [insert_reduce_grads, reduce_early])]``.
-* The graphs' collectives are synchronous (the gather's prefetch is the asynchronous one); the
-  ZeRO-3 watchdog does not see them (a hang is bounded by the process group's timeout).
+  selective_unshard, reduce_early, async_reduce])]``; ZeRO-0/1/2 ``[(0, [insert_reduce_grads,
+  reduce_early])]``.
+* The graphs' collectives (asynchronous where ``prefetch`` / ``async_reduce`` placed a start and a
+  wait) are not seen by the ZeRO-3 watchdog (a hang is bounded by the process group's timeout).
 * Not supported with DeepCompile (refused in one line): ``offload_param`` (shards may be on NVMe
   when a graph reads them), a callable backend (DeepCompile compiles with Inductor or runs eagerly).
 """
@@ -48,7 +53,7 @@ PARTITION_PASSES = ("selective_unshard",)
 def default_schedule(stage: int, compiler: str = "eager") -> list[tuple[int, list[str]]]:
     if stage == 3:
         return [(0, ["gather_release", "reduce_early"]),
-                (1, ["gather_release", "prefetch", "selective_unshard", "reduce_early"])]
+                (1, ["gather_release", "prefetch", "selective_unshard", "reduce_early", "async_reduce"])]
     return [(0, ["insert_reduce_grads", "reduce_early"])]
 
 
@@ -68,7 +73,8 @@ class _Stage3Owner:
     def __init__(self, strategy: Any, prescale: float, comm_dtype: torch.dtype | None) -> None:
         self.buckets = {b.index: b for b in strategy.buckets}
         self.prescale, self.comm_dtype = prescale, comm_dtype
-        self.pending: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.pending: dict[int, tuple[Any, torch.Tensor]] = {}  # started all-gathers
+        self.reducing: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # started reduce-scatters
         self.counts = {"gather": 0, "prefetched": 0, "reduce_bucket": 0}  # what the graphs ran
 
     def slot_shapes(self, bucket: int) -> list[tuple[int, ...]]:
@@ -97,17 +103,35 @@ class _Stage3Owner:
         return [full.narrow(0, s.offset, s.numel).view(s.shape).clone() for s in b.layout.slots]
 
     def reduce_bucket(self, grads: Sequence[torch.Tensor], bucket: int) -> torch.Tensor:
+        self.reduce_start(grads, bucket)
+        return self.reduce_wait(bucket)
+
+    def reduce_start(self, grads: Sequence[torch.Tensor], bucket: int) -> None:
+        """Launch the bucket's reduce-scatter (asynchronously); :meth:`reduce_wait` completes it."""
         b = self.buckets[bucket]
+        if bucket in self.reducing:
+            raise RuntimeError(f"DeepCompile: the reduce-scatter of bucket {bucket} was started twice without a wait")
         self.counts["reduce_bucket"] += 1
         dtype = self.comm_dtype or b.dtype
-        full = torch.zeros(b.padded_numel, dtype=dtype, device=b.device)
-        for s, g in zip(b.layout.slots, grads):
-            full.narrow(0, s.offset, s.numel).copy_(g.reshape(-1))
+        if len(grads) == 1 and grads[0].numel() == b.padded_numel and grads[0].dtype == dtype:
+            full = grads[0].detach().reshape(-1).clone()
+        else:
+            dense = len(grads) == len(b.layout.slots) and sum(s.numel for s in b.layout.slots) == b.layout.numel
+            full = (torch.empty if dense else torch.zeros)(b.padded_numel, dtype=dtype, device=b.device)
+            for s, g in zip(b.layout.slots, grads):
+                full.narrow(0, s.offset, s.numel).copy_(g.reshape(-1))
+            full.narrow(0, b.layout.numel, b.padded_numel - b.layout.numel).zero_()
         if self.prescale != 1.0:
             full.mul_(self.prescale)
         received = torch.empty(b.layout.shard_numel, dtype=dtype, device=b.device)
-        comm.reduce_scatter(received, full, group=b.group)
-        return received.to(b.dtype)
+        self.reducing[bucket] = (comm.reduce_scatter(received, full, group=b.group, async_op=True), received, full)
+
+    def reduce_wait(self, bucket: int) -> torch.Tensor:
+        started = self.reducing.pop(bucket, None)
+        if started is None:
+            raise RuntimeError(f"DeepCompile: no reduce-scatter of bucket {bucket} was started")
+        started[0].wait()
+        return started[1].to(self.buckets[bucket].dtype)
 
 
 class _DataParallelOwner:
@@ -159,6 +183,8 @@ class DeepCompile:
             for p in self.profiles.values():
                 p.bucket_bytes = {b.index: b.full_bytes for b in strategy.buckets}
                 p.memory_limit_bytes = limit
+                p.reduce_limit_bytes = int(zcfg.reduce_bucket_size) * elem
+                p.prefetch_window_bytes = int(zcfg.stage3_prefetch_bucket_size) * elem
             self._names = self._slot_names(engine.module, strategy.buckets)
             strategy.hand_over_to_graph()
         else:

@@ -18,6 +18,10 @@ integer key (a graph holds only plain ints, no Python objects). The owners call
   its last use; only placed where nothing later reads any view of it (see ``zero_passes``).
 * ``zerospeed::reduce_bucket(grads, key, bucket) -> Tensor`` - ZeRO-3: one reduce-scatter of a bucket's
   gradients; returns this rank's shard of the sum (model dtype).
+* ``zerospeed::reduce_start(grads, key, bucket) -> Tensor`` and ``zerospeed::reduce_wait(token, key,
+  bucket) -> Tensor`` - ``reduce_bucket`` split in two (the ``async_reduce`` pass rewrites it so): the
+  start launches the bucket's reduce-scatter asynchronously and returns an empty token; the wait
+  takes the token (a data dependency, so no compiler runs it first) and returns the reduced shard.
 * ``zerospeed::reduce_grads(grads, key, params)`` - ZeRO-1/2 (and 0): hands the gradients of the
   listed parameters (indices into the owner's parameter table) to the strategy's reducer, which
   accumulates them into its bucket buffers and starts each bucket's reduce(-scatter) as soon as
@@ -104,6 +108,28 @@ def _reduce_bucket_fake(grads: list[torch.Tensor], key: int, bucket: int) -> tor
     return grads[0].new_empty(numel, dtype=dtype)
 
 
+@torch.library.custom_op("zerospeed::reduce_start", mutates_args=())
+def reduce_start(grads: list[torch.Tensor], key: int, bucket: int) -> torch.Tensor:
+    owner_of(key).reduce_start(grads, bucket)
+    return grads[0].new_empty(0)
+
+
+@reduce_start.register_fake
+def _reduce_start_fake(grads: list[torch.Tensor], key: int, bucket: int) -> torch.Tensor:
+    return grads[0].new_empty(0)
+
+
+@torch.library.custom_op("zerospeed::reduce_wait", mutates_args=())
+def reduce_wait(token: torch.Tensor, key: int, bucket: int) -> torch.Tensor:
+    return owner_of(key).reduce_wait(bucket)
+
+
+@reduce_wait.register_fake
+def _reduce_wait_fake(token: torch.Tensor, key: int, bucket: int) -> torch.Tensor:
+    numel, dtype = owner_of(key).shard_numel_dtype(bucket)
+    return token.new_empty(numel, dtype=dtype)
+
+
 def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.key, ctx.bucket, ctx.num_inputs = inputs[1], inputs[2], len(inputs)
 
@@ -130,5 +156,7 @@ GATHER_WAIT = torch.ops.zerospeed.gather_wait.default
 GATHER_START = torch.ops.zerospeed.gather_start.default
 RELEASE = torch.ops.zerospeed.release.default
 REDUCE_BUCKET = torch.ops.zerospeed.reduce_bucket.default
+REDUCE_START = torch.ops.zerospeed.reduce_start.default
+REDUCE_WAIT = torch.ops.zerospeed.reduce_wait.default
 REDUCE_GRADS = torch.ops.zerospeed.reduce_grads.default
-COLLECTIVES = (GATHER, GATHER_WAIT, GATHER_START, REDUCE_BUCKET, REDUCE_GRADS)
+COLLECTIVES = (GATHER, GATHER_WAIT, GATHER_START, REDUCE_BUCKET, REDUCE_START, REDUCE_GRADS)

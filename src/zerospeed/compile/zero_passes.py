@@ -12,6 +12,10 @@ forward or backward graph that ``aot_autograd`` produced with the ops of :mod:`z
   the buckets gathered or in flight would exceed ``profile.memory_limit_bytes``.
 * :func:`reduce_early` (all stages) - each reduction (``reduce_bucket``, ``reduce_grads``) moves to
   right after the node that produces its last gradient.
+* :func:`async_reduce` (ZeRO-3) - each ``reduce_bucket`` becomes a ``reduce_start`` where it was and
+  a ``reduce_wait`` as late as possible: right before the graph's output, or, when the bytes of
+  reduce-scatters in flight would exceed ``profile.reduce_limit_bytes``, before the start that
+  would exceed it (oldest first). The reductions then run while the rest of the backward computes.
 * :func:`insert_reduce_grads` (ZeRO-0/1/2) - the backward graph's gradient outputs of the engine's
   parameters go to one ``reduce_grads`` per bucket, and the outputs become ``None`` (autograd never
   accumulates them: the strategy's reducer owns them, so its Python hooks do not fire for them).
@@ -35,7 +39,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .ops import GATHER, GATHER_START, GATHER_WAIT, REDUCE_BUCKET, REDUCE_GRADS, RELEASE
+from .ops import GATHER, GATHER_START, GATHER_WAIT, REDUCE_BUCKET, REDUCE_GRADS, REDUCE_START, REDUCE_WAIT, RELEASE
 
 GATHERS = (GATHER, GATHER_WAIT)
 
@@ -49,6 +53,8 @@ class Profile:
     bucket_bytes: dict[int, int] = field(default_factory=dict)  # full (gathered) bytes of each bucket
     gather_seconds: dict[int, float] = field(default_factory=dict)  # measured all-gather time per bucket
     memory_limit_bytes: int | None = None  # gathered + in-flight bucket bytes the prefetch may reach
+    prefetch_window_bytes: int | None = 0  # bytes of other buckets' gathers a start may move ahead of
+    reduce_limit_bytes: int | None = None  # bytes of reduce-scatters in flight at once (async_reduce)
     owner_key: int = 0
     data: dict[str, Any] = field(default_factory=dict)  # free-form (e.g. "param_of_output" for ZeRO-1/2)
 
@@ -110,9 +116,11 @@ def gather_release(gm: GraphModule, profile: Profile) -> GraphModule:
 
 
 def prefetch(gm: GraphModule, profile: Profile) -> GraphModule:
-    """Start each bucket's all-gather early enough to hide it, within the memory limit."""
+    """Start each bucket's all-gather early enough to hide it, and earlier while the prefetch window
+    allows, never beyond the memory limit (see the module docstring)."""
     graph = gm.graph
     limit = profile.memory_limit_bytes
+    window = profile.prefetch_window_bytes
     gathers = [n for n in graph.nodes if n.target is GATHER]
     for g in gathers:
         b = _bucket(g)
@@ -121,13 +129,15 @@ def prefetch(gm: GraphModule, profile: Profile) -> GraphModule:
         live = live_bytes(gm, profile)
         nodes = list(graph.nodes)
         pos = nodes.index(g)
-        start, hidden = pos, 0.0
+        start, hidden, ahead = pos, 0.0, 0
         while start > 0:
             prev = nodes[start - 1]
-            if prev.op == "placeholder" or prev is g.args[0]:
-                break
-            if hidden >= need_s:
-                break
+            if prev.op == "placeholder" or prev is g.args[0] or prev.target is GATHER_START:
+                break  # (all-gathers start in the order the graph uses them)
+            if prev.target in GATHERS:  # starting before it: its bucket is also gathered ahead of this use
+                ahead += profile.bucket_bytes.get(_bucket(prev), 0)
+            if hidden >= need_s and window is not None and ahead + nbytes > window:
+                break  # hidden, and the window allows nothing further ahead
             # starting before ``prev`` puts the bucket in flight from the state after the node before it
             if limit is not None and start >= 2 and live[start - 2] + nbytes > limit:
                 break
@@ -176,6 +186,36 @@ def reduce_early(gm: GraphModule, profile: Profile) -> GraphModule:
         last = max(inputs, key=order.__getitem__)
         if order[r] > order[last] + 1:
             last.append(r)
+    return _finish(gm)
+
+
+def async_reduce(gm: GraphModule, profile: Profile) -> GraphModule:
+    """Split each ``reduce_bucket`` into a start (in place) and a wait (as late as the limit allows)."""
+    graph = gm.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    limit = profile.reduce_limit_bytes
+    in_flight: list[tuple[Node, Node, int]] = []  # (start, original node, bytes), oldest first
+
+    def wait_before(anchor: Node, start: Node, orig: Node) -> None:
+        with graph.inserting_before(anchor):
+            wait = graph.call_function(REDUCE_WAIT, (start, orig.args[1], orig.args[2]))
+        wait.meta["val"] = orig.meta.get("val")
+        orig.replace_all_uses_with(wait)
+        graph.erase_node(orig)
+
+    for r in [n for n in graph.nodes if n.target is REDUCE_BUCKET]:
+        nbytes = profile.bucket_bytes.get(_bucket(r), 0)
+        while limit is not None and in_flight and sum(b for _, _, b in in_flight) + nbytes > limit:
+            start, orig, _ = in_flight.pop(0)
+            wait_before(r, start, orig)
+        with graph.inserting_before(r):
+            start = graph.call_function(REDUCE_START, tuple(r.args))
+        val = r.meta.get("val")
+        if val is not None:  # compilers (Inductor) read each node's fake value
+            start.meta["val"] = val.new_empty(0)
+        in_flight.append((start, r, nbytes))
+    for start, orig, _ in in_flight:
+        wait_before(out, start, orig)
     return _finish(gm)
 
 
@@ -249,5 +289,6 @@ PASSES = {
     "gather_release": gather_release,
     "prefetch": prefetch,
     "reduce_early": reduce_early,
+    "async_reduce": async_reduce,
     "insert_reduce_grads": insert_reduce_grads,
 }
