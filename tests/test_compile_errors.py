@@ -47,7 +47,7 @@ def test_unknown_pass_lists_known_passes_and_a_schedule_is_refused_without_deepc
     state_of(engine).passes.register("my_pass", lambda gm, profile: gm)
     with pytest.raises(ValueError) as e:
         compile_engine(engine, backend="eager", schedule=[(0, ["prefetchh"])])
-    assert _one_line(e) == ("unknown compile pass 'prefetchh'; known passes: gather_release, insert_reduce_grads, "
+    assert _one_line(e) == ("unknown compile pass 'prefetchh'; known passes: async_reduce, gather_release, insert_reduce_grads, "
                             "my_pass, prefetch, reduce_early, selective_unshard")
     with pytest.raises(ValueError) as e:
         compile_engine(engine, backend="eager", schedule=[(0, ["my_pass"])])
