@@ -289,13 +289,3 @@ def test_bf16_engine_with_real_gpt2_config() -> None:
     assert c_fc.weight.dtype == torch.bfloat16 and c_fc.wq_bits == 4 and c_fc.aq_on
     assert model.transformer.h[0].attn.c_attn.wq_bits == 8
     assert losses[-1] < losses[0]
-
-
-def test_tensor_parallel_with_compression_is_refused_clearly() -> None:
-    from zerospeed.compression.scheduler import compression_scheduler_for
-    from zerospeed.config import load_config
-
-    cfg = ds({"weight_quantization": wq(8, ["blocks"])}, tensor_parallel={"autotp_size": 2})
-    model = init_compression(tiny_gpt(), cfg)
-    with pytest.raises(ConfigError, match="compression_training: is not supported together with tensor parallelism"):
-        compression_scheduler_for(model, load_config(cfg, dp_world_size=1))

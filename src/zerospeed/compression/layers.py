@@ -11,6 +11,10 @@ activation is fake-quantized when activation quantization is on.  Masks are buff
 model, identical on every data-parallel rank because they are computed from the gathered weight or from
 all-reduced scores and ranges); learnable ``topk`` scores are Parameters named ``*_mask_scores``.
 
+Tensor parallelism: wrapping AutoTP's ``LinearLayer`` / ``LinearAllreduce``, the layer computes on
+its shard with the statistics of the full weight and does the tp layer's communication itself
+(see :mod:`.tp`); ``tp_splits`` tells checkpoints how its tensors are cut.
+
 The schedule is pushed in by :meth:`set_step` (from :class:`~zerospeed.compression.scheduler.CompressionScheduler`)
 as plain Python ints/bools, which torch.compile guards on: a schedule change recompiles once, it never
 breaks the graph.  The ``snip_momentum`` score hook is a tensor hook and is the one path not meant for
@@ -26,8 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerospeed.module_inject.functional import copy_to_tp, reduce_from_tp
+
 from . import masks as M
 from .quantizer import check_groups, fake_quantize, fake_quantize_activation
+from .tp import TPShard, fake_quantize_sharded, grad_all_reduce, is_tp_linear
 
 KINDS = ("linear", "conv1d", "conv2d", "embedding")
 STATIC_MOMENTUM = 0.9
@@ -37,6 +44,8 @@ def kind_of(module: nn.Module) -> str | None:
     """Which supported layer kind ``module`` is (exact types; HF's ``Conv1D`` by class name)."""
     if isinstance(module, CompressedLayer):
         return module.kind
+    if is_tp_linear(module):  # AutoTP's column- / row-parallel layers (Conv1D storage: transposed)
+        return "conv1d" if module.transposed else "linear"
     if type(module) is nn.Linear:
         return "linear"
     if type(module) is nn.Conv2d:
@@ -110,6 +119,8 @@ class CompressedLayer(nn.Module):
         self.weight = module.weight
         self.bias = getattr(module, "bias", None)
         self.ctor: dict[str, Any] = {}
+        self.tp: TPShard | None = TPShard.of(module, name) if is_tp_linear(module) else None
+        self.wq_local_groups: int | None = None  # tp: this rank's piece is that many whole groups
         if kind == "conv2d":
             if module.padding_mode != "zeros":
                 raise ValueError(f"{name}: Conv2d padding_mode {module.padding_mode!r} is not supported; use 'zeros'")
@@ -144,9 +155,37 @@ class CompressedLayer(nn.Module):
     def in_features(self) -> int:
         return self.canonical(self.weight).shape[1]
 
+    @property
+    def full_out(self) -> int:
+        """Output features of the full (unsharded) weight."""
+        return self.tp.full_out if self.tp is not None else self.out_features
+
+    @property
+    def full_in(self) -> int:
+        return self.tp.full_in if self.tp is not None else self.in_features
+
+    @property
+    def tp_splits(self) -> dict[str, Any]:
+        """Tensor parallelism: the split of each sharded tensor of this layer (weight, a column layer's
+        bias, weight-shaped pruning state), read by ``tp_param_splits``; empty without tp."""
+        if self.tp is None:
+            return {}
+        out = {"weight": self.tp.split}
+        if self.tp.bias_split is not None and self.bias is not None:
+            out["bias"] = self.tp.bias_split
+        for name in ("sparse_mask", "sparse_snip_score", "sparse_mask_scores"):
+            if hasattr(self, name):
+                out[name] = self.tp.canon_split
+        return out
+
     # -- configuration (init_compression) -----------------------------------------------------------
     def add_weight_quant(self, spec: WeightQuantSpec) -> None:
-        check_groups(self.weight.numel(), spec.groups, self.name)
+        numel = self.weight.numel() if self.tp is None else self.full_out * self.full_in
+        what = self.name if self.tp is None else (f"{self.name} (the full weight; tensor parallelism splits it over "
+                                                  f"{self.tp.size} ranks)")
+        check_groups(numel, spec.groups, what)
+        if self.tp is not None:
+            self.wq_local_groups = self.tp.local_groups(spec.groups)
         self.wq = spec
         if spec.mix_change_ratio is not None:
             self.register_buffer("wq_mix", torch.zeros(()))
@@ -164,22 +203,30 @@ class CompressedLayer(nn.Module):
             self.register_buffer("act_batch_high", torch.full((), float("-inf")), persistent=False)
 
     def add_pruning(self, what: str, spec: PruneSpec) -> None:
-        shape = {"sparse": self.canonical(self.weight).shape, "row": (self.out_features,),
-                 "channel": (self.out_features,), "head": (spec.num_heads,)}[what]
-        if what == "head" and self.in_features % spec.num_heads:
-            raise ValueError(f"{self.name}: {self.in_features} input features do not split into "
+        # tp: the sparse state is this rank's canonical piece, row / head state full vectors, replicated
+        if what == "sparse" and self.tp is not None:
+            self.tp.weight_shaped_split("sparse pruning")
+        shape = {"sparse": self.canonical(self.weight).shape, "row": (self.full_out,), "channel": (self.out_features,),
+                 "head": (spec.num_heads,)}[what]
+        if what == "head" and self.full_in % spec.num_heads:
+            raise ValueError(f"{self.name}: {self.full_in} input features do not split into "
                              f"num_heads {spec.num_heads} heads")
         if what == "sparse" and spec.method == "snip_momentum":
-            M.block_scores(torch.zeros(shape), spec.block)  # raises if the block pattern does not tile
+            M.block_scores(torch.zeros(self.full_out, self.full_in) if self.tp is not None else torch.zeros(shape),
+                           spec.block)  # raises if the block pattern does not tile the (full) weight
             self.register_buffer("sparse_snip_score", torch.zeros(shape))
         self.prune[what] = spec
         self.register_buffer(f"{what}_mask", torch.ones(shape))
         self.register_buffer(f"{what}_ready", torch.zeros((), dtype=torch.bool))
         if spec.method == "topk":
-            init = {"sparse": lambda w: w.abs(), "row": M.row_scores, "channel": M.row_scores,
-                    "head": lambda w: M.head_scores(w, spec.num_heads)}[what]
-            scores = init(self.canonical(self.weight.detach()).float())
-            self.register_parameter(f"{what}_mask_scores", nn.Parameter(scores / scores.max().clamp_min(1e-12)))
+            w = self.canonical(self.weight.detach()).float()
+            if what == "sparse":
+                scores = w.abs()
+                top = scores.max() if self.tp is None else self.tp.all_max(scores.max())
+            else:
+                scores = self._unit_scores(what, w)
+                top = scores.max()
+            self.register_parameter(f"{what}_mask_scores", nn.Parameter(scores / top.clamp_min(1e-12)))
 
     # -- schedule ------------------------------------------------------------------------------------
     def set_step(self, step: int) -> None:
@@ -203,32 +250,74 @@ class CompressedLayer(nn.Module):
             self.refresh[what] = in_window or not bool(getattr(self, f"{what}_ready"))
 
     # -- masks ---------------------------------------------------------------------------------------
-    def _scores(self, what: str, w: torch.Tensor) -> torch.Tensor:
-        spec = self.prune[what]
-        if what == "sparse":
-            if spec.method == "snip_momentum":
-                return M.block_scores(self.sparse_snip_score, spec.block)
-            return w.abs()
+    def _unit_scores(self, what: str, w: torch.Tensor) -> torch.Tensor:
+        """L1 norm of each row / channel (``(full_out,)``) or head (``(num_heads,)``) of the full weight;
+        under tp the shards' partial norms summed over the tp group."""
+        if self.tp is None:
+            return M.head_scores(w, self.prune[what].num_heads) if what == "head" else M.row_scores(w)
+        absw = w.detach().float().abs()
         if what == "head":
-            return M.head_scores(w, spec.num_heads)
-        return M.row_scores(w)
+            cols = torch.zeros(self.full_in).index_add_(0, self.tp.cols, absw.sum(dim=0))
+            return self.tp.all_sum(cols).view(self.prune[what].num_heads, -1).sum(dim=1)
+        return self.tp.all_sum(torch.zeros(self.full_out).index_add_(0, self.tp.rows, absw.sum(dim=1)))
+
+    def _sparse_top(self, scores: torch.Tensor) -> torch.Tensor:
+        """The sparse keep-mask of ``scores`` (canonical; tp: this rank's piece, ranked over the full
+        weight's), same shape."""
+        spec = self.prune["sparse"]
+        if self.tp is not None:
+            scores = self.tp.gather_full(scores.detach())
+        if spec.method == "snip_momentum":
+            mask = M.expand_blocks(M.top_mask(M.block_scores(scores, spec.block), self.ratio["sparse"]), spec.block,
+                                   scores.shape)
+        else:
+            mask = M.top_mask(scores, self.ratio["sparse"])
+        if self.tp is not None:
+            mask = self.tp.local_of(mask)
+        return mask
 
     @torch.no_grad()
     def _recompute(self, what: str, w: torch.Tensor) -> None:
-        spec = self.prune[what]
-        mask = M.top_mask(self._scores(what, w), self.ratio[what])
-        if what == "sparse" and spec.method == "snip_momentum":
-            mask = M.expand_blocks(mask, spec.block, w.shape)
+        if what == "sparse":
+            scores = self.sparse_snip_score if self.prune[what].method == "snip_momentum" else w.abs()
+            mask = self._sparse_top(scores)
+        else:
+            mask = M.top_mask(self._unit_scores(what, w), self.ratio[what])
         getattr(self, f"{what}_mask").copy_(mask)
         getattr(self, f"{what}_ready").fill_(True)
         self.refresh[what] = False
 
-    def mask(self, what: str) -> torch.Tensor:
-        """The current {0,1} mask (for topk: with the straight-through gradient to the scores)."""
+    def full_mask(self, what: str) -> torch.Tensor:
+        """The current {0,1} mask, no gradient: row / channel / head masks over the full layer; the
+        sparse mask canonical, this rank's piece under tp."""
         if self.prune[what].method == "topk":
-            scores = getattr(self, f"{what}_mask_scores")
-            return M.straight_through(M.top_mask(scores, self.ratio[what]), scores)
+            scores = getattr(self, f"{what}_mask_scores").detach()
+            if what == "sparse":
+                return self._sparse_top(scores)
+            return M.top_mask(scores, self.ratio[what])
         return getattr(self, f"{what}_mask")
+
+    def mask(self, what: str, for_bias: bool = False) -> torch.Tensor:
+        """The current {0,1} mask as this layer's forward applies it (for topk: with the straight-through
+        gradient to the scores).  Sparse: canonical, local; row / channel: ``(out,)`` local rows; head:
+        ``(num_heads,)``.  ``for_bias``: the mask of a replicated (row-parallel) bias, whose gradient to a
+        replicated score is taken from tp rank 0 alone."""
+        spec = self.prune[what]
+        if spec.method != "topk":
+            m = self.full_mask(what)
+        elif what == "sparse":
+            m = M.straight_through(self.full_mask(what), self.sparse_mask_scores)
+        else:
+            scores = getattr(self, f"{what}_mask_scores")
+            top = M.top_mask(scores, self.ratio[what])
+            if self.tp is not None:
+                scores = grad_all_reduce(scores, self.tp)  # every rank runs it (its backward is a collective)
+                if for_bias and self.tp.kind == "row" and self.tp.rank != 0:
+                    scores = scores * 0.0
+            m = M.straight_through(top, scores)
+        if self.tp is not None and what in ("row", "channel") and not (for_bias and self.tp.kind == "row"):
+            m = m[self.tp.rows]
+        return m
 
     def _structured(self, w: torch.Tensor) -> torch.Tensor | None:
         """The product of the row / channel / head masks broadcast to ``w`` (canonical), or None."""
@@ -239,7 +328,10 @@ class CompressedLayer(nn.Module):
                 total = m if total is None else total * m
         if "head" in self.prune and self.on.get("head", False):
             heads = self.prune["head"].num_heads
-            m = self.mask("head").to(w.dtype).repeat_interleave(w.shape[1] // heads).view(1, -1)
+            m = self.mask("head").to(w.dtype).repeat_interleave(self.full_in // heads)
+            if self.tp is not None:
+                m = m[self.tp.cols]
+            m = m.view(1, -1)
             total = m if total is None else total * m
         return total
 
@@ -257,7 +349,12 @@ class CompressedLayer(nn.Module):
             if self.prune["sparse"].method == "snip_momentum" and self.training and torch.is_grad_enabled():
                 w.register_hook(self._snip_hook(w.detach()))
         if self.wq is not None and self.wq_bits:
-            q = fake_quantize(w, self.wq_bits, self.wq.groups, self.wq.symmetric, self.wq.stochastic and self.training)
+            stochastic = self.wq.stochastic and self.training
+            if self.tp is not None and self.wq_local_groups is None:  # groups straddle the tp shards
+                q = fake_quantize_sharded(w, self.wq_bits, self.wq.groups, self.wq.symmetric, stochastic, self.tp)
+            else:
+                groups = self.wq_local_groups if self.tp is not None else self.wq.groups
+                q = fake_quantize(w, self.wq_bits, groups, self.wq.symmetric, stochastic)
             w = q if self.wq.mix_change_ratio is None else self.wq_mix * w + (1 - self.wq_mix) * q
             if struct is not None:
                 w = w * struct
@@ -269,7 +366,7 @@ class CompressedLayer(nn.Module):
         b = self.bias
         for what in ("row", "channel"):
             if what in self.prune and self.on.get(what, False):
-                b = b * self.mask(what).to(b.dtype)
+                b = b * self.mask(what, for_bias=True).to(b.dtype)
         return b
 
     def _snip_hook(self, w: torch.Tensor) -> Any:
@@ -279,16 +376,28 @@ class CompressedLayer(nn.Module):
         return hook
 
     # -- forward ------------------------------------------------------------------------------------
+    def _input_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """The range of a row-parallel layer's input over the tp group (its last dim is sharded);
+        ``(None, None)`` where the local tensor is the whole input."""
+        if self.tp is None or self.tp.kind != "row":
+            return None, None
+        xf = x.detach().float()
+        ends = self.tp.all_max(torch.stack([xf.amax(), -xf.amin()]))
+        return -ends[1], ends[0]
+
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.aq is None or not self.aq_on:
             return x
+        low, high = self._input_range(x)
         if not self.aq.static:
-            return fake_quantize_activation(x, self.aq.bits, self.aq.symmetric)
+            return fake_quantize_activation(x, self.aq.bits, self.aq.symmetric, low, high)
         if self.training:
             with torch.no_grad():
-                xf = x.detach().float()
-                torch.minimum(self.act_batch_low, xf.amin(), out=self.act_batch_low)
-                torch.maximum(self.act_batch_high, xf.amax(), out=self.act_batch_high)
+                if low is None:
+                    xf = x.detach().float()
+                    low, high = xf.amin(), xf.amax()
+                torch.minimum(self.act_batch_low, low, out=self.act_batch_low)
+                torch.maximum(self.act_batch_high, high, out=self.act_batch_high)
         if not self.act_calibrated:
             return x  # the first step only calibrates the range
         return fake_quantize_activation(x, self.aq.bits, self.aq.symmetric, self.act_low, self.act_high)
@@ -308,6 +417,11 @@ class CompressedLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.effective_weight()
         b = self.effective_bias()
+        if self.tp is not None:  # AutoTP's column / row layer: its communication around the local matmul
+            if self.tp.kind == "column":
+                return F.linear(self.quantize_input(copy_to_tp(x, self.tp.group, self.tp.size)), w, b)
+            out = reduce_from_tp(F.linear(self.quantize_input(x), w), self.tp.group, self.tp.size)
+            return out + b if b is not None else out
         if self.kind == "embedding":
             return F.embedding(x, w, **{k: v for k, v in self.ctor.items()})
         x = self.quantize_input(x)
@@ -317,6 +431,8 @@ class CompressedLayer(nn.Module):
 
     def extra_repr(self) -> str:
         parts = [f"{self.kind} {self.name}", f"weight={tuple(self.weight.shape)}"]
+        if self.tp is not None:
+            parts.append(f"tp {self.tp.kind}-parallel {self.tp.rank}/{self.tp.size} of ({self.full_out}, {self.full_in})")
         if self.wq is not None:
             parts.append(f"wbits={self.wq.start_bits}->{self.wq.target_bits}")
         if self.aq is not None:

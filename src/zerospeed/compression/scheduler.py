@@ -26,8 +26,9 @@ _SCHEDULERS: "weakref.WeakKeyDictionary[nn.Module, CompressionScheduler]" = weak
 
 
 class CompressionScheduler:
-    def __init__(self, model: nn.Module, layers: dict[str, CompressedLayer]) -> None:
+    def __init__(self, model: nn.Module, layers: dict[str, CompressedLayer], config: Any = None) -> None:
         self.layers = layers
+        self.config = config  # the parsed compression_training section (re-applied after a tp split)
         self.training_steps = 0
         self._apply()
         _SCHEDULERS[model] = self
@@ -95,14 +96,6 @@ def compression_scheduler_for(model: nn.Module, config: Any) -> CompressionSched
         return None
     from zerospeed.config import ConfigError
 
-    tp = getattr(config, "tensor_parallel", None)
-    if tp is not None and getattr(tp, "size", 1) > 1:
-        raise ConfigError("compression_training", "is not supported together with tensor parallelism "
-                          f"(tensor_parallel size {tp.size}): AutoTP splits plain Linear layers, while the "
-                          "compressed layers' quantization groups and pruning masks are defined on whole "
-                          "weights; train the compressed model with ZeRO and/or the pipeline instead, and serve "
-                          "int8 under tensor parallelism with init_inference(replace_with_kernel_inject=True, "
-                          "quant=...)")
     # the model itself, or (pipeline: the engine's container) the module init_compression was given
     found = [s for m in model.modules() if (s := scheduler_of(m)) is not None]
     if not found:

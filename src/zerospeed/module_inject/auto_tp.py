@@ -278,8 +278,10 @@ def tp_param_splits(model: nn.Module) -> dict[str, TPSplit]:
     expert-parallel ranks, so a consolidated state dict holding them is merged over tp as well."""
     out: dict[str, TPSplit] = {}
     for name, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, TPLayer):
-            for pname, split in module.tp_splits.items():
+        # TPLayers, and modules that wrap one and expose its splits the same way (compression's layers)
+        splits = module.tp_splits if isinstance(module, TPLayer) else getattr(module, "tp_splits", None)
+        if isinstance(splits, dict):
+            for pname, split in splits.items():
                 out[f"{name}.{pname}" if name else pname] = split
         absent = getattr(module, "absent_tp_splits", None)
         if callable(absent):

@@ -86,7 +86,8 @@ def is_split(model: nn.Module) -> bool:
     from zerospeed.module_inject import TPLayer
 
     managed = tuple(f"{n}." for n, m in model.named_modules() if n and getattr(type(m), "tp_managed", False))
-    return any(isinstance(m, TPLayer) and not n.startswith(managed) for n, m in model.named_modules())
+    return any((isinstance(m, TPLayer) or bool(getattr(m, "tp_splits", None))) and not n.startswith(managed)
+               for n, m in model.named_modules())
 
 
 def prepare_model(model: nn.Module, mesh: Mesh, tp_cfg: TensorParallelConfig, optimizer: Any) -> nn.Module:
@@ -99,6 +100,12 @@ def prepare_model(model: nn.Module, mesh: Mesh, tp_cfg: TensorParallelConfig, op
         raise ValueError("initialize: an optimizer instance was built over the unsplit model's parameters; with "
                          "tensor parallelism pass the optimizer class / a callable, use the config's optimizer, or "
                          "call zerospeed.tp_model_init(model, tp_size) before building it")
+    from zerospeed.compression.scheduler import scheduler_of
+
+    if scheduler_of(model) is not None:  # init_compression before initialize: split, then compress the pieces
+        from zerospeed.compression.init import split_compressed
+
+        return split_compressed(model, mesh.tp_group, tp_cfg)
     return auto_tp(model, mesh.tp_group, partition_config=tp_cfg)
 
 

@@ -1,0 +1,148 @@
+"""Per-rank bodies of the compression x tensor-parallelism tests (importable by run_distributed)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from compression_cases import DS_CONFIGS, aq, group, prune, tiny_gpt2, wq
+from zerospeed import comm
+
+MODULES = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+STEPS = 3
+REAL_CONFIG = "compression__gpt2__config__ds_config_W8A8_Qgroup64_fp32.json"
+
+# each method on the tiny HF GPT-2 (Conv1D storage, fused c_attn: rank r holds rows of q, k and v);
+# under tp2 c_attn / c_fc are column-parallel and c_proj row-parallel
+METHODS: dict[str, dict[str, Any]] = {
+    # 8 groups: c_fc's pieces are whole groups (local path), c_attn's and c_proj's straddle (reduced)
+    "wq": {"weight_quantization": wq(4, MODULES, start=8, period=1, groups=8)},
+    "wq_low": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_groups": 16, "quantization_type": "asymmetric"},
+        "different_groups": {"ternary": group({"start_bits": 2, "target_bits": 2, "quantization_period": 0},
+                                              ["mlp.c_fc", "mlp.c_proj"]),
+                             "three": group({"start_bits": 3, "target_bits": 3, "quantization_period": 0},
+                                            ["attn.c_attn"]),
+                             "binary": group({"start_bits": 1, "target_bits": 1, "quantization_period": 0},
+                                             ["attn.c_proj"])}}},
+    "aq": {"activation_quantization": aq(4, MODULES)},
+    "aq_static": {"activation_quantization": aq(6, MODULES, calibration="static", qtype="asymmetric")},
+    "sparse": {"sparse_pruning": prune(0.5, MODULES, offset=1)},
+    "sparse_topk": {"sparse_pruning": prune(0.4, ["mlp.c_fc", "attn.c_proj"], method="topk")},
+    "sparse_snip": {"sparse_pruning": prune(0.5, ["mlp.c_"], method="snip_momentum", block_pattern="4x1",
+                                            schedule_offset_end=2)},
+    "row": {"row_pruning": prune(0.5, ["mlp.c_fc"], offset=1, related=[["mlp.c_proj"]])},
+    "row_topk": {"row_pruning": prune(0.5, ["mlp.c_fc", "attn.c_proj"], method="topk")},
+    "head": {"head_pruning": prune(0.5, ["attn.c_proj"], offset=1, num_heads=4, related=[["attn.c_attn"]])},
+    "head_topk": {"head_pruning": prune(0.5, ["attn.c_proj"], method="topk", num_heads=4)},
+}
+
+
+def method_config(name: str, tp: int) -> dict[str, Any]:
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 0,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+           "compression_training": METHODS[name]}
+    if tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tp}
+    return cfg
+
+
+def real_config(tp: int) -> dict[str, Any]:
+    cfg = json.loads((DS_CONFIGS / REAL_CONFIG).read_text())
+    if tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tp}
+    return cfg
+
+
+def batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randint(0, 64, (4, 16), generator=g)
+
+
+def train(cfg: dict[str, Any], mode: str = "config", steps: int = STEPS) -> dict[str, Any]:
+    """Compress the tiny GPT-2 and train it ``steps`` optimizer steps through the engine.
+
+    mode ``config``: init_compression on the whole model, tp from the config (initialize splits it);
+    ``mpu``: tp_model_init first (DeepSpeed's order), then init_compression(mpu=<a Megatron-style mpu>).
+    """
+    import torch.distributed as dist
+
+    import zerospeed
+    from zerospeed.compression import init_compression
+
+    model = tiny_gpt2().train()
+    if mode == "mpu":
+        model = zerospeed.tp_model_init(model, tp_size=dist.get_world_size())
+        mesh = comm.get_mesh()
+        from tp_cases import _Mpu
+
+        model = init_compression(model, cfg, mpu=_Mpu(mesh.tp_group, mesh.dp_group, mesh.tp_rank, mesh.tp_size))
+    elif "compression_training" in cfg:
+        model = init_compression(model, cfg)
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    gas = engine.gradient_accumulation_steps()
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(gas):
+            ids = batch(step * gas + micro)
+            loss = engine(ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            total += float(loss.detach()) / gas
+        losses.append(total)
+    from zerospeed.compression.layers import CompressedLayer
+
+    sharded = sorted(n for n, m in engine.module.named_modules() if isinstance(m, CompressedLayer) and m.tp is not None)
+    state = engine.consolidated_state_dict()
+    engine.destroy()
+    comm.reset_mesh()
+    return {"losses": losses, "sharded": sharded, "state": {k: v for k, v in state.items() if v.is_floating_point()}}
+
+
+def train_cases(cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """``(method name or "real", mode)`` each; the world size is the tp degree."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size()
+    out = []
+    for name, mode in cases:
+        cfg = real_config(tp) if name == "real" else method_config(name, tp)
+        if mode == "mpu":
+            cfg.pop("tensor_parallel", None)
+        run = train(cfg, mode)
+        out.append(run if dist.get_rank() == 0 else {"losses": run["losses"], "sharded": run["sharded"]})
+    return out
+
+
+def bad_inputs() -> dict[str, str]:
+    """One-line errors of compression under tp=2 (world 2)."""
+    import zerospeed
+    from zerospeed.compression import init_compression
+
+    out = {}
+
+    def err(key: str, fn: Any) -> None:
+        try:
+            fn()
+            out[key] = "no error"
+        except (TypeError, ValueError) as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+        comm.reset_mesh()
+
+    class NoRank:
+        def get_model_parallel_group(self) -> Any:
+            return None
+
+        def get_model_parallel_world_size(self) -> int:
+            return 2
+
+    cfg = method_config("wq", 1)
+    err("mpu", lambda: init_compression(tiny_gpt2(), cfg, mpu=NoRank()))
+    groups = {"weight_quantization": wq(8, ["mlp.c_fc"], groups=3)}
+    err("groups", lambda: init_compression(zerospeed.tp_model_init(tiny_gpt2(), tp_size=2), {"compression_training": groups}))
+    head = {"weight_quantization": wq(8, ["lm_head", "mlp.c_fc"])}
+    err("lm_head", lambda: init_compression(zerospeed.tp_model_init(tiny_gpt2(), tp_size=2), {"compression_training": head}))
+    return out
