@@ -5,8 +5,11 @@ requests for every system: 32 prompts of 16-256 tokens, 64 new tokens each, gree
 
 Systems (each in its own subprocess, so peak RSS is its own):
   zerospeed   ``build_engine`` continuous batching (Dynamic SplitFuse, paged KV cache), defaults
-              (prompt tokens beside running decodes capped at ``max_prefill_tokens_with_decodes``)
-  zerospeed_nocap  the same without that cap (the throughput end of the latency trade)
+              (prefill first on a burst; prompt tokens beside running decodes capped at
+              ``max_prefill_tokens_with_decodes``)
+  zerospeed_nocap  the same without that cap
+  zerospeed:seqs=8:cap=16:pf=0:budget=512  other settings (``max_num_seqs``, the cap, prefill first,
+              the token budget): the points of the latency / throughput frontier
   hf_static8  HF ``generate``, padded (left) batches of 8 in arrival order
   hf_static1  HF ``generate``, one request at a time
   hf_cb       transformers' continuous batching (``generate_batch``, paged attention)
@@ -16,8 +19,9 @@ Modes: ``offline`` (all requests at t=0) and ``online`` (Poisson arrivals at ``-
 zerospeed, vLLM and HF batch 1, the ones that serve requests as they come).
 
 Reported per system: generated tokens per wall second and per CPU second of the process (one
-thread each, so CPU time is the work done, robust to other jobs on a shared machine), time to first token (mean, p50), inter-token latency
-(p50, p95), peak RSS, KV-cache bytes, whether its tokens equal HF batch-1's, and ratios to HF
+thread each, so CPU time is the work done, robust to other jobs on a shared machine), time to
+first token (mean, p50), inter-token latency (p50, p95) in wall time and, for zerospeed and HF, in
+CPU time of the process between the two tokens (the work, whatever else the machine ran), peak RSS, KV-cache bytes, whether its tokens equal HF batch-1's, and ratios to HF
 static batching. Usage::
 
     OMP_NUM_THREADS=2 PYTHONPATH=src python bench/inference_bench.py [--systems ...] [--modes ...]
@@ -76,15 +80,22 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def summarise(times: list[list[float]], arrive: list[float], start: float, end: float, tokens: list[list[int]],
-              cpu_s: float | None = None) -> dict:
+              cpu_s: float | None = None, cpu_times: list[list[float]] | None = None) -> dict:
+    """``times``: per request, the wall clock of each token; ``cpu_times`` (optional): the process's
+    CPU clock at the same moments, for inter-token latency in CPU time (what the work between two
+    tokens cost, whatever else ran on the machine meanwhile)."""
     ttft = [ts[0] - (start + a) for ts, a in zip(times, arrive)]
     itl = [b - a for ts in times for a, b in zip(ts, ts[1:])]
     n = sum(len(t) for t in tokens)
     cpu_s = time.process_time() - _CPU0[0] if cpu_s is None else cpu_s
-    return {"generated_tokens": n, "wall_s": end - start, "tokens_per_s": n / (end - start),
-            "cpu_s": cpu_s, "tokens_per_cpu_s": n / cpu_s,
-            "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": _pct(ttft, 0.5),
-            "itl_p50_ms": 1e3 * _pct(itl, 0.5), "itl_p95_ms": 1e3 * _pct(itl, 0.95)}
+    res = {"generated_tokens": n, "wall_s": end - start, "tokens_per_s": n / (end - start),
+           "cpu_s": cpu_s, "tokens_per_cpu_s": n / cpu_s,
+           "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": _pct(ttft, 0.5),
+           "itl_p50_ms": 1e3 * _pct(itl, 0.5), "itl_p95_ms": 1e3 * _pct(itl, 0.95)}
+    if cpu_times is not None:
+        itl_cpu = [b - a for ts in cpu_times for a, b in zip(ts, ts[1:])]
+        res.update(itl_cpu_p50_ms=1e3 * _pct(itl_cpu, 0.5), itl_cpu_p95_ms=1e3 * _pct(itl_cpu, 0.95))
+    return res
 
 
 # ----------------------------------------------------------------------------- workers
@@ -97,17 +108,42 @@ def _start_clock() -> float:
     return time.perf_counter()
 
 
-def run_zerospeed(prompts, arrive, args) -> dict:
-    from zerospeed.inference import SamplingParams, build_engine
+def zerospeed_settings(system: str, args) -> dict:
+    """``build_engine`` keywords of a zerospeed system: ``zerospeed`` (defaults: the prompt cap, prefill
+    first), ``zerospeed_nocap`` (no cap), or ``zerospeed:KEY=VALUE:...`` with ``seqs`` (max_num_seqs),
+    ``cap`` (max_prefill_tokens_with_decodes, a number or ``none``), ``budget``
+    (max_num_batched_tokens) and ``pf`` (prefill_first, 0/1): the settings of the latency frontier."""
     from zerospeed.inference.engine import DEFAULT_PREFILL_WITH_DECODES
 
     caps = {"default": DEFAULT_PREFILL_WITH_DECODES, "none": None}
     cap = caps[args.prefill_cap] if args.prefill_cap in caps else int(args.prefill_cap)
-    engine = build_engine(str(MODEL_DIR), max_num_batched_tokens=args.token_budget, block_size=16,
-                          max_num_seqs=64, kv_cache_memory=args.kv_bytes, max_prefill_tokens_with_decodes=cap)
+    kw = dict(max_num_batched_tokens=args.token_budget, max_num_seqs=64, max_prefill_tokens_with_decodes=cap)
+    if system == "zerospeed_nocap":
+        kw["max_prefill_tokens_with_decodes"] = None
+    for part in system.split(":")[1:]:
+        key, _, value = part.partition("=")
+        if key == "seqs":
+            kw["max_num_seqs"] = int(value)
+        elif key == "cap":
+            kw["max_prefill_tokens_with_decodes"] = None if value == "none" else int(value)
+        elif key == "budget":
+            kw["max_num_batched_tokens"] = int(value)
+        elif key == "pf":
+            kw["prefill_first"] = bool(int(value))
+        else:
+            raise SystemExit(f"unknown zerospeed setting {key!r} in {system!r}")
+    return kw
+
+
+def run_zerospeed(prompts, arrive, args) -> dict:
+    from zerospeed.inference import SamplingParams, build_engine
+
+    kw = zerospeed_settings(args.worker, args)
+    engine = build_engine(str(MODEL_DIR), block_size=16, kv_cache_memory=args.kv_bytes, **kw)
     sp = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     engine.generate([prompts[0][:16]], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm up
     times = [[] for _ in prompts]
+    cpu_times = [[] for _ in prompts]
     toks = [[] for _ in prompts]
     start = _start_clock()
     nxt = 0
@@ -120,15 +156,17 @@ def run_zerospeed(prompts, arrive, args) -> dict:
             time.sleep(min(0.001, max(0.0, arrive[nxt] - now)))
             continue
         outs = engine.step()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         for o in outs:
             i = int(o.request_id)
             toks[i].extend(o.new_token_ids)
             times[i].extend([t] * len(o.new_token_ids))
+            cpu_times[i].extend([c] * len(o.new_token_ids))
     end = time.perf_counter()
-    res = summarise(times, arrive, start, end, toks)
+    res = summarise(times, arrive, start, end, toks, cpu_times=cpu_times)
     st = engine.stats()
-    res.update(kv_cache_bytes=st.kv_cache_bytes, preemptions=st.num_preemptions, forwards=st.extra["num_forwards"])
+    res.update(kv_cache_bytes=st.kv_cache_bytes, preemptions=st.num_preemptions, forwards=st.extra["num_forwards"],
+               settings=" ".join(f"{k}={v}" for k, v in kw.items()))
     return res | {"tokens": toks}
 
 
@@ -143,9 +181,11 @@ class _Clock:
 
     def __init__(self) -> None:
         self.steps: list[float] = []
+        self.cpu: list[float] = []
 
     def __call__(self, input_ids, scores):
         self.steps.append(time.perf_counter())
+        self.cpu.append(time.process_time())
         return scores
 
 
@@ -158,6 +198,7 @@ def run_hf_static(prompts, arrive, args, batch: int) -> dict:
               pad_token_id=0)
     model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
     times = [[] for _ in prompts]
+    cpu_times = [[] for _ in prompts]
     toks = [[] for _ in prompts]
     kv_peak = 0
     start = _start_clock()
@@ -184,9 +225,11 @@ def run_hf_static(prompts, arrive, args, batch: int) -> dict:
         for r, j in enumerate(group):
             toks[j] = out[r, maxlen:].tolist()
             times[j] = clock.steps[:len(toks[j])]
+            cpu_times[j] = clock.cpu[:len(toks[j])]
         i = group[-1] + 1
     end = time.perf_counter()
-    return summarise(times, arrive, start, end, toks) | {"kv_cache_bytes": kv_peak, "tokens": toks}
+    return summarise(times, arrive, start, end, toks, cpu_times=cpu_times) | {"kv_cache_bytes": kv_peak,
+                                                                              "tokens": toks}
 
 
 def run_hf_cb(prompts, arrive, args) -> dict:
@@ -280,7 +323,8 @@ def worker(args) -> None:
     prompts = requests()
     arrive = [0.0] * len(prompts) if args.mode == "offline" else arrivals(args.rate)
     fn = {"zerospeed": run_zerospeed, "zerospeed_nocap": run_zerospeed, "hf_static8": lambda p, a, x: run_hf_static(p, a, x, 8),
-          "hf_static1": lambda p, a, x: run_hf_static(p, a, x, 1), "hf_cb": run_hf_cb, "vllm": run_vllm}[args.worker]
+          "hf_static1": lambda p, a, x: run_hf_static(p, a, x, 1), "hf_cb": run_hf_cb,
+          "vllm": run_vllm}[args.worker.split(":")[0]]
     res = fn(prompts, arrive, args)
     res["peak_rss_bytes"] = peak_rss_bytes() + res.pop("child_peak_rss_bytes", 0)
     Path(args.out).write_text(json.dumps(res))
@@ -313,7 +357,7 @@ def main() -> None:
     ref = None
     for mode in args.modes.split(","):
         for system in args.systems.split(","):
-            if mode == "online" and system not in ("zerospeed", "zerospeed_nocap", "hf_static1", "vllm"):
+            if mode == "online" and system.split(":")[0] not in ("zerospeed", "zerospeed_nocap", "hf_static1", "vllm"):
                 continue
             env = dict(os.environ)
             python = sys.executable
@@ -344,7 +388,7 @@ def main() -> None:
             res = {"mode": mode, "system": system, **res, "_tokens": tokens}
             rows.append(res)
             print(f"{mode:8s} {system:11s} {res['tokens_per_s']:8.1f} tok/s {res['tokens_per_cpu_s']:8.1f} tok/cpu-s  ttft {res['ttft_mean_s']:.3f}s  "
-                  f"itl p50 {res['itl_p50_ms']:.1f} p95 {res['itl_p95_ms']:.1f} ms  rss "
+                  f"itl p50 {res['itl_p50_ms']:.1f} p95 {res['itl_p95_ms']:.1f} ms (cpu p95 {res.get('itl_cpu_p95_ms', float('nan')):.1f})  rss "
                   f"{format_bytes(res['peak_rss_bytes'])} ({time.time() - t0:.0f}s)", flush=True)
     for r in rows:  # how many of the 32 requests got exactly HF batch 1's tokens
         tokens = r.pop("_tokens", None)
@@ -361,6 +405,8 @@ def main() -> None:
                     r[f"tokens_per_cpu_s_vs_{b}"] = r["tokens_per_cpu_s"] / base[b]["tokens_per_cpu_s"]
                     r[f"rss_vs_{b}"] = r["peak_rss_bytes"] / base[b]["peak_rss_bytes"]
                     r[f"itl_p95_vs_{b}"] = r["itl_p95_ms"] / base[b]["itl_p95_ms"]
+                    if "itl_cpu_p95_ms" in r and "itl_cpu_p95_ms" in base[b]:
+                        r[f"itl_cpu_p95_vs_{b}"] = r["itl_cpu_p95_ms"] / base[b]["itl_cpu_p95_ms"]
     if not args.no_write:
         paths = write_results("inference_bench", rows, command=command_line(),
                               params={"prompts": NUM_PROMPTS, "prompt_len": [MIN_LEN, MAX_LEN],

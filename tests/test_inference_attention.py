@@ -135,17 +135,27 @@ def test_prefill_cap_bounds_prompt_tokens_beside_decodes(mistral):
     assert [(s.request_id, n) for s, n in batch.items] == [("a", 1), ("b", 5)]
 
 
-def test_chunked_lm_head_equals_one_matmul(mistral):
-    """The LM head over vocabulary slices (4-10 rows on CPU) gives exactly F.linear's logits."""
+def test_transposed_lm_head_matches_linear(mistral):
+    """The CPU LM head through the cached transposed weight gives F.linear's logits (float32 rounding),
+    and a changed weight (in place or replaced) is picked up, not served from the stale copy."""
     from zerospeed.inference.models import layers
 
     engine = build_engine(mistral[0], num_blocks=8)
     model = engine.model
-    big = torch.nn.Linear(64, 3 * layers.LOGITS_CHUNK + 17, bias=False)  # several slices and a ragged end
+    big = torch.nn.Linear(64, 3000, bias=False)
     model.lm_head = big
-    for rows in (3, 4, 7, 10, 11):
+    for rows in (1, 2, layers.LOGITS_TRANSPOSED_MIN_ROWS, 7, 32):
         h = torch.randn(rows, 64)
-        assert torch.equal(model.compute_logits(h), torch.nn.functional.linear(h, big.weight))
+        torch.testing.assert_close(model.compute_logits(h), torch.nn.functional.linear(h, big.weight),
+                                   rtol=1e-5, atol=1e-5)
+    h = torch.randn(8, 64)
+    with torch.no_grad():
+        big.weight.mul_(2.0)  # in place: the version changes
+    torch.testing.assert_close(model.compute_logits(h), torch.nn.functional.linear(h, big.weight), rtol=1e-5, atol=1e-5)
+    model.lm_head = torch.nn.Linear(64, 3000, bias=False)  # replaced
+    torch.testing.assert_close(model.compute_logits(h), torch.nn.functional.linear(h, model.lm_head.weight),
+                               rtol=1e-5, atol=1e-5)
+    assert "_lm_head_t" not in "".join(model.state_dict())
 
 
 def test_backend_and_cap_errors(mistral):

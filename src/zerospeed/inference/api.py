@@ -96,8 +96,8 @@ class EngineStats:
 #
 #   build_engine(model_dir: str, *, dtype="fp32", block_size=16, num_blocks=None,
 #                kv_cache_memory=None, max_num_seqs=256, max_model_len=None,
-#                max_num_batched_tokens=512, tensor_parallel=1, max_prefill_tokens_with_decodes=128,
-#                attention_backend="auto") -> InferenceEngine
+#                max_num_batched_tokens=512, tensor_parallel=1, max_prefill_tokens_with_decodes=32,
+#                attention_backend="auto", prefill_first=True) -> InferenceEngine
 #
 # With tensor_parallel > 1 it is called on every rank of a torchrun world: rank 0 gets the engine
 # to drive; on the other ranks the caller runs ``engine.run_worker_loop()``, which follows rank 0's

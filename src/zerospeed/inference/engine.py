@@ -54,11 +54,15 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float3
 
 
 # Prompt tokens fused into a forward that also decodes (None: up to max_num_batched_tokens; see the
-# scheduler). The trade, measured on bench/inference_bench.py's workload (32 prompts at once, budget
-# 512, one CPU thread): no cap gave the most tokens per CPU-second but a p95 inter-token latency of
-# 65 ms of CPU time; a cap of 128 cut that p95 to 34 ms for 9% fewer tokens per CPU-second (64: 31 ms,
-# -20%). Serving latency-sensitive traffic, lower it; for offline batch jobs, pass None.
-DEFAULT_PREFILL_WITH_DECODES: int | None = 128
+# scheduler). With prefill first (the scheduler's default), a burst of requests on an idle engine is
+# prefilled before anything decodes, so the cap only matters for requests arriving while others
+# decode. Measured with bench/inference_bench.py's online mode (Poisson arrivals at 4 req/s, one
+# thread, p95 inter-token latency in CPU time; 20261124 sweeps on the shared 2-core machine): a cap of
+# 128 gave 16.6 ms, 64: 12.1 ms, 32: 10.8 ms, 16: 9.3 ms (HF generate at batch 1: 7.1 ms), at about
+# the same tokens per CPU-second (arrival-bound), while a long prompt arriving mid-decode needs
+# prompt_len / cap forwards to its first token. Serving latency-sensitive traffic, lower it; for
+# offline batch jobs, pass None.
+DEFAULT_PREFILL_WITH_DECODES: int | None = 32
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel")
@@ -102,7 +106,8 @@ class InferenceEngine:
                  device: torch.device, block_size: int, num_blocks: int, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, model_name: str = "", enable_prefix_caching: bool = True,
                  tp: TPInfo = TPInfo(), kv_cache_memory: int | None = None,
-                 max_prefill_tokens_with_decodes: int | None = None, attention_backend: str = "auto") -> None:
+                 max_prefill_tokens_with_decodes: int | None = None, attention_backend: str = "auto",
+                 prefill_first: bool = True) -> None:
         self.model = model
         self.spec = spec
         self.tokenizer = tokenizer
@@ -121,7 +126,7 @@ class InferenceEngine:
         self._decode_kernel = self.attention_backend == "cpu_kernel"
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.scheduler = Scheduler(self.allocator, max_num_batched_tokens, max_num_seqs, enable_prefix_caching,
-                                   max_prefill_tokens_with_decodes)
+                                   max_prefill_tokens_with_decodes, prefill_first)
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.eos_token_ids = list(spec.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -346,7 +351,7 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                  max_num_batched_tokens: int = 512, tensor_parallel: int = 1, device: str | torch.device | None = None,
                  enable_prefix_caching: bool = True, tp_group: Any = None,
                  max_prefill_tokens_with_decodes: int | None = DEFAULT_PREFILL_WITH_DECODES,
-                 attention_backend: str = "auto") -> InferenceEngine:
+                 attention_backend: str = "auto", prefill_first: bool = True) -> InferenceEngine:
     """Load ``model_dir`` (an HF folder) into an :class:`InferenceEngine`. Errors name the argument."""
     from zerospeed.inference.models.spec import load_spec
 
@@ -360,6 +365,8 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                                                         or max_prefill_tokens_with_decodes < 1):
         raise ValueError("max_prefill_tokens_with_decodes: must be an integer >= 1 or None, got "
                          f"{max_prefill_tokens_with_decodes!r}")
+    if not isinstance(prefill_first, bool):
+        raise ValueError(f"prefill_first: must be True or False, got {prefill_first!r}")
     if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
         raise ValueError(f"num_blocks: must be an integer >= 1, got {num_blocks!r}")
     if kv_cache_memory is not None and (not isinstance(kv_cache_memory, (int, float)) or kv_cache_memory <= 0):
@@ -395,7 +402,7 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                              enable_prefix_caching=enable_prefix_caching, tp=tp,
                              kv_cache_memory=None if kv_cache_memory is None else int(kv_cache_memory),
                              max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
-                             attention_backend=attention_backend)
+                             attention_backend=attention_backend, prefill_first=prefill_first)
     if tp.size > 1 and tp.rank == 0:
         from zerospeed.inference.tp_runtime import attach_rank0
 

@@ -11,7 +11,20 @@ Each ``schedule()`` picks the tokens of one forward, within ``max_num_batched_to
 2. then running sequences still in their prompt get the next chunk, as large as the budget left
    (long prompts are split across forwards);
 3. then waiting requests, strictly first-in first-out, are admitted and their first chunk fused
-   into the same forward until the token budget is full. A request is admitted only when the
+   into the same forward until the token budget is full.
+
+Prefill first (``prefill_first=True``, the default): while no running sequence has produced a token
+yet (a burst of requests on an idle engine), prompts are computed up to, not including, their last
+token, in full-budget forwards; a sequence whose prompt is done that far is *held*. When no prompt
+work is left to schedule (all admitted prompts held, nothing more admissible), the held sequences
+run their last prompt token together as one batch of decodes, which samples every first token in
+the same forward. Without it, the first prompts to finish would start decoding while the rest of
+the burst is still being prefilled, and every one of their inter-token gaps would carry a prompt
+chunk (measured on bench/inference_bench.py: those mixed forwards set the p95 inter-token latency).
+A burst's time to first token is then its whole prefill, which it also was before, give or take,
+because the chunks of the later prompts slowed every early decode step. Once sequences are decoding,
+later arrivals are not held (holding them would not spare the running sequences the prompt
+chunks); they go through steps 2-3 under the cap of step 1. A request is admitted only when the
    free blocks can hold its whole remaining prompt (blocks found in the prefix table excepted),
    and no later request is admitted ahead of one that cannot: no request starves.
 
@@ -51,7 +64,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_batched_tokens: int, max_num_seqs: int,
-                 enable_prefix_caching: bool = True, max_prefill_tokens_with_decodes: int | None = None) -> None:
+                 enable_prefix_caching: bool = True, max_prefill_tokens_with_decodes: int | None = None,
+                 prefill_first: bool = True) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
@@ -59,6 +73,7 @@ class Scheduler:
         if max_prefill_tokens_with_decodes is not None and max_prefill_tokens_with_decodes < 1:
             raise ValueError(f"max_prefill_tokens_with_decodes must be >= 1 or None, got {max_prefill_tokens_with_decodes}")
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
+        self.prefill_first = prefill_first
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -173,27 +188,45 @@ class Scheduler:
 
     # -- the step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        # "decoding": some running sequence has produced tokens and awaits its next one
+        decoding = any(s.num_generated and s.num_remaining == 1 for s in self.running)
+        hold = False
+        if self.prefill_first and not decoding:
+            # hold last tokens only when the prompts in sight do not all fit in this one forward
+            pending = sum(s.num_remaining for s in self.running) + sum(len(s.tokens) for s in self.waiting)
+            hold = pending > self.max_num_batched_tokens
+        batch = self._schedule(hold, cap=decoding)
+        if hold and not batch.items and not batch.preempted:
+            batch = self._schedule(False, cap=False)  # nothing left to prefill: the held sequences decode
+        return batch
+
+    def _schedule(self, hold: bool, cap: bool) -> ScheduledBatch:
+        """One forward's work. ``hold``: no decodes, and each prompt stops one token short of its
+        end; ``cap``: prompt tokens are capped at ``max_prefill_tokens_with_decodes``."""
         batch = ScheduledBatch()
         picked: OrderedDict[Sequence, int] = OrderedDict()
         budget = self.max_num_batched_tokens
+        keep = 1 if hold else 0  # prompt tokens left for the decode phase
 
         def spent() -> int:
             return sum(picked.values())
 
-        for seq in [s for s in self.running if s.num_remaining == 1]:
+        for seq in ([] if hold else [s for s in self.running if s.num_remaining == 1]):
             if seq not in self.running or len(picked) >= self.max_num_seqs or spent() + 1 > budget:
                 continue
             if self._reserve(seq, 1, batch, picked):
                 picked[seq] = 1
-        if picked and self.max_prefill_tokens_with_decodes is not None:
+        if cap and picked and self.max_prefill_tokens_with_decodes is not None:
             # decodes are running: cap the prompt tokens fused with them (inter-token latency)
             budget = min(budget, spent() + self.max_prefill_tokens_with_decodes)
         for seq in [s for s in self.running if s.num_remaining > 1]:
             if seq not in self.running or len(picked) >= self.max_num_seqs:
                 continue
-            n = min(seq.num_remaining, budget - spent())
+            n = min(seq.num_remaining - keep, budget - spent())
             if n <= 0:
-                break
+                if budget - spent() <= 0:
+                    break
+                continue
             if self._reserve(seq, n, batch, picked):
                 picked[seq] = n
         while self.waiting and len(self.running) < self.max_num_seqs and len(picked) < self.max_num_seqs:
@@ -206,9 +239,10 @@ class Scheduler:
             self.waiting.pop(0)
             self.running.append(seq)
             self.running.sort(key=lambda s: s.arrival)
-            n = min(seq.num_remaining, n_left)
-            self._grow(seq, n, batch)
-            picked[seq] = n
+            n = min(seq.num_remaining - keep, n_left)
+            if n > 0:  # a one-token prompt (or one found whole in the prefix cache) is held at once
+                self._grow(seq, n, batch)
+                picked[seq] = n
         decodes = [(s, n) for s, n in picked.items() if s.num_remaining == 1]
         prefills = [(s, n) for s, n in picked.items() if s.num_remaining != 1]
         batch.items = decodes + prefills

@@ -119,12 +119,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_d
     return torch.cat(((xr * cos) + (rot * sin), xp), dim=-1)
 
 
-# The LM head for 4-10 rows (a decode step with a few sequences) runs as F.linear over 1024-row
-# slices of the vocabulary. Measured on this 2-core CPU (MKL, one thread, 32k x 256 fp32 head):
-# one F.linear took 6.1-12.9 ms for 4-10 rows (10 ms at 8, against 2.8 ms at 1 row and 6.7 ms at 12),
-# the slices 4.8-6.6 ms, with bitwise-identical logits; outside that range one call was faster.
-LOGITS_CHUNKED_ROWS = (4, 10)
-LOGITS_CHUNK = 1024
+# The LM head on CPU in float32 multiplies by a transposed copy of its weight (``[H, V]``, contiguous,
+# made once and remade if the weight changes): MKL's GEMM is faster that way than F.linear's
+# ``x @ W.t()`` over the ``[V, H]`` weight. Measured (bench/inference_step_profile.py's layout test
+# and a sweep, 32000 x 256 head, one thread of this 2-core Xeon, CPU ms): 4 rows 2.34 -> 1.61,
+# 8: 3.47 -> 1.78, 16: 3.81 -> 2.67, 32: 5.72 -> 4.19, 64: 10.06 -> 7.13; bitwise-identical logits from
+# 12 rows up, float32 rounding (~1e-6 absolute) below; at 1-2 rows F.linear was as fast or faster, so
+# those keep it. The price is one more copy of the head's weight in memory (for a tied head too).
+LOGITS_TRANSPOSED_MIN_ROWS = 3
 
 
 class CausalLM(nn.Module):
@@ -148,12 +150,19 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w, rows = getattr(self.lm_head, "weight", None), hidden.shape[0]  # None: a QuantizedLinear (quant)
-        if (w is not None and w.device.type == "cpu" and LOGITS_CHUNKED_ROWS[0] <= rows <= LOGITS_CHUNKED_ROWS[1]
-                and self.lm_head.bias is None and w.shape[0] > 2 * LOGITS_CHUNK):
-            # the same values as one F.linear (checked bitwise in the tests), faster on CPU for these rows
-            return torch.cat([F.linear(hidden, w[i:i + LOGITS_CHUNK]) for i in range(0, w.shape[0], LOGITS_CHUNK)],
-                             dim=1).float()
+        if (w is not None and w.device.type == "cpu" and w.dtype == torch.float32 and hidden.dtype == torch.float32
+                and rows >= LOGITS_TRANSPOSED_MIN_ROWS and self.lm_head.bias is None):
+            return torch.mm(hidden, self._lm_head_transposed(w))
         return self.lm_head(hidden).float()
+
+    def _lm_head_transposed(self, w: torch.Tensor) -> torch.Tensor:
+        """``w.t().contiguous()``, cached while ``w`` is the same tensor, storage and version."""
+        key = (id(w), w.data_ptr(), w._version, tuple(w.shape))
+        cached = self.__dict__.get("_lm_head_t")
+        if cached is None or cached[0] != key:
+            cached = (key, w.detach().t().contiguous())
+            self.__dict__["_lm_head_t"] = cached  # a plain attribute: not a parameter, not in the state dict
+        return cached[1]
 
 
 class RotaryDecoderLM(CausalLM):

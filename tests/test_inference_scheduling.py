@@ -1,0 +1,127 @@
+"""Scheduling for inter-token latency, asserted on the scheduler's decisions (tokens per forward,
+which sequences decode when), never on wall time: prefill first on a burst (every prompt computed up
+to its last token, then all first tokens sampled in one forward of decodes), no extra forward for
+prompts that fit in one, no hold once sequences decode, a full-cache or ``max_num_seqs`` limit ends
+the hold instead of stalling it; greedy tokens equal HF's either way."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference_cases import hf_greedy, make_model, prompts, save_model
+from zerospeed.inference import SamplingParams, build_engine
+
+NEW = 6
+LENGTHS = [30, 7, 19, 2]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    model = make_model("llama", seed=3)
+    path = save_model(model, str(tmp_path_factory.mktemp("llama_sched")))
+    ps = prompts(LENGTHS, seed=5)
+    return path, ps, [hf_greedy(model, p, NEW) for p in ps]
+
+
+def _recorded(engine):
+    """Run the engine to completion; per forward: the scheduled ``(request_id, n)`` items, and
+    the ids that got a token from it."""
+    log = []
+    schedule = engine.scheduler.schedule
+
+    def record():
+        batch = schedule()
+        log.append([[(s.request_id, n) for s, n in batch.items], []])
+        return batch
+
+    engine.scheduler.schedule = record  # our own object: watch its decisions
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            log[-1][1].append(o.request_id)
+    return log, out
+
+
+def _burst(engine, ps):
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), p, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    return _recorded(engine)
+
+
+def test_burst_prefills_first_then_samples_every_first_token_together(llama):
+    path, ps, ref = llama
+    budget = 16
+    engine = build_engine(path, block_size=4, num_blocks=64, max_num_batched_tokens=budget)
+    log, out = _burst(engine, ps)
+    assert [out[str(i)] for i in range(len(ps))] == ref
+    first = next(i for i, (_, got) in enumerate(log) if got)
+    hold, start = log[:first], log[first]
+    # the held forwards: prompt tokens only, full budget, no prompt computed to its end
+    assert all(sum(n for _, n in items) == budget for items, _ in hold)
+    done: dict[str, int] = {}
+    for items, _ in hold:
+        for rid, n in items:
+            done[rid] = done.get(rid, 0) + n
+    assert all(done[rid] <= LENGTHS[int(rid)] - 1 for rid in done)
+    # the forward that ends the burst: the held last tokens as decodes, the rest of the prompts
+    # fused in (no cap: nothing is decoding yet), and every request's first token from it
+    assert len(hold) + 1 == -(-sum(LENGTHS) // budget)  # no forward wasted on the hold
+    assert sorted(rid for rid, n in start[0] if n == 1 and done.get(rid) == LENGTHS[int(rid)] - 1) == ["0", "1"]
+    assert sorted(start[1]) == [str(i) for i in range(len(ps))]
+    # and from there on every forward is pure decode: no prompt chunk between two tokens
+    assert all(n == 1 for items, _ in log[first + 1:] for _, n in items)
+
+
+def test_without_prefill_first_early_prompts_decode_beside_later_chunks(llama):
+    path, ps, ref = llama
+    engine = build_engine(path, block_size=4, num_blocks=64, max_num_batched_tokens=16, prefill_first=False,
+                          max_prefill_tokens_with_decodes=None)
+    log, out = _burst(engine, ps)
+    assert [out[str(i)] for i in range(len(ps))] == ref
+    first = next(i for i, (_, got) in enumerate(log) if got)
+    assert log[first][1] == ["0"]  # the first prompt finished alone and started decoding ...
+    mixed = [items for items, _ in log if any(n == 1 for _, n in items) and any(n > 1 for _, n in items)]
+    assert mixed  # ... beside the other prompts' chunks
+
+
+def test_prompts_that_fit_one_forward_are_not_held(llama):
+    path, ps, ref = llama
+    engine = build_engine(path, block_size=4, num_blocks=64, max_num_batched_tokens=64)
+    log, out = _burst(engine, ps)  # 58 prompt tokens <= 64: one forward, first tokens from it
+    assert [out[str(i)] for i in range(len(ps))] == ref
+    assert sorted(log[0][0]) == [(str(i), n) for i, n in enumerate(LENGTHS)]
+    assert sorted(log[0][1]) == ["0", "1", "2", "3"]
+
+
+def test_arrivals_while_decoding_are_not_held_and_are_capped(llama):
+    path, ps, ref = llama
+    engine = build_engine(path, block_size=4, num_blocks=64, max_num_batched_tokens=16,
+                          max_prefill_tokens_with_decodes=4)
+    sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    engine.add_request("1", ps[1], sp)
+    assert [o.request_id for o in engine.step()] == ["1"]  # 7 tokens fit: sampled at once
+    engine.add_request("2", ps[2], sp)
+    engine.add_request("3", ps[3], sp)
+    log, out = _recorded(engine)
+    # "1" decodes every forward; 4 prompt tokens at most beside it, and "3"'s last token is not held
+    assert all(("1", 1) in items for items, _ in log[:len(ref[1]) - 1])
+    assert all(sum(n for rid, n in items if rid != "1") <= 4 for items, _ in log[:len(ref[1]) - 1])
+    assert out["2"] == ref[2] and out["3"] == ref[3] and len(out["1"]) == NEW - 1
+
+
+@pytest.mark.parametrize("limit", ["max_num_seqs", "cache"])
+def test_a_limit_on_admission_ends_the_hold(llama, limit):
+    """Held sequences that fill ``max_num_seqs`` (or the cache) start decoding rather than wait for
+    prompts that cannot be admitted until they finish."""
+    path, ps, ref = llama
+    kw = dict(max_num_seqs=2, num_blocks=64) if limit == "max_num_seqs" else dict(num_blocks=16)
+    engine = build_engine(path, block_size=4, max_num_batched_tokens=16, **kw)
+    log, out = _burst(engine, ps)
+    assert [out[str(i)] for i in range(len(ps))] == ref
+    assert engine.stats().num_blocks_free == engine.stats().num_blocks_total
+
+
+def test_prefill_first_must_be_a_bool(llama):
+    with pytest.raises(ValueError, match="prefill_first: must be True or False"):
+        build_engine(llama[0], num_blocks=8, prefill_first="yes")
