@@ -143,6 +143,105 @@ def bad_inputs() -> dict[str, str]:
     err("mpu", lambda: init_compression(tiny_gpt2(), cfg, mpu=NoRank()))
     groups = {"weight_quantization": wq(8, ["mlp.c_fc"], groups=3)}
     err("groups", lambda: init_compression(zerospeed.tp_model_init(tiny_gpt2(), tp_size=2), {"compression_training": groups}))
+    from tp_cases import _Mpu
+    from zerospeed.compression import redundancy_clean
+
+    whole = init_compression(tiny_gpt2(), cfg)
+    err("clean_mpu", lambda: redundancy_clean(whole, cfg, mpu=_Mpu(None, None, comm.get_rank(), 2)))
     head = {"weight_quantization": wq(8, ["lm_head", "mlp.c_fc"])}
     err("lm_head", lambda: init_compression(zerospeed.tp_model_init(tiny_gpt2(), tp_size=2), {"compression_training": head}))
+    return out
+
+
+# redundancy_clean under tp: every technique at once, and asymmetric grids with topk rows
+CLEAN: dict[str, dict[str, Any]] = {
+    "mixed": {"weight_quantization": wq(4, MODULES, groups=8), "activation_quantization": aq(8, MODULES),
+              "sparse_pruning": prune(0.5, ["attn.c_attn"]),
+              "row_pruning": prune(0.5, ["mlp.c_fc"], related=[["mlp.c_proj"]]),
+              # 3 of 4 heads: every tp rank (2 heads each) keeps at least one
+              "head_pruning": prune(0.75, ["attn.c_proj"], num_heads=4, related=[["attn.c_attn"]])},
+    "asym_topk": {"weight_quantization": wq(3, ["mlp.c_fc", "mlp.c_proj"], groups=2, qtype="asymmetric"),
+                  "activation_quantization": aq(8, ["attn.c_proj", "mlp.c_proj"], calibration="static",
+                                                qtype="asymmetric"),
+                  "row_pruning": prune(0.5, ["mlp.c_fc"], method="topk", related=[["mlp.c_proj"]])},
+}
+
+
+def clean_case(name: str | dict[str, Any]) -> dict[str, Any]:
+    """Train 2 steps at the world's tp degree, then clean each rank's shard; outputs against the simulated model."""
+    import torch.distributed as dist
+
+    import zerospeed
+    from zerospeed.compression import init_compression, model_bytes, redundancy_clean
+
+    tp = dist.get_world_size()
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 0,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+           "compression_training": CLEAN[name] if isinstance(name, str) else name,
+           "tensor_parallel": {"autotp_size": tp}}
+    model = init_compression(tiny_gpt2().train(), cfg)
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    for step in range(2):
+        ids = batch(step)
+        engine.backward(engine(ids, labels=ids).loss)
+        engine.step()
+    model = engine.module.eval()
+    ids = batch(9)
+    with torch.no_grad():
+        simulated = model(ids).logits
+    before = model_bytes(model)
+    redundancy_clean(model, cfg, mpu=comm.get_mesh())
+    with torch.no_grad():
+        cleaned = model(ids).logits
+    h0 = model.transformer.h[0]
+    inner = {n: getattr(m, "inner", m) for n, m in h0.named_modules() if n in ("mlp.c_fc", "mlp.c_proj")}
+    out = {"err": float((cleaned - simulated).abs().max() / simulated.abs().max()), "before": before,
+           "after": model_bytes(model), "types": {n: type(m).__name__ for n, m in h0.named_modules() if n.count(".") == 1},
+           "c_fc_out": getattr(inner["mlp.c_fc"], "out_features", None), "c_proj_in": inner["mlp.c_proj"].in_features,
+           "heads": h0.attn.num_heads, "split_size": h0.attn.split_size}
+    engine.destroy()
+    comm.reset_mesh()
+    return out
+
+
+def clean_cases(names: list[str]) -> list[dict[str, Any]]:
+    return [clean_case(name) for name in names]
+
+
+COMPILE = {"weight_quantization": wq(4, MODULES, groups=8), "activation_quantization": aq(8, MODULES),
+           "sparse_pruning": prune(0.5, ["attn.c_attn"]),
+           "row_pruning": prune(0.5, ["mlp.c_fc"], method="topk", related=[["mlp.c_proj"]]),
+           "head_pruning": prune(0.75, ["attn.c_proj"], num_heads=4, related=[["attn.c_attn"]])}
+
+
+def eager_vs_compiled() -> dict[str, Any]:
+    """The compressed tp2 GPT-2 trained 3 steps eagerly and through engine.compile(backend="eager")."""
+    import torch._dynamo
+
+    import zerospeed
+    from zerospeed.compression import init_compression
+
+    out = {}
+    for backend in (None, "eager"):
+        torch._dynamo.reset()
+        cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 0,
+               "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+               "compression_training": COMPILE, "tensor_parallel": {"autotp_size": 2}}
+        model = tiny_gpt2().train()
+        model.loss_type = "ForCausalLM"  # else HF warns once from inside the loss: a graph break
+        engine, *_ = zerospeed.initialize(model=init_compression(model, cfg), config=cfg)
+        if backend:
+            engine.compile(backend=backend)
+        losses, calls = [], []
+        for step in range(3):
+            ids = batch(step)
+            comm.COUNTER.reset()
+            loss = engine(ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+            calls.append({op: s["count"] for op, s in comm.COUNTER.snapshot().items()})
+        out[backend or "none"] = {"losses": losses, "calls": calls, "report": engine.compile_report()}
+        engine.destroy()
+        comm.reset_mesh()
     return out

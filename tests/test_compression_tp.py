@@ -22,6 +22,16 @@ Tolerances (fp32):
   change into steps of up to lr on parameters with small gradients (the attention bias moves
   1.9e-2 relative; every other tensor <= 2e-3).  The same run with per-shard ranges: 0.14.
 
+redundancy_clean under tp (each rank keeps its shard, see ``compression/clean.py``): after 2 steps
+at tp=2, the cleaned model's logits equal the simulated (fake-quantized, masked) model's within 1e-5
+relative to their max (the same codes and scales; measured 1.9e-7 and 0), the pruned rows / heads
+are split between the ranks as the full masks say, and the model is smaller.
+
+torch.compile: the compressed tp2 model (straddling and aligned weight groups, 8-bit activations,
+sparse l1, topk rows with the replicated scores' gradient all-reduce, heads) trains through
+``engine.compile(backend="eager")`` as one graph: no break, one recompile (the pruning masks are
+computed in the first forward), the same collectives per step, losses equal to eager to 1e-6.
+
 Both orders are covered: init_compression on the whole model then ``initialize`` with
 ``tensor_parallel.autotp_size: 2`` (initialize splits the compressed model), and DeepSpeed's
 ``tp_model_init`` then ``init_compression(mpu=<Megatron-style mpu>)``.
@@ -88,3 +98,43 @@ def test_bad_inputs_under_tensor_parallelism():
             "ConfigError: zerospeed config: compression_training.weight_quantization.different_groups.wq1.modules: "
             "['lm_head', 'mlp.c_fc'] match lm_head, a vocabulary-parallel LmHeadLayer under tensor parallelism"), \
             errors["lm_head"]
+        assert errors["clean_mpu"] == (
+            "ValueError: redundancy_clean: the mpu has 2 tensor-parallel ranks but the model is not split; clean the "
+            "model it trained (split by initialize / tp_model_init), or pass mpu=None"), errors["clean_mpu"]
+
+
+@pytest.mark.timeout(120)
+def test_redundancy_clean_keeps_each_ranks_shard_and_equals_the_simulated_model():
+    from compression_tp_cases import CLEAN, clean_cases
+
+    names = list(CLEAN)
+    ranks = run_distributed(clean_cases, 2, names, timeout=100)
+    for i, name in enumerate(names):
+        runs = [r[i] for r in ranks]
+        for run in runs:
+            assert run["err"] < 1e-5, f"{name}: cleaned vs simulated {run['err']:.2e}"
+            assert run["types"]["mlp.c_fc"] == run["types"]["mlp.c_proj"] == "TPCleanedLinear", name
+            assert run["c_proj_in"] == run["c_fc_out"], name  # c_proj lost the input columns c_fc lost rows
+        # 50% of c_fc's 256 rows, wherever they were
+        assert sum(r["c_fc_out"] for r in runs) == 128, name
+    mixed, asym = [r[0] for r in ranks], [r[1] for r in ranks]
+    assert sum(r["heads"] for r in mixed) == 3 and all(r["split_size"] == 16 * r["heads"] for r in mixed)
+    assert all(r["after"] < 0.2 * r["before"] for r in mixed)  # 4-bit codes, half the MLP, a quarter of the heads
+    assert all(set(r["types"].values()) >= {"TPCleanedLinear"} and r["types"]["attn.c_attn"] == "TPCleanedLinear"
+               for r in mixed)
+    assert all(r["types"]["attn.c_attn"] == "LinearLayer" and r["heads"] == 2 for r in asym)  # left alone
+    assert all(r["after"] < 0.6 * r["before"] for r in asym)
+
+
+@pytest.mark.timeout(240)
+def test_compressed_tp_model_compiles_as_one_graph():
+    from compression_tp_cases import eager_vs_compiled
+
+    for r in run_distributed(eager_vs_compiled, 2, timeout=220):
+        eager, compiled = r["none"], r["eager"]
+        assert max(abs(a - b) / abs(b) for a, b in zip(compiled["losses"], eager["losses"])) < 1e-6
+        assert compiled["calls"] == eager["calls"] and compiled["calls"][1]["all_gather"] > 0
+        rep = compiled["report"]
+        assert rep["graph_breaks"] == 0 and rep["recompiles"] == 1, str(rep)
+        assert rep["graphs"] == rep["frames_compiled"] == 2, str(rep)
+        assert "refresh" in rep["recompile_reasons"][0]

@@ -22,6 +22,20 @@ whole: call it on a single-process model, or on one loaded from ``engine.consoli
    (there is no packed conv kernel on CPU).  Layers with only activation quantization become
    :class:`InputQuantized` around the plain layer.
 
+Tensor parallelism (decision: each rank keeps its shard).  On a model trained with tp (AutoTP's
+layers wrapped by ``init_compression``), every rank cleans its own shard, without gathering the
+model: the masks are full vectors (identical on every rank), so each rank removes the pruned rows /
+heads it holds and the matching columns of its related layers, addressed by their global indices
+(a column-parallel ``c_fc`` row and the row-parallel ``c_proj`` input column it feeds sit on the same
+rank).  A quantized layer keeps exactly the simulated values, on the grid whose statistics were
+reduced over the tp group, each element's scale stored per the largest run of elements that share
+one (whole groups when groups are aligned with the shard, per row or finer when a group straddles
+shards).  The layer becomes :class:`~.tp.TPCleanedLinear` (the local ``QuantizedLinear`` or
+``Linear`` plus the tp communication, a row-parallel bias, and input ranges taken over the tp group),
+and head-count attributes become this rank's kept heads.  Shards may then differ in size between
+ranks; the cleaned model runs as it is, on the same tp group (it is not meant to be gathered or
+re-split).  A head-pruned layer that would keep no head on some rank is an error.
+
 Tolerance: cleaned outputs equal the simulated (fake-quantized, masked) outputs to float rounding
 (tests: 1e-5 relative) when quantization groups do not straddle removed units; stochastic rounding
 is replaced by nearest at cleaning.  Binary/ternary scales are means over the kept weights, so with
@@ -30,6 +44,7 @@ structured pruning they are recomputed on what remains.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +56,7 @@ from .layers import CompressedLayer, kind_of
 from .quantized import QuantizedEmbedding, QuantizedLinear
 from .quantizer import dequantize, fake_quantize_activation, quantize
 from .scheduler import _SCHEDULERS
+from .tp import TPCleanedLinear, TPShard, is_tp_linear, is_unsupported_tp, tp_group_of
 
 HEAD_ATTRS = ("num_attention_heads", "num_heads", "n_head", "n_heads")
 WIDTH_ATTRS = ("all_head_size", "split_size")
@@ -70,6 +86,7 @@ class _Final:
     act_symmetric: bool
     act_range: tuple[torch.Tensor, torch.Tensor] | None
     row_grid: bool = False  # the weight holds fake-quantized values on per-row grids (clean_row_scale)
+    elem_grid: bool = False  # tp: the weight holds the simulated values, each element's grid in clean_scale_elem
 
 
 # -- canonical (out, in, ...) access to the weights of supported modules ------------------------------
@@ -77,14 +94,52 @@ def _is_conv1d(module: nn.Module) -> bool:
     return kind_of(module) == "conv1d" and not isinstance(module, CompressedLayer)
 
 
+def _transposed(module: nn.Module) -> bool:
+    if isinstance(module, CompressedLayer):
+        return module.kind == "conv1d"
+    if is_tp_linear(module):
+        return bool(module.transposed)
+    return _is_conv1d(module)
+
+
 def _canon(module: nn.Module) -> torch.Tensor:
     w = module.weight.detach()
-    transposed = (isinstance(module, CompressedLayer) and module.kind == "conv1d") or _is_conv1d(module)
-    return w.t() if transposed else w
+    return w.t() if _transposed(module) else w
+
+
+# global (row, column) indices of each module's current weight while a clean runs: tp shards hold a
+# subset of the full layer's rows or columns, and pruning addresses units by their global index
+_INDEX: "weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def _shard(module: nn.Module) -> TPShard | None:
+    if isinstance(module, CompressedLayer):
+        return module.tp
+    return TPShard.of(module, "") if is_tp_linear(module) else None
+
+
+def _index(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    got = _INDEX.get(module)
+    if got is None:
+        shard = _shard(module)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            got = (torch.arange(module.num_features), torch.arange(0))
+        elif shard is not None:
+            got = (shard.rows.clone(), shard.cols.clone())
+        else:
+            w = _canon(module)
+            got = (torch.arange(w.shape[0]), torch.arange(w.shape[1]))
+        _INDEX[module] = got
+    return got
+
+
+def _full_out(module: nn.Module) -> int:
+    shard = _shard(module)
+    return shard.full_out if shard is not None else _canon(module).shape[0]
 
 
 def _set(module: nn.Module, canonical: torch.Tensor, bias: torch.Tensor | None) -> None:
-    transposed = (isinstance(module, CompressedLayer) and module.kind == "conv1d") or _is_conv1d(module)
+    transposed = _transposed(module)
     stored = canonical.t() if transposed else canonical
     module.weight = nn.Parameter(stored.contiguous(), requires_grad=module.weight.requires_grad)
     if bias is not None:
@@ -99,7 +154,11 @@ def _set(module: nn.Module, canonical: torch.Tensor, bias: torch.Tensor | None) 
         target.nf = out_features
 
 
-def _select_out(module: nn.Module, keep: torch.Tensor) -> None:
+def _select_out(module: nn.Module, keep_global: torch.Tensor) -> None:
+    """Keep the output units (rows) whose global index is in ``keep_global``."""
+    rows, cols = _index(module)
+    keep = torch.nonzero(torch.isin(rows, keep_global)).reshape(-1)
+    _INDEX[module] = (rows[keep], cols)
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         module.num_features = int(keep.numel())
         for name in ("weight", "bias"):
@@ -112,15 +171,23 @@ def _select_out(module: nn.Module, keep: torch.Tensor) -> None:
         return
     bias = module.bias.detach()[keep] if getattr(module, "bias", None) is not None else None
     _set(module, _canon(module)[keep], bias)
-    for name in ("clean_row_scale", "clean_row_zero"):
+    for name in ("clean_row_scale", "clean_row_zero", "clean_scale_elem", "clean_zero_elem"):
         grid = module.__dict__.get(name)
         if grid is not None:
             module.__dict__[name] = grid[keep]
 
 
-def _select_in(module: nn.Module, keep: torch.Tensor) -> None:
+def _select_in(module: nn.Module, keep_global: torch.Tensor) -> None:
+    """Keep the input units (columns) whose global index is in ``keep_global``."""
+    rows, cols = _index(module)
+    keep = torch.nonzero(torch.isin(cols, keep_global)).reshape(-1)
+    _INDEX[module] = (rows, cols[keep])
     bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
     _set(module, _canon(module)[:, keep], bias)
+    for name in ("clean_scale_elem", "clean_zero_elem"):
+        grid = module.__dict__.get(name)
+        if grid is not None:
+            module.__dict__[name] = grid[:, keep]
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -149,7 +216,7 @@ def _related(model: nn.Module, layer_name: str, patterns: list[str], key: str) -
 def _kept(layer: CompressedLayer, what: str) -> torch.Tensor | None:
     if what not in layer.prune or not layer.on.get(what, False):
         return None
-    return torch.nonzero(layer.mask(what).detach() > 0.5).reshape(-1)
+    return torch.nonzero(layer.full_mask(what).detach() > 0.5).reshape(-1)
 
 
 def _parents(model: nn.Module, names: list[str]) -> list[nn.Module]:
@@ -167,25 +234,33 @@ def _prune_heads(model: nn.Module, name: str, layer: CompressedLayer, key: str) 
     if keep_heads is None:
         return
     spec = layer.prune["head"]
-    width = layer.in_features
+    width = layer.full_in
     head_dim = width // spec.num_heads
     cols = (keep_heads[:, None] * head_dim + torch.arange(head_dim)).reshape(-1)
     related = [r for group in spec.related for r in _related(model, name, group, key)]
+    local_cols = _index(layer)[1]  # this rank's (tp) or all input columns, before pruning
+    local_width, local_kept = local_cols.numel(), int(torch.isin(local_cols, cols).sum())
+    if layer.tp is not None:
+        kept = [int(k) for k in layer.tp._gather(torch.tensor([local_kept]))]
+        if min(kept) == 0:
+            raise ValueError(f"{key}: {name} keeps no attention head on tensor-parallel rank {kept.index(0)} (kept "
+                             f"head columns per rank: {kept}); its attention would be empty there: keep more heads "
+                             "(dense_ratio) or clean without tensor parallelism")
     _select_in(layer, cols)
     for _, module in related:
-        rows = _canon(module).shape[0]
+        rows = _full_out(module)
         if rows % width:
             raise ValueError(f"{key}: related module has {rows} output rows, not a multiple of {name}'s {width} "
                              "input features")
         parts = rows // width
         _select_out(module, torch.cat([cols + p * width for p in range(parts)]))
     for parent in _parents(model, [name] + [n for n, _ in related]):
-        for attr in HEAD_ATTRS:
-            if getattr(parent, attr, None) == spec.num_heads:
-                setattr(parent, attr, int(keep_heads.numel()))
+        for attr in HEAD_ATTRS:  # (tp: AutoTP set them to this rank's heads)
+            if getattr(parent, attr, None) == local_width // head_dim:
+                setattr(parent, attr, local_kept // head_dim)
         for attr in WIDTH_ATTRS:
-            if getattr(parent, attr, None) == width:
-                setattr(parent, attr, int(cols.numel()))
+            if getattr(parent, attr, None) == local_width:
+                setattr(parent, attr, local_kept)
 
 
 @torch.no_grad()
@@ -241,7 +316,58 @@ def _to_row_grid(layer: CompressedLayer, final: _Final) -> None:
     final.row_grid = True
 
 
+def _to_element_grid(layer: CompressedLayer, final: _Final) -> None:
+    """tp: replace the weight by its simulated (masked, fake-quantized) values and remember each
+    element's grid (scale, zero point), whose statistics came from the whole tp group."""
+    if not final.bits or layer.kind not in ("linear", "conv1d"):
+        return
+    was_training = layer.training
+    layer.eval()  # nearest rounding
+    grid: list[Any] = []
+    values = layer.effective_weight(grid).detach()
+    layer.train(was_training)
+    layer.__dict__["clean_scale_elem"], layer.__dict__["clean_zero_elem"] = grid[0]
+    _set(layer, values.to(layer.weight.dtype), None)
+    final.elem_grid = True
+
+
+def _run_length(scale: torch.Tensor, zero: torch.Tensor | None) -> int:
+    """The largest group size (whole rows first, then divisors of a row) whose groups of the
+    flattened ``(rows, cols)`` weight each have one scale and zero point."""
+    rows, cols = scale.shape
+    flat = scale.reshape(-1) if zero is None else torch.stack([scale.reshape(-1), zero.reshape(-1)], dim=1)
+    sizes = [k * cols for k in range(rows, 0, -1) if rows % k == 0] + [d for d in range(cols - 1, 0, -1) if cols % d == 0]
+    for size in sizes:
+        chunks = flat.view(-1, size, *flat.shape[1:])
+        if torch.equal(chunks, chunks[:, :1].expand_as(chunks)):
+            return size
+    return 1
+
+
+def _finish_tp(layer: CompressedLayer, final: _Final) -> nn.Module:
+    w = _canon(layer).float()
+    bias = layer.bias.detach() if layer.bias is not None else None
+    row = layer.tp.kind == "row"
+    inner_bias = None if row else bias
+    if final.bits:
+        scale_e, zero_e = layer.__dict__["clean_scale_elem"], layer.__dict__["clean_zero_elem"]
+        size = _run_length(scale_e, zero_e)
+        scale = scale_e.reshape(-1, size)[:, 0].contiguous()
+        zero = None if zero_e is None else zero_e.reshape(-1, size)[:, 0].contiguous()
+        inner = QuantizedLinear.from_weight(w, inner_bias, final.bits, size, final.symmetric, final.act_bits,
+                                            final.act_symmetric, final.act_range, scale, zero)
+    else:
+        inner = nn.Linear(w.shape[1], w.shape[0], bias=inner_bias is not None, dtype=layer.weight.dtype)
+        inner.weight = nn.Parameter(w.to(layer.weight.dtype), requires_grad=layer.weight.requires_grad)
+        if inner_bias is not None:
+            inner.bias = nn.Parameter(inner_bias.clone(), requires_grad=layer.bias.requires_grad)
+    return TPCleanedLinear(inner, layer.tp, bias if row else None, final.act_bits, final.act_symmetric,
+                           final.act_range)
+
+
 def _finish(layer: CompressedLayer, final: _Final) -> nn.Module:
+    if layer.tp is not None:
+        return _finish_tp(layer, final)
     w = _canon(layer).float()
     bias = layer.bias.detach() if layer.bias is not None else None
     gsize = final.group_size
@@ -278,10 +404,29 @@ def _finish(layer: CompressedLayer, final: _Final) -> nn.Module:
     return module
 
 
+def _check_mpu(model: nn.Module, mpu: Any) -> None:
+    _, size, rank = tp_group_of(mpu, "redundancy_clean")
+    split = [(n, m) for n, m in model.named_modules()
+             if (isinstance(m, CompressedLayer) and m.tp is not None) or is_tp_linear(m) or is_unsupported_tp(m)]
+    if size > 1 and not split:
+        raise ValueError(f"redundancy_clean: the mpu has {size} tensor-parallel ranks but the model is not split; "
+                         "clean the model it trained (split by initialize / tp_model_init), or pass mpu=None")
+    for name, m in split:
+        sizes = (m.tp.size, m.tp.rank) if isinstance(m, CompressedLayer) else (m.tp_size, m.tp_rank)
+        if sizes != (size, rank):
+            raise ValueError(f"redundancy_clean: {name} is tp rank {sizes[1]} of {sizes[0]}, the mpu says rank {rank} "
+                             f"of {size}")
+
+
 def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -> nn.Module:
-    """Remove what compression made redundant from ``model`` (in place) and return it."""
+    """Remove what compression made redundant from ``model`` (in place) and return it.
+
+    ``mpu`` (optional): the tensor-parallel groups the model was trained with (a Megatron-style mpu
+    or zerospeed's mesh), checked against the model's tp layers; each rank cleans its shard (see
+    the module docstring).
+    """
     if mpu is not None:
-        raise ValueError("redundancy_clean: mpu (tensor parallelism) is not supported yet; pass None")
+        _check_mpu(model, mpu)
     if compression_section(deepspeed_config) is None:
         raise ValueError("redundancy_clean: the config has no compression_training section")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, CompressedLayer)}
@@ -291,10 +436,14 @@ def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -
         raise ValueError("redundancy_clean: the model's parameters are partitioned (ZeRO-3); clean a model loaded "
                          "from engine.consolidated_state_dict() instead")
     finals = {name: _final_state(layer) for name, layer in layers.items()}
+    _INDEX.clear()
     with torch.no_grad():
         for name, layer in layers.items():
-            _to_row_grid(layer, finals[name])
-            if finals[name].row_grid:
+            if layer.tp is not None:
+                _to_element_grid(layer, finals[name])
+            else:
+                _to_row_grid(layer, finals[name])
+            if finals[name].row_grid or finals[name].elem_grid:
                 continue
             if "sparse" in layer.prune and layer.on.get("sparse", False):
                 mask = layer.mask("sparse").detach()
@@ -308,5 +457,6 @@ def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, _finish(layer, finals[name]))
+    _INDEX.clear()
     _SCHEDULERS.pop(model, None)
     return model

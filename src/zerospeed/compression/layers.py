@@ -33,8 +33,8 @@ from torch import nn
 from zerospeed.module_inject.functional import copy_to_tp, reduce_from_tp
 
 from . import masks as M
-from .quantizer import check_groups, fake_quantize, fake_quantize_activation
-from .tp import TPShard, fake_quantize_sharded, grad_all_reduce, is_tp_linear
+from .quantizer import check_groups, fake_quantize, fake_quantize_activation, quantize
+from .tp import TPShard, fake_quantize_sharded, grad_all_reduce, is_tp_linear, sharded_grid
 
 KINDS = ("linear", "conv1d", "conv2d", "embedding")
 STATIC_MOMENTUM = 0.9
@@ -335,8 +335,20 @@ class CompressedLayer(nn.Module):
             total = m if total is None else total * m
         return total
 
-    def effective_weight(self) -> torch.Tensor:
-        """The weight the forward uses, canonical layout."""
+    def element_grid(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each element's scale and zero point (None: symmetric) of the current weight grid of the masked
+        canonical weight ``w`` (redundancy_clean re-encodes the simulated values on it)."""
+        if self.tp is not None and self.wq_local_groups is None:
+            _, scale, zero = sharded_grid(w, self.wq_bits, self.wq.groups, self.wq.symmetric, False, self.tp)
+            return scale, zero
+        groups = self.wq_local_groups if self.tp is not None else self.wq.groups
+        _, scale, zero = quantize(w, self.wq_bits, groups, self.wq.symmetric)
+        per = w.numel() // groups
+        return scale.repeat_interleave(per).view_as(w), None if zero is None else zero.repeat_interleave(per).view_as(w)
+
+    def effective_weight(self, grid: list[Any] | None = None) -> torch.Tensor:
+        """The weight the forward uses, canonical layout (``grid``: a list that receives
+        :meth:`element_grid` of it, when the weight is quantized)."""
         w = self.canonical(self.weight)
         for what in PRUNINGS:
             if self.refresh.get(what, False):
@@ -349,6 +361,8 @@ class CompressedLayer(nn.Module):
             if self.prune["sparse"].method == "snip_momentum" and self.training and torch.is_grad_enabled():
                 w.register_hook(self._snip_hook(w.detach()))
         if self.wq is not None and self.wq_bits:
+            if grid is not None:
+                grid.append(self.element_grid(w.detach()))
             stochastic = self.wq.stochastic and self.training
             if self.tp is not None and self.wq_local_groups is None:  # groups straddle the tp shards
                 q = fake_quantize_sharded(w, self.wq_bits, self.wq.groups, self.wq.symmetric, stochastic, self.tp)
@@ -388,6 +402,11 @@ class CompressedLayer(nn.Module):
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.aq is None or not self.aq_on:
             return x
+        if "head" in self.prune and self.on.get("head", False):
+            # pruned heads' input columns meet zero weights; zeroed here too, they leave the activation range
+            # as it is once redundancy_clean has removed them (the output is unchanged: w has zeros there)
+            m = self.full_mask("head").to(x.dtype).repeat_interleave(self.full_in // self.prune["head"].num_heads)
+            x = x * (m[self.tp.cols] if self.tp is not None else m)
         low, high = self._input_range(x)
         if not self.aq.static:
             return fake_quantize_activation(x, self.aq.bits, self.aq.symmetric, low, high)

@@ -278,9 +278,9 @@ class QuantizedLinear(_Packed):
     def _act_range(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (self.act_low, self.act_high) if self.act_static else (None, None)
 
-    def _input_scale(self, flat: torch.Tensor) -> torch.Tensor:
-        """The per-tensor symmetric int8 scale of the input: its own range, or the static one."""
-        low, high = self._act_range()
+    def _input_scale(self, flat: torch.Tensor, act_range: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The per-tensor symmetric int8 scale of the input: its own range, the given one, or the static one."""
+        low, high = act_range if act_range is not None else self._act_range()
         if low is None:
             low, high = torch.aminmax(flat.detach())
         return (torch.maximum(low.abs(), high.abs()).float() / 127).clamp_min(1e-12)
@@ -295,7 +295,9 @@ class QuantizedLinear(_Packed):
             self.__dict__["_cache_packed"] = cached
         return cached[1], cached[2]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, act_range: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``act_range``: the input's ``(low, high)`` to quantize it with, in place of its own range (a
+        tensor-parallel shard of a larger input, see :class:`~.tp.TPCleanedLinear`); it must contain ``x``."""
         kernel = self.kernel
         flat = x.reshape(-1, self.in_features)
         if (kernel == "onednn" and flat.shape[0] < ONEDNN_MIN_ROWS and INT_MM
@@ -303,7 +305,7 @@ class QuantizedLinear(_Packed):
             kernel = "int_mm"
         if kernel in ("onednn", "int_mm"):
             flat = flat.detach().to(torch.float32).contiguous()
-            x_scale = self._input_scale(flat)
+            x_scale = self._input_scale(flat, act_range)
             xq = _quantize_input(flat, x_scale, self.act_static)
             if kernel == "onednn":
                 packed, w_zero = self._packed_weight()
@@ -318,7 +320,7 @@ class QuantizedLinear(_Packed):
                     y.add_(self.bias)
             return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         if self.act_bits:
-            low, high = self._act_range()
+            low, high = act_range if act_range is not None else self._act_range()
             flat = fake_quantize_activation(flat, self.act_bits, self.act_symmetric, low, high)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if kernel == "rowscale" and flat.shape[0] < self.in_features:

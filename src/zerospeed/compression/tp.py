@@ -217,6 +217,14 @@ def fake_quantize_sharded(w: torch.Tensor, bits: int, num_groups: int, symmetric
     """:func:`~.quantizer.fake_quantize` of this rank's piece of a weight whose ``num_groups`` groups
     are defined on the full weight: group statistics reduced over the tp group.  ``w`` canonical,
     local; straight-through gradient."""
+    dq = sharded_grid(w, bits, num_groups, symmetric, stochastic, shard)[0]
+    return dq + (w - w.detach())
+
+
+def sharded_grid(w: torch.Tensor, bits: int, num_groups: int, symmetric: bool, stochastic: bool,
+                 shard: TPShard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The quantized values of this rank's piece (no gradient) and each element's scale and zero
+    point (``None`` when symmetric), with group statistics over the full weight."""
     group_size = shard.full_out * shard.full_in // num_groups
     gid = (shard.flat_index() // group_size).reshape(-1)
     flat = w.detach().float().reshape(-1)
@@ -224,15 +232,15 @@ def fake_quantize_sharded(w: torch.Tensor, bits: int, num_groups: int, symmetric
     if bits <= 2:
         sums = shard.all_sum(torch.zeros(num_groups).index_add_(0, gid, absw))
         if bits == 1:
-            scale = (sums / group_size).clamp_min(1e-12)
-            dq = torch.where(flat >= 0, 1.0, -1.0) * scale[gid]
+            scale = (sums / group_size).clamp_min(1e-12)[gid]
+            dq = torch.where(flat >= 0, 1.0, -1.0) * scale
         else:
             keep = absw > (0.7 * (sums / group_size))[gid]
             kept = torch.zeros(2 * num_groups).index_add_(0, gid, absw * keep).index_add_(
                 0, gid + num_groups, keep.float())
             kept = shard.all_sum(kept)
-            scale = (kept[:num_groups] / kept[num_groups:].clamp_min(1.0)).clamp_min(1e-12)
-            dq = torch.sign(flat) * keep * scale[gid]
+            scale = (kept[:num_groups] / kept[num_groups:].clamp_min(1.0)).clamp_min(1e-12)[gid]
+            dq = torch.sign(flat) * keep * scale
     elif symmetric:
         qmax = 2 ** (bits - 1) - 1
         high = shard.all_max(torch.zeros(num_groups).scatter_reduce(0, gid, absw, "amax"))
@@ -252,5 +260,58 @@ def fake_quantize_sharded(w: torch.Tensor, bits: int, num_groups: int, symmetric
         q = flat / scale
         q = ((torch.floor(q + torch.rand_like(q)) if stochastic else torch.round(q)) + zero).clamp(0, qmax)
         dq = (q - zero) * scale
-    dq = dq.view_as(w).to(w.dtype)
-    return dq + (w - w.detach())
+        return dq.view_as(w).to(w.dtype), scale.view_as(w), zero.view_as(w)
+    return dq.view_as(w).to(w.dtype), scale.view_as(w), None
+
+
+class TPCleanedLinear(nn.Module):
+    """A tensor-parallel layer after ``redundancy_clean``: ``inner`` (a :class:`~.quantized.QuantizedLinear`
+    or a plain ``nn.Linear``) holds this rank's remaining rows (column-parallel) or input columns
+    (row-parallel); this module adds the tp layer's communication, a row-parallel layer's bias (after
+    the all-reduce, replicated) and an input quantization whose range is the tp group's (a row-parallel
+    input is sharded).  Shards may differ in size between ranks (each kept its own unpruned units)."""
+
+    def __init__(self, inner: nn.Module, shard: TPShard, bias: torch.Tensor | None = None, act_bits: int = 0,
+                 act_symmetric: bool = True, act_range: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.inner, self.kind = inner, shard.kind
+        self.__dict__["shard"] = shard  # the group and collectives (its row / column indices are stale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.act_bits, self.act_symmetric, self.act_static = act_bits, act_symmetric, act_range is not None
+        if act_range is not None:
+            self.register_buffer("act_low", act_range[0].detach().clone())
+            self.register_buffer("act_high", act_range[1].detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from zerospeed.module_inject.functional import copy_to_tp, reduce_from_tp
+
+        from .quantized import QuantizedLinear
+        from .quantizer import fake_quantize_activation
+
+        shard = self.shard
+        if self.kind == "column":
+            x = copy_to_tp(x, shard.group, shard.size)
+        if not self.act_bits:
+            y = self.inner(x)
+        else:
+            if self.act_static:
+                low, high = self.act_low, self.act_high
+            elif self.kind == "row":
+                xf = x.detach().float()
+                ends = shard.all_max(torch.stack([xf.amax(), -xf.amin()]))
+                low, high = -ends[1], ends[0]
+            else:
+                low = high = None
+            if isinstance(self.inner, QuantizedLinear) and self.inner.act_bits:
+                y = self.inner(x, act_range=None if low is None else (low, high))
+            else:
+                y = self.inner(fake_quantize_activation(x, self.act_bits, self.act_symmetric, low, high))
+        if self.kind == "row":
+            y = reduce_from_tp(y, shard.group, shard.size)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        act = f", act_bits={self.act_bits}" if self.act_bits else ""
+        return f"{self.kind}-parallel, tp rank {self.shard.rank}/{self.shard.size}{act}"
