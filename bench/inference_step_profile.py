@@ -40,8 +40,12 @@ def med(name: str) -> float:
     return 1e3 * statistics.median(T[name]) if T[name] else float("nan")
 
 
+_LABEL = ["decode"]
+
+
 def profile_step(engine, reps: int, label: str, chunk: int, prompts) -> None:
     """Times ``engine.step()`` pieces; re-adds a fresh prompt chunk each rep when ``chunk``."""
+    _LABEL[0] = label
     from zerospeed.inference import SamplingParams
     from zerospeed.inference.attention import AttentionMetadata
 
@@ -92,14 +96,16 @@ def profile_step(engine, reps: int, label: str, chunk: int, prompts) -> None:
                         with timed(f"{label}:mlp"):
                             h = h + layer.mlp(y)
                     h = model.norm(h)
-                with timed(f"{label}:lm_head"):
-                    logits = model.compute_logits(h.index_select(0, torch.tensor(rows)))
+                with timed(f"{label}:lm_head"):  # as the engine: greedy tokens straight from the head if it can
+                    last = h.index_select(0, torch.tensor(rows))
+                    greedy = model.greedy_tokens(last)
+                    logits = model.compute_logits(last) if greedy is None else None
             with timed(f"{label}:bookkeeping"):
                 engine.scheduler.after_forward(batch)
                 need = [s for s, _ in batch.items if s.num_remaining == 0]
             from zerospeed.inference.sampling import sample
             with timed(f"{label}:sample"):
-                toks, _, _ = sample(logits, need)
+                toks = greedy.tolist() if greedy is not None else sample(logits, need)[0]
             with timed(f"{label}:bookkeeping"):
                 for s, tok in zip(need, toks):
                     s.tokens.append(tok)
@@ -177,6 +183,15 @@ def main() -> None:
     torch.set_num_threads(1)
     from zerospeed.inference import SamplingParams, build_engine
 
+    from zerospeed.inference import cpu_kernel
+
+    kernel = cpu_kernel.decode_attention
+
+    def timed_kernel(*a, **k):  # the C kernel's own share of "attention"
+        with timed(f"{_LABEL[0]}:kernel"):
+            return kernel(*a, **k)
+
+    cpu_kernel.decode_attention = timed_kernel
     prompts = ib.requests()
     engine = build_engine(str(ib.MODEL_DIR), max_num_batched_tokens=512, block_size=16, max_num_seqs=64,
                           kv_cache_memory=256 << 20, max_prefill_tokens_with_decodes=None)
@@ -193,7 +208,7 @@ def main() -> None:
         profile_step(engine, 1, "decode", 0, prompts)
         profile_step(engine, 1, "mixed", args.chunk, prompts)
         engine.step()  # the chunk's sequence (max_new_tokens=1) finishes here
-    parts = ["step", "schedule", "meta", "layers", "norm", "qkv", "rotary", "attention", "o_proj", "mlp", "lm_head",
+    parts = ["step", "schedule", "meta", "layers", "norm", "qkv", "rotary", "attention", "kernel", "o_proj", "mlp", "lm_head",
              "sample", "bookkeeping"]
     print(f"CPU ms per step (median of {args.reps}; parts inside 'layers' summed over the 4 layers):")
     for lab in ("decode", "mixed"):

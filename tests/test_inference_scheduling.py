@@ -7,6 +7,7 @@ the hold instead of stalling it; greedy tokens equal HF's either way."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from inference_cases import hf_greedy, make_model, prompts, save_model
 from zerospeed.inference import SamplingParams, build_engine
@@ -125,3 +126,67 @@ def test_a_limit_on_admission_ends_the_hold(llama, limit):
 def test_prefill_first_must_be_a_bool(llama):
     with pytest.raises(ValueError, match="prefill_first: must be True or False"):
         build_engine(llama[0], num_blocks=8, prefill_first="yes")
+
+
+# -- the greedy LM head (bfloat16 approximation, exact float32 candidates) ------------------------
+
+def _head(w):
+    from zerospeed.inference.models.layers import CausalLM
+
+    model = CausalLM()
+    model.lm_head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(w)
+    return model
+
+
+def test_greedy_head_equals_float32_argmax_on_near_ties():
+    """Tokens from the approximate head + exact candidates equal the float32 logits' argmax (first
+    maximum on ties), on random rows of several scales, on near-duplicate vocabulary rows (logits
+    closer than bfloat16 can tell apart), exact duplicates (a tie), all-negative logits and rows
+    so flat that they fall back to the full float32 logits."""
+    from zerospeed.inference.models import layers
+
+    g = torch.Generator().manual_seed(0)
+    V, H = 3000, 64
+    w = torch.randn(V, H, generator=g) * 0.05
+    w[11] = w[7]  # an exact tie: the lower id wins
+    w[500] = w[400] * (1 + 1e-6)  # 1e-6 apart: the approximation cannot order them, the refinement must
+    h = torch.randn(40, H, generator=g) * torch.logspace(-2, 2, 40).unsqueeze(1)
+    h[0] = w[7] * 10  # rows whose best tokens are the tied / near-tied pairs
+    h[1] = w[400] * 10
+    h[2] = -w[400] * 10
+    model = _head(w)
+    got = model._greedy_tokens_bf16(h, model.lm_head.weight)
+    want = torch.nn.functional.linear(h, w).max(dim=1).indices
+    assert torch.equal(got, want)
+    assert got[0].item() == 7 and got[1].item() == 500
+    neg = _head(-w.abs())  # every logit negative: the threshold rounds the other way
+    hp = h.abs()
+    assert torch.equal(neg._greedy_tokens_bf16(hp, neg.lm_head.weight),
+                       torch.nn.functional.linear(hp, -w.abs()).max(dim=1).indices)
+    flat = _head(torch.ones(V, H) + torch.randn(V, H, generator=g) * 1e-7)  # thousands of candidates
+    hf = torch.randn(8, H, generator=g)
+    assert torch.equal(flat._greedy_tokens_bf16(hf, flat.lm_head.weight),
+                       torch.nn.functional.linear(hf, flat.lm_head.weight).max(dim=1).indices)
+    assert layers.GREEDY_MAX_CANDIDATES < V
+
+
+def test_greedy_head_is_used_by_the_engine_and_keeps_hf_tokens(llama):
+    """A batch of 10 greedy requests decodes through the greedy head (where the CPU has bfloat16
+    matmul units), with HF's tokens; a batch that asks for logprobs goes through the logits."""
+    from zerospeed.inference.models import layers
+
+    path, _, _ = llama
+    model = make_model("llama", seed=3)
+    ps = prompts([5 + 3 * i for i in range(10)], seed=9)
+    ref = [hf_greedy(model, p, NEW) for p in ps]
+    engine = build_engine(path, block_size=4, num_blocks=128, max_num_batched_tokens=256)
+    used = []
+    greedy_tokens = engine.model.greedy_tokens
+    engine.model.greedy_tokens = lambda h: used.append(greedy_tokens(h)) or used[-1]
+    assert engine.generate(ps, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) == ref
+    assert any(u is not None for u in used) == layers._bf16_matmul_fast()
+    used.clear()
+    outs = engine.generate(ps, SamplingParams(max_new_tokens=2, ignore_eos=True, logprobs=1))
+    assert outs == [r[:2] for r in ref] and not used

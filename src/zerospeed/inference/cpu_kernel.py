@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 C_SOURCE = r"""
 #include <math.h>
+#include <string.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <pthread.h>
@@ -140,6 +141,48 @@ int zs_paged_decode_attention(const float *q, const float *k, const float *v, fl
     }
     return err;
 }
+
+/* Greedy selection after an approximate (bfloat16) LM head, one row at a time: the row's largest
+   approximate logit m; every token j with approx[j] >= m - 2 * err[r] is a candidate; its exact
+   float32 logit h . w_j picks the token (largest, lowest id on ties). A row with more than
+   max_cand candidates gets tokens[r] = -1 (the caller computes it in full). */
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, sizeof f); return f;
+}
+
+/* bfloat16 bits -> an unsigned key with the same order as the values (NaN aside) */
+static inline uint16_t bf16_key(uint16_t b) { return (b & 0x8000) ? (uint16_t)~b : (uint16_t)(b | 0x8000); }
+
+/* the largest bfloat16 not above f, as bits (rounds toward -inf) */
+static inline uint16_t bf16_floor_bits(float f) {
+    uint32_t u; memcpy(&u, &f, sizeof u);
+    uint16_t hi = (uint16_t)(u >> 16);
+    if ((u & 0xFFFF) && (u & 0x80000000u)) hi += 1; /* negative: truncation went up, step away from 0 */
+    return hi;
+}
+
+void zs_greedy_refine(const uint16_t *approx, const float *hidden, const float *w, const float *err,
+                      int64_t rows, int64_t vocab, int64_t h, int64_t max_cand, int64_t *tokens) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *a = approx + r * vocab;
+        const float *x = hidden + r * h;
+        uint16_t km = 0;
+        for (int64_t j = 0; j < vocab; ++j) { uint16_t k = bf16_key(a[j]); km = k > km ? k : km; }
+        const uint16_t mb = (km & 0x8000) ? (uint16_t)(km & 0x7FFF) : (uint16_t)~km;
+        const uint16_t kt = bf16_key(bf16_floor_bits(bf16_to_float(mb) - 2.f * err[r]));
+        int64_t count = 0, best_j = -1;
+        float best = -INFINITY;
+        for (int64_t j = 0; j < vocab; ++j) {
+            if (bf16_key(a[j]) < kt) continue;
+            if (++count > max_cand) { best_j = -1; break; }
+            const float *wj = w + j * h;
+            float s = 0.f;
+            for (int64_t i = 0; i < h; ++i) s += x[i] * wj[i];
+            if (s > best || best_j < 0) { best = s; best_j = j; }
+        }
+        tokens[r] = best_j;
+    }
+}
 """
 
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -180,6 +223,9 @@ def _build() -> ctypes.CDLL:
     P, I = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [P, P, P, P, P, P, I, I, I, I, I, I, I, I, ctypes.c_float, I]
     fn.restype = ctypes.c_int
+    g = dll.zs_greedy_refine
+    g.argtypes = [P, P, P, P, I, I, I, I, P]
+    g.restype = None
     return dll
 
 
@@ -216,4 +262,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         d ** -0.5 if scale is None else float(scale), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("CPU decode-attention kernel: out of memory for its score buffer")
+    return out
+
+
+def greedy_refine(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, err: torch.Tensor,
+                  max_candidates: int) -> torch.Tensor:
+    """``approx [R, V]`` bfloat16 approximate logits, ``hidden [R, H]`` and ``weight [V, H]`` float32,
+    ``err [R]`` float32 bounds on ``|approx - exact|``: the exact argmax token of each row among the
+    candidates within ``2 * err`` of its best approximate logit, or -1 where a row has more than
+    ``max_candidates`` of them. All contiguous CPU tensors."""
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(f"CPU kernels unavailable: {why}")
+    rows, vocab = approx.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    approx, hidden, weight, err = approx.contiguous(), hidden.contiguous(), weight.contiguous(), err.contiguous()
+    _state["dll"].zs_greedy_refine(approx.data_ptr(), hidden.data_ptr(), weight.data_ptr(), err.data_ptr(), rows, vocab,
+                                   hidden.shape[1], max_candidates, out.data_ptr())
     return out

@@ -43,7 +43,7 @@ from zerospeed.inference.api import EngineStats, RequestError, RequestOutput, Sa
 from zerospeed.inference.attention import AttentionMetadata, Workspace
 from zerospeed.inference.kv_cache import BlockAllocator, KVCache, kv_cache_bytes
 from zerospeed.inference.models import CausalLM, ModelSpec, TPInfo, load_model
-from zerospeed.inference.sampling import make_generator, sample, validate
+from zerospeed.inference.sampling import is_greedy, make_generator, sample, validate
 from zerospeed.inference.scheduler import ScheduledBatch, Scheduler
 from zerospeed.inference.sequence import Sequence, Status
 from zerospeed.inference.tokenizer import Tokenizer, load_tokenizer
@@ -201,7 +201,10 @@ class InferenceEngine:
         outputs: list[RequestOutput] = []
         if not need:
             return outputs
-        tokens, chosen, tops = sample(logits, need)
+        if logits.dim() == 1:  # the greedy tokens themselves (see run_forward)
+            tokens, chosen, tops = logits.tolist(), [None] * len(need), [None] * len(need)
+        else:
+            tokens, chosen, tops = sample(logits, need)
         for seq, tok, lp, top in zip(need, tokens, chosen, tops):
             seq.tokens.append(tok)
             self._num_generated += 1
@@ -261,12 +264,20 @@ class InferenceEngine:
                 rows.append(t - 1)
         if self._worker_hook is not None:
             self._worker_hook(ids, items, batch.num_decodes, batch.copies, rows)
-        return self.run_forward(ids, items, batch.num_decodes, batch.copies, rows)
+        # every sampled row greedy, no logprobs, no stop token masked by min_new_tokens: the model may
+        # give the argmax tokens without all the logits
+        greedy = all(is_greedy(s.params) and s.params.logprobs is None
+                     and not (s.stop_set and s.num_generated < s.params.min_new_tokens)
+                     for s, n in batch.items if s.num_computed + n == len(s.tokens))
+        return self.run_forward(ids, items, batch.num_decodes, batch.copies, rows, greedy=greedy)
 
     @torch.inference_mode()
     def run_forward(self, ids: list[int], items: list[tuple[int, int, list[int]]], num_decodes: int,
-                    copies: list[tuple[int, int]], rows: list[int], all_ranks: bool = False) -> torch.Tensor:
-        """The part every tensor-parallel rank runs identically."""
+                    copies: list[tuple[int, int]], rows: list[int], all_ranks: bool = False,
+                    greedy: bool = False) -> torch.Tensor:
+        """The part every tensor-parallel rank runs identically. Returns the logits ``[N, V]`` of
+        ``rows`` (None on ranks that do not sample), or with ``greedy`` possibly their argmax tokens
+        ``[N]`` instead (:meth:`CausalLM.greedy_tokens`, when it applies)."""
         start = time.perf_counter()
         for src, dst in copies:
             self.kv.copy_block(src, dst)
@@ -277,7 +288,10 @@ class InferenceEngine:
         logits = None
         if rows and (self.tp.rank == 0 or all_ranks or self.spmd):
             idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            last = hidden.index_select(0, idx)
+            logits = self.model.greedy_tokens(last) if greedy else None
+            if logits is None:
+                logits = self.model.compute_logits(last)
         self._num_forwards += 1
         self._num_prompt += sum(n for c, n, _ in items[num_decodes:])
         self._forward_s += time.perf_counter() - start
