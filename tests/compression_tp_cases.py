@@ -102,17 +102,22 @@ def train(cfg: dict[str, Any], mode: str = "config", steps: int = STEPS) -> dict
     return {"losses": losses, "sharded": sharded, "state": {k: v for k, v in state.items() if v.is_floating_point()}}
 
 
-def train_cases(cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """``(method name or "real", mode)`` each; the world size is the tp degree."""
+def train_cases(cases: list[tuple[str, str]], tp: int | None = None) -> list[dict[str, Any]]:
+    """``(method name or "real", mode)`` each at tp degree ``tp`` (default: the world size); the rest
+    of the world is data parallel, every rank fed the same batch (so any dp degree equals one process)."""
     import torch.distributed as dist
 
-    tp = dist.get_world_size()
+    tp = tp or dist.get_world_size()
+    dp = dist.get_world_size() // tp
     out = []
     for name, mode in cases:
         cfg = real_config(tp) if name == "real" else method_config(name, tp)
+        cfg["train_batch_size"] *= dp
         if mode == "mpu":
             cfg.pop("tensor_parallel", None)
-        run = train(cfg, mode)
+        if mode.startswith("zero"):  # ZeRO partitions each rank's tp shard (over a dp group of one here)
+            cfg["zero_optimization"] = {"stage": int(mode[4:])}
+        run = train(cfg, "mpu" if mode == "mpu" else "config")
         out.append(run if dist.get_rank() == 0 else {"losses": run["losses"], "sharded": run["sharded"]})
     return out
 
@@ -167,7 +172,7 @@ CLEAN: dict[str, dict[str, Any]] = {
 }
 
 
-def clean_case(name: str | dict[str, Any]) -> dict[str, Any]:
+def clean_case(name: str | dict[str, Any], tmp_dir: str | None = None) -> dict[str, Any]:
     """Train 2 steps at the world's tp degree, then clean each rank's shard; outputs against the simulated model."""
     import torch.distributed as dist
 
@@ -193,19 +198,29 @@ def clean_case(name: str | dict[str, Any]) -> dict[str, Any]:
     redundancy_clean(model, cfg, mpu=comm.get_mesh())
     with torch.no_grad():
         cleaned = model(ids).logits
+    reloaded_err = None
+    if tmp_dir is not None:  # each rank saves its shard and loads it into a freshly split skeleton
+        from zerospeed.compression import load_compressed, save_compressed
+
+        path = f"{tmp_dir}/{name}-rank{dist.get_rank()}.safetensors"
+        save_compressed(model, path)
+        skeleton = zerospeed.tp_model_init(tiny_gpt2(seed=1), tp_size=tp)
+        load_compressed(skeleton, path)
+        with torch.no_grad():
+            reloaded_err = float((skeleton.eval()(ids).logits - cleaned).abs().max())
     h0 = model.transformer.h[0]
     inner = {n: getattr(m, "inner", m) for n, m in h0.named_modules() if n in ("mlp.c_fc", "mlp.c_proj")}
     out = {"err": float((cleaned - simulated).abs().max() / simulated.abs().max()), "before": before,
            "after": model_bytes(model), "types": {n: type(m).__name__ for n, m in h0.named_modules() if n.count(".") == 1},
            "c_fc_out": getattr(inner["mlp.c_fc"], "out_features", None), "c_proj_in": inner["mlp.c_proj"].in_features,
-           "heads": h0.attn.num_heads, "split_size": h0.attn.split_size}
+           "heads": h0.attn.num_heads, "split_size": h0.attn.split_size, "reloaded_err": reloaded_err}
     engine.destroy()
     comm.reset_mesh()
     return out
 
 
-def clean_cases(names: list[str]) -> list[dict[str, Any]]:
-    return [clean_case(name) for name in names]
+def clean_cases(names: list[str], tmp_dir: str | None = None) -> list[dict[str, Any]]:
+    return [clean_case(name, tmp_dir) for name in names]
 
 
 COMPILE = {"weight_quantization": wq(4, MODULES, groups=8), "activation_quantization": aq(8, MODULES),

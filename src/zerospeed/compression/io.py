@@ -8,6 +8,10 @@ Linear / HF Conv1D / Conv2d / BatchNorm2d with its constructor arguments, the le
 takes a model built by the user's usual constructor (random or original weights), rebuilds those modules
 with the recorded shapes, and loads the tensors strictly, so a missing or extra tensor is an error.
 Tied tensors (one storage, two names) are stored once, as safetensors requires.
+
+Tensor parallelism: a model cleaned under tp is saved per rank (each rank's file holds its shard,
+:class:`~.tp.TPCleanedLinear` recorded with its inner layer); it loads into the same model split the
+same way (``tp_model_init(model, tp)`` on the same tp group), each rank its own file.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import nn
 from .clean import HEAD_ATTRS, WIDTH_ATTRS, InputQuantized
 from .layers import CompressedLayer, kind_of
 from .quantized import QuantizedEmbedding, QuantizedLinear
+from .tp import TPCleanedLinear, TPShard, is_tp_linear
 
 META_KEY = "zerospeed.compression"
 
@@ -37,6 +42,9 @@ def _describe(module: nn.Module) -> dict[str, Any] | None:
         return {"type": "QuantizedEmbedding", "num_embeddings": module.num_embeddings,
                 "embedding_dim": module.embedding_dim, "bits": module.bits, "group_size": module.group_size,
                 "symmetric": module.symmetric, "padding_idx": module.padding_idx}
+    if isinstance(module, TPCleanedLinear):
+        return {"type": "TPCleanedLinear", "bias": None if module.bias is None else list(module.bias.shape),
+                "act_bits": module.act_bits, "act_symmetric": module.act_symmetric, "act_static": module.act_static}
     if isinstance(module, InputQuantized):
         return {"type": "InputQuantized", "bits": module.bits, "symmetric": module.symmetric,
                 "static": module.static}
@@ -93,6 +101,9 @@ def _rebuild(model: nn.Module, name: str, spec: dict[str, Any]) -> None:
     parent, child = _parent(model, name)
     current = getattr(parent, child)
     kind = spec["type"]
+    if kind == "TPCleanedLinear":
+        _rebuild_tp(parent, child, current, name, spec)
+        return
     with torch.device("meta"):  # shapes only: load_state_dict(assign=True) brings the tensors
         _rebuild_on_meta(parent, child, current, kind, spec)
 
@@ -128,6 +139,24 @@ def _rebuild_on_meta(parent: nn.Module, child: str, current: nn.Module, kind: st
         elif kind_of(current) == "conv1d":
             current.nf = canon.shape[0]
         return
+    setattr(parent, child, new)
+
+
+def _rebuild_tp(parent: nn.Module, child: str, current: nn.Module, name: str, spec: dict[str, Any]) -> None:
+    """A TPCleanedLinear over the skeleton's tp layer (its group and rank); the inner layer and the
+    tensors follow from their own entries."""
+    if isinstance(current, TPCleanedLinear):
+        shard = current.shard
+    elif is_tp_linear(current):
+        shard = TPShard.of(current, name)
+    else:
+        raise ValueError(f"load_compressed: {name} was saved from a tensor-parallel model but is a "
+                         f"{type(current).__name__} here; split the model the same way first (tp_model_init)")
+    with torch.device("meta"):
+        bias = None if spec["bias"] is None else torch.empty(spec["bias"])
+        act_range = (torch.empty(()), torch.empty(())) if spec["act_static"] else None
+        new = TPCleanedLinear(nn.Linear(1, 1, bias=False), shard, bias, spec["act_bits"], spec["act_symmetric"],
+                              act_range)
     setattr(parent, child, new)
 
 
