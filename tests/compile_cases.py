@@ -79,8 +79,9 @@ def eager_vs_compiled(stages: list[int], backend: str, seqs: tuple[int, ...] = (
 
 
 def deep_vs_eager(stages: list[int], backend: str, precision: str = "fp32", steps: int = STEPS,
-                  schedule: list | None = None) -> dict:
-    """For each stage: the eager run, then the DeepCompile run (``compile.deepcompile: true``)."""
+                  schedule: list | None = None, seqs: tuple[int, ...] = (), seqs_at: tuple[int, ...] = ()) -> dict:
+    """For each stage: the eager run, then the DeepCompile run (``compile.deepcompile: true``); extra
+    sequence lengths ``seqs`` after the steps at the stages in ``seqs_at``."""
     import torch._dynamo
 
     global config
@@ -101,11 +102,12 @@ def deep_vs_eager(stages: list[int], backend: str, precision: str = "fp32", step
             return cfg
 
         try:
+            extra = seqs if stage in seqs_at else ()
             config = eager_cfg
-            eager = train(stage, None, steps=steps)
+            eager = train(stage, None, steps=steps, seqs=extra)
             torch._dynamo.reset()
             config = deep
-            compiled = train(stage, backend, steps=steps, schedule=schedule)
+            compiled = train(stage, backend, steps=steps, schedule=schedule, seqs=extra)
         finally:
             config = plain
         out[stage] = {"eager": eager, "compiled": compiled, "num_params": len(list(GPT(TINY).parameters()))}

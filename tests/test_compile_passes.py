@@ -12,7 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from zerospeed.compile import ops
 from zerospeed.compile.backend import backend_fn, run_passes
-from zerospeed.compile.zero_passes import (Candidate, Profile, async_reduce, choose_unsharded, gather_release,
+from zerospeed.compile.zero_passes import (Candidate, Profile, async_reduce, choose_unsharded, coalesce, gather_release,
                                            insert_reduce_grads, live_bytes, prefetch, reduce_early, tag_recompute)
 
 SHAPES = {0: [(4, 5)], 1: [(5, 2)], 2: [(2, 2)]}
@@ -24,27 +24,30 @@ class LocalOwner:
     def __init__(self):
         self.log = []
 
-    def slot_shapes(self, b):
-        return SHAPES[b]
+    def full_numel(self, b):
+        return torch.Size(SHAPES[b][0]).numel()
 
     def shard_numel_dtype(self, b):
         return sum(torch.Size(s).numel() for s in SHAPES[b]), torch.float32
 
-    def gather_start(self, shard, b):
-        self.log.append(("start", b))
+    def gather_start(self, shards, buckets):
+        self.log.append(("start", *buckets))
 
     def gather(self, shard, b):
         self.log.append(("gather", b))
-        return [shard.reshape(SHAPES[b][0]).clone()]
+        return shard.reshape(-1).clone()
 
     def reduce_bucket(self, grads, b):
         self.log.append(("reduce", b))
         return torch.cat([g.reshape(-1) for g in grads])
 
-    def reduce_start(self, grads, b):
-        self.log.append(("reduce_start", b))
+    def reduce_start(self, grads, buckets):
+        self.log.append(("reduce_start", *buckets))
         self.started = getattr(self, "started", {})
-        self.started[b] = torch.cat([g.reshape(-1) for g in grads])
+        if len(buckets) == 1:
+            grads = [torch.cat([g.reshape(-1) for g in grads])]
+        for b, g in zip(buckets, grads):
+            self.started[b] = g.reshape(-1).clone()
 
     def reduce_wait(self, b):
         self.log.append(("reduce_wait", b))
@@ -59,14 +62,15 @@ KEY = ops.register_owner(OWNER)
 
 
 def three_layer_graph() -> GraphModule:
-    """x -> relu(x @ w0) -> @ w1 -> @ w2 with all gathers at the top (as aot_autograd traces them)."""
+    """x -> relu(x @ w0) -> @ w1 -> @ w2 with all gathers at the top (as aot_autograd traces them); each
+    weight is a view of its bucket's flat gathered buffer."""
     g = Graph()
     x = g.placeholder("x")
     shards = [g.placeholder(f"shard{i}") for i in range(3)]
     ws = []
     for i, s in enumerate(shards):
         gathered = g.call_function(ops.GATHER, (s, KEY, i))
-        ws.append(g.call_function(operator.getitem, (gathered, 0)))
+        ws.append(g.call_function(torch.ops.aten.view.default, (gathered, list(SHAPES[i][0]))))
     h = g.call_function(torch.ops.aten.mm.default, (x, ws[0]))
     h = g.call_function(torch.ops.aten.relu.default, (h,))
     h = g.call_function(torch.ops.aten.mm.default, (h, ws[1]))
@@ -93,9 +97,9 @@ def test_gather_goes_right_before_the_first_use_and_release_right_after_the_last
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     for g in (n for n in nodes if n.target is ops.GATHER):
-        item = next(iter(g.users))
-        (user,) = [u for u in item.users if u.target is not ops.RELEASE]
-        (rel,) = [u for u in item.users if u.target is ops.RELEASE]
+        (item,) = [u for u in g.users if u.target is not ops.RELEASE]  # the weight: a view of the buffer
+        (user,) = item.users
+        (rel,) = [u for u in g.users if u.target is ops.RELEASE]
         assert pos[item] == pos[g] + 1 and pos[user] == pos[item] + 1  # gathered just before its use
         assert pos[rel] == pos[user] + 1  # released right after its last use
     OWNER.log.clear()
@@ -108,13 +112,13 @@ def test_gather_goes_right_before_the_first_use_and_release_right_after_the_last
 def test_a_bucket_saved_for_backward_is_not_released():
     gm = three_layer_graph()
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    item1 = [n for n in gm.graph.nodes if n.target is operator.getitem][1]
+    item1 = [n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default][1]
     view = gm.graph.call_function(torch.ops.aten.t.default, (item1,))
     out.prepend(view)
     out.args = ((out.args[0][0], view),)  # a view of w1 leaves the graph (saved for the backward)
     gm.recompile()
     gather_release(gm, Profile())
-    released = [n.args[0][0].args[0].args[2] for n in gm.graph.nodes if n.target is ops.RELEASE]
+    released = [n.args[0][0].args[2] for n in gm.graph.nodes if n.target is ops.RELEASE]
     assert sorted(released) == [0, 2]
 
 
@@ -133,16 +137,16 @@ def test_prefetch_starts_gathers_early_but_never_beyond_the_memory_limit():
     gm, prof = run(None)
     nodes = list(gm.graph.nodes)
     starts = [n for n in nodes if n.target is ops.GATHER_START]
-    assert sorted(s.args[2] for s in starts) == [1, 2]
+    assert sorted(s.args[2][0] for s in starts) == [1, 2]
     assert all(nodes[i].op == "placeholder" for i in range(4)) and all(nodes.index(s) <= 5 for s in starts)
     assert max(live_bytes(gm, prof)) == 136
     # a limit of 100 bytes: bucket 1 (40) may not start while bucket 0 (80) is live; bucket 2 (16) may
     gm, prof = run(100)
     assert max(live_bytes(gm, prof)) <= 100
     nodes = list(gm.graph.nodes)
-    start = {s.args[2]: nodes.index(s) for s in nodes if s.target is ops.GATHER_START}
+    start = {s.args[2][0]: nodes.index(s) for s in nodes if s.target is ops.GATHER_START}
     release0 = next(nodes.index(n) for n in nodes if n.target is ops.RELEASE
-                    and n.args[0][0].args[0].args[2] == 0)
+                    and n.args[0][0].args[2] == 0)
     assert start[1] > release0  # waited for bucket 0's release
     waits = {n.args[2]: n for n in nodes if n.target is ops.GATHER_WAIT}
     assert all(waits[b].args[3].target is ops.GATHER_START for b in start)
@@ -171,7 +175,7 @@ def test_prefetch_window_starts_gathers_as_early_as_it_allows_in_the_order_of_us
         prefetch(gm, Profile(node_seconds=seconds, bucket_bytes=nbytes, gather_seconds={0: 0.5, 1: 0.5, 2: 0.5},
                              memory_limit_bytes=limit, prefetch_window_bytes=window))
         nodes = list(gm.graph.nodes)
-        return gm, {s.args[2]: nodes.index(s) for s in nodes if s.target is ops.GATHER_START}
+        return gm, {s.args[2][0]: nodes.index(s) for s in nodes if s.target is ops.GATHER_START}
 
     # no window limit: both all-gathers start right after the inputs, in the order the graph uses them
     gm, pos = starts(None)
@@ -218,6 +222,36 @@ def test_async_reduce_waits_at_the_end_or_when_the_bytes_in_flight_would_exceed_
         assert OWNER.log == [("reduce_start", e) if isinstance(e, int) else ("reduce_wait", int(e[1])) for e in log]
 
 
+def test_coalesced_groups_double_and_respect_the_cap():
+    items = [(c, n) for c, n in zip("abcdefg", [10, 4, 4, 8, 5, 9, 30])]
+    # a: first (10); then at most 10 (done): b c; then at most 18: d e; then at most 31: f; then g
+    assert coalesce(items, None) == [["a"], ["b", "c"], ["d", "e"], ["f"], ["g"]]
+    assert coalesce(items, 8) == [["a"], ["b", "c"], ["d"], ["e"], ["f"], ["g"]]
+    assert coalesce([], None) == []
+
+
+def test_async_reduce_shares_one_collective_between_small_buckets_counted_from_the_end():
+    g = Graph()
+    xs = [g.placeholder(f"x{i}") for i in range(3)]
+    outs = []
+    for i, x in enumerate(xs):
+        grad = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+        outs.append(g.call_function(ops.REDUCE_BUCKET, ([grad], KEY, i)))
+    g.output(tuple(outs))
+    gm = GraphModule(torch.nn.Module(), g)
+    args = [torch.randn(20), torch.randn(10), torch.randn(4)]
+    expected = gm(*args)
+    # from the end: bucket 2 (16 bytes) alone, then buckets 1 and 0 (8 + 8 <= 16) in one reduce-scatter
+    async_reduce(gm, Profile(phase="backward", bucket_bytes={0: 8, 1: 8, 2: 16}))
+    (shared, last) = [n for n in gm.graph.nodes if n.target is ops.REDUCE_START]
+    assert shared.args[2] == [0, 1] and last.args[2] == [2]
+    OWNER.log.clear()
+    got = gm(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert OWNER.log == [("reduce_start", 0, 1), ("reduce_start", 2), ("reduce_wait", 0), ("reduce_wait", 1),
+                         ("reduce_wait", 2)]
+
+
 def test_selective_unsharding_picks_by_cost_per_byte_within_the_budget():
     cands = [Candidate("big_cheap", 1000, 1.0), Candidate("small_costly", 100, 0.5),
              Candidate("mid", 400, 1.0), Candidate("tiny", 10, 0.001)]
@@ -233,7 +267,7 @@ def test_selective_unsharding_picks_by_cost_per_byte_within_the_budget():
 def test_tag_recompute_marks_every_gather_but_the_kept_ones():
     gm = tag_recompute(three_layer_graph(), keep=[1])
     for n in gm.graph.nodes:
-        if n.target is ops.GATHER or n.target is operator.getitem:
+        if n.target is ops.GATHER or n.target is torch.ops.aten.view.default:
             bucket = (n if n.target is ops.GATHER else n.args[0]).args[2]
             want = None if bucket == 1 else CheckpointPolicy.MUST_RECOMPUTE
             assert n.meta.get("recompute") == want

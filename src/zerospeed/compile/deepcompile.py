@@ -37,6 +37,7 @@ Decisions:
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -67,71 +68,165 @@ def compiler_for(backend: Any) -> str:
                      "(DeepCompile hands its graphs to 'inductor' or runs them eagerly: 'eager' / 'aot_eager')")
 
 
+class _Started:
+    """One asynchronous collective over one or more buckets; ``take(bucket)`` gives a bucket's part."""
+
+    def __init__(self, work: Any, take: Callable[[int], torch.Tensor], members: int, keep: Any = None) -> None:
+        self.work, self.take, self.left = work, take, members
+        self.keep = keep  # buffers the collective uses until it completes
+
+    def result(self, bucket: int) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.left -= 1
+        out = self.take(bucket)
+        if self.left == 0:
+            self.take = self.keep = None  # type: ignore[assignment]  (drops the collective's buffers)
+        return out
+
+
 class _Stage3Owner:
-    """What the ops ask of one ZeRO-3 engine's buckets."""
+    """What the ops ask of one ZeRO-3 engine's buckets.
+
+    Several buckets started together (``gather_start`` / ``reduce_start`` with more than one bucket)
+    share one collective per (process group, dtype) over a buffer laid out as ``(world, sum of shard
+    sizes)`` (row r: rank r's part of each bucket, in order), which every backend's all-gather /
+    reduce-scatter handles; each bucket's gathered parameters are then copied out of it
+    (contiguous, fresh: a custom op may not return an alias) and each reduced shard is a slice."""
 
     def __init__(self, strategy: Any, prescale: float, comm_dtype: torch.dtype | None) -> None:
         self.buckets = {b.index: b for b in strategy.buckets}
         self.prescale, self.comm_dtype = prescale, comm_dtype
-        self.pending: dict[int, tuple[Any, torch.Tensor]] = {}  # started all-gathers
-        self.reducing: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # started reduce-scatters
-        self.counts = {"gather": 0, "prefetched": 0, "reduce_bucket": 0}  # what the graphs ran
+        self.pending: dict[int, _Started] = {}  # started all-gathers
+        self.reducing: dict[int, _Started] = {}  # started reduce-scatters
+        self.counts = {"gather": 0, "prefetched": 0, "reduce_bucket": 0, "gather_collectives": 0,
+                       "reduce_collectives": 0}  # what the graphs ran
 
-    def slot_shapes(self, bucket: int) -> list[tuple[int, ...]]:
-        return [tuple(s.shape) for s in self.buckets[bucket].layout.slots]
+    def full_numel(self, bucket: int) -> int:
+        return self.buckets[bucket].padded_numel
 
     def shard_numel_dtype(self, bucket: int) -> tuple[int, torch.dtype]:
         b = self.buckets[bucket]
         return b.layout.shard_numel, b.dtype
 
-    def gather_start(self, shard: torch.Tensor, bucket: int) -> None:
-        b = self.buckets[bucket]
-        full = torch.empty(b.padded_numel, dtype=shard.dtype, device=shard.device)
-        self.pending[bucket] = (comm.all_gather(full, shard.detach(), group=b.group, async_op=True), full)
+    def _together(self, buckets: Sequence[int], dtype_of: Callable[[Any], torch.dtype]) -> list[list[int]]:
+        """``buckets`` split by (process group, dtype), order kept: one collective each."""
+        groups: dict[tuple[int, torch.dtype], list[int]] = {}
+        for i in buckets:
+            b = self.buckets[i]
+            groups.setdefault((id(b.group), dtype_of(b)), []).append(i)
+        return list(groups.values())
 
-    def gather(self, shard: torch.Tensor, bucket: int) -> list[torch.Tensor]:
-        b = self.buckets[bucket]
+    # -- all-gathers ------------------------------------------------------------------------------
+    def gather_start(self, shards: Sequence[torch.Tensor], buckets: Sequence[int]) -> None:
+        by_index = dict(zip(buckets, shards))
+        for members in self._together(buckets, lambda b: b.dtype):
+            for i in members:
+                if i in self.pending:
+                    raise RuntimeError(f"DeepCompile: the all-gather of bucket {i} was started twice")
+            started = self._gather_async([by_index[i] for i in members], members)
+            for i in members:
+                self.pending[i] = started
+
+    def _gather_async(self, shards: list[torch.Tensor], members: list[int]) -> _Started:
+        self.counts["gather_collectives"] += 1
+        first = self.buckets[members[0]]
+        if len(members) == 1:
+            full = torch.empty(first.padded_numel, dtype=shards[0].dtype, device=shards[0].device)
+            return _Started(comm.all_gather(full, shards[0].detach(), group=first.group, async_op=True),
+                            lambda i: full, 1, keep=shards[0])
+        sizes = [self.buckets[i].layout.shard_numel for i in members]
+        offsets = dict(zip(members, itertools.accumulate([0] + sizes)))
+        total = sum(sizes)
+        world = first.padded_numel // first.layout.shard_numel
+        out = torch.empty(world * total, dtype=shards[0].dtype, device=shards[0].device)
+        sent = torch.cat([s.detach().reshape(-1) for s in shards])
+        work = comm.all_gather(out, sent, group=first.group, async_op=True)
+        rows = out.view(world, total)
+
+        def take(i: int) -> torch.Tensor:
+            n = self.buckets[i].layout.shard_numel
+            return rows.narrow(1, offsets[i], n).reshape(-1)  # a copy: contiguous, this bucket only
+
+        return _Started(work, take, len(members), keep=sent)
+
+    def gather(self, shard: torch.Tensor, bucket: int) -> torch.Tensor:
         started = self.pending.pop(bucket, None)
         self.counts["gather"] += 1
         self.counts["prefetched"] += started is not None
         if started is None:
-            full = torch.empty(b.padded_numel, dtype=shard.dtype, device=shard.device)
-            comm.all_gather(full, shard.detach(), group=b.group)
-        else:
-            started[0].wait()
-            full = started[1]
-        return [full.narrow(0, s.offset, s.numel).view(s.shape).clone() for s in b.layout.slots]
+            started = self._gather_async([shard], [bucket])
+        return started.result(bucket)
 
+    # -- reduce-scatters --------------------------------------------------------------------------
     def reduce_bucket(self, grads: Sequence[torch.Tensor], bucket: int) -> torch.Tensor:
-        self.reduce_start(grads, bucket)
+        self.reduce_start(grads, [bucket])
         return self.reduce_wait(bucket)
 
-    def reduce_start(self, grads: Sequence[torch.Tensor], bucket: int) -> None:
-        """Launch the bucket's reduce-scatter (asynchronously); :meth:`reduce_wait` completes it."""
-        b = self.buckets[bucket]
-        if bucket in self.reducing:
-            raise RuntimeError(f"DeepCompile: the reduce-scatter of bucket {bucket} was started twice without a wait")
-        self.counts["reduce_bucket"] += 1
-        dtype = self.comm_dtype or b.dtype
-        if len(grads) == 1 and grads[0].numel() == b.padded_numel and grads[0].dtype == dtype:
-            full = grads[0].detach().reshape(-1).clone()
+    def _flat_grad(self, b: Any, grads: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The bucket's gradient as one flat buffer of ``padded_numel`` (``grads``: the flat gradient,
+        or one per slot) that the collective may overwrite."""
+        if len(grads) == 1 and grads[0].numel() == b.padded_numel:
+            return grads[0].detach().reshape(-1).to(dtype, copy=True)
+        dense = len(grads) == len(b.layout.slots) and sum(s.numel for s in b.layout.slots) == b.layout.numel
+        full = (torch.empty if dense else torch.zeros)(b.padded_numel, dtype=dtype, device=b.device)
+        for s, g in zip(b.layout.slots, grads):
+            full.narrow(0, s.offset, s.numel).copy_(g.reshape(-1))
+        full.narrow(0, b.layout.numel, b.padded_numel - b.layout.numel).zero_()
+        return full
+
+    def reduce_start(self, grads: Sequence[torch.Tensor], buckets: Sequence[int]) -> None:
+        """Launch the buckets' reduce-scatters (asynchronously); :meth:`reduce_wait` completes each.
+        ``grads``: one flat gradient per bucket (or, for a single bucket, one per slot)."""
+        for i in buckets:
+            if i in self.reducing:
+                raise RuntimeError(f"DeepCompile: the reduce-scatter of bucket {i} was started twice without a wait")
+        if len(buckets) > 1 and len(grads) != len(buckets):
+            raise RuntimeError(f"DeepCompile: reduce_start of {len(buckets)} buckets got {len(grads)} gradients "
+                               "(one flat gradient per bucket)")
+        by_index = {buckets[0]: list(grads)} if len(buckets) == 1 else {i: [g] for i, g in zip(buckets, grads)}
+        self.counts["reduce_bucket"] += len(buckets)
+        for members in self._together(buckets, lambda b: self.comm_dtype or b.dtype):
+            started = self._reduce_async(members, by_index)
+            for i in members:
+                self.reducing[i] = started
+
+    def _reduce_async(self, members: list[int], grads: dict[int, list[torch.Tensor]]) -> _Started:
+        self.counts["reduce_collectives"] += 1
+        first = self.buckets[members[0]]
+        dtype = self.comm_dtype or first.dtype
+        sizes = [self.buckets[i].layout.shard_numel for i in members]
+        offsets = dict(zip(members, itertools.accumulate([0] + sizes)))
+        total = sum(sizes)
+        world = first.padded_numel // first.layout.shard_numel
+        if len(members) == 1:
+            sent = self._flat_grad(first, grads[members[0]], dtype)
         else:
-            dense = len(grads) == len(b.layout.slots) and sum(s.numel for s in b.layout.slots) == b.layout.numel
-            full = (torch.empty if dense else torch.zeros)(b.padded_numel, dtype=dtype, device=b.device)
-            for s, g in zip(b.layout.slots, grads):
-                full.narrow(0, s.offset, s.numel).copy_(g.reshape(-1))
-            full.narrow(0, b.layout.numel, b.padded_numel - b.layout.numel).zero_()
+            sent = torch.empty(world * total, dtype=dtype, device=first.device)
+            rows = sent.view(world, total)
+            for i in members:
+                b = self.buckets[i]
+                n = b.layout.shard_numel
+                flat = grads[i][0].detach().reshape(world, n) if grads[i][0].numel() == b.padded_numel else \
+                    self._flat_grad(b, grads[i], dtype).view(world, n)
+                rows.narrow(1, offsets[i], n).copy_(flat)
         if self.prescale != 1.0:
-            full.mul_(self.prescale)
-        received = torch.empty(b.layout.shard_numel, dtype=dtype, device=b.device)
-        self.reducing[bucket] = (comm.reduce_scatter(received, full, group=b.group, async_op=True), received, full)
+            sent.mul_(self.prescale)
+        received = torch.empty(total, dtype=dtype, device=first.device)
+        work = comm.reduce_scatter(received, sent, group=first.group, async_op=True)
+
+        def take(i: int) -> torch.Tensor:
+            b = self.buckets[i]
+            return received.narrow(0, offsets[i], b.layout.shard_numel).to(b.dtype)
+
+        return _Started(work, take, len(members), keep=sent)
 
     def reduce_wait(self, bucket: int) -> torch.Tensor:
         started = self.reducing.pop(bucket, None)
         if started is None:
             raise RuntimeError(f"DeepCompile: no reduce-scatter of bucket {bucket} was started")
-        started[0].wait()
-        return started[1].to(self.buckets[bucket].dtype)
+        return started.result(bucket)
 
 
 class _DataParallelOwner:
@@ -185,6 +280,8 @@ class DeepCompile:
                 p.memory_limit_bytes = limit
                 p.reduce_limit_bytes = int(zcfg.reduce_bucket_size) * elem
                 p.prefetch_window_bytes = int(zcfg.stage3_prefetch_bucket_size) * elem
+            self.profiles["forward"].coalesce_bytes = int(zcfg.stage3_prefetch_bucket_size) * elem
+            self.profiles["backward"].coalesce_bytes = int(zcfg.reduce_bucket_size) * elem
             self._names = self._slot_names(engine.module, strategy.buckets)
             strategy.hand_over_to_graph()
         else:
@@ -288,7 +385,9 @@ class DeepCompile:
 
     # -- ZeRO-3 helpers ---------------------------------------------------------------------------
     @staticmethod
-    def _slot_names(module: torch.nn.Module, buckets: Sequence[Any]) -> list[tuple[int, list[list[str]]]]:
+    def _slot_names(module: torch.nn.Module, buckets: Sequence[Any]) -> list[tuple[int, list[int], list[Any]]]:
+        """Per bucket: its index, the sizes splitting its flat buffer into slots (and gaps / padding),
+        and per slot ``(piece index, shape, parameter names)``."""
         names: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(name)
@@ -297,7 +396,18 @@ class DeepCompile:
             per_slot: list[list[str]] = [[] for _ in b.layout.slots]
             for pos, p in b.live_params():
                 per_slot[pos] = names.get(id(p), [])
-            out.append((b.index, per_slot))
+            sizes: list[int] = []
+            pieces = []
+            end = 0
+            for slot, slot_names in sorted(zip(b.layout.slots, per_slot), key=lambda e: e[0].offset):
+                if slot.offset > end:
+                    sizes.append(slot.offset - end)
+                pieces.append((len(sizes), tuple(slot.shape), slot_names))
+                sizes.append(slot.numel)
+                end = slot.offset + slot.numel
+            if b.padded_numel > end:
+                sizes.append(b.padded_numel - end)
+            out.append((b.index, sizes, pieces))
         return out
 
     def _leaves(self) -> list[torch.Tensor]:
@@ -317,16 +427,19 @@ def _record_gathers(gm: torch.fx.GraphModule, profile: Profile) -> torch.fx.Grap
     return gm
 
 
-def _zero3_forward(module: torch.nn.Module, names: list[tuple[int, list[list[str]]]], key: int) -> Callable[..., Any]:
+def _zero3_forward(module: torch.nn.Module, names: list[tuple[int, list[int], list[Any]]],
+                   key: int) -> Callable[..., Any]:
     from torch.func import functional_call
 
     def zero3_forward(shards: list[torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         values: dict[str, torch.Tensor] = {}
-        for (bucket, slot_names), shard in zip(names, shards):
+        for (bucket, sizes, pieces), shard in zip(names, shards):
             full = ops.gather(shard, key, bucket)
-            for slot, slot_name_list in enumerate(slot_names):
-                for name in slot_name_list:
-                    values[name] = full[slot]
+            split = torch.split(full, sizes)  # views in the graph: the op returns one fresh buffer
+            for piece, shape, slot_names in pieces:
+                param = split[piece].view(shape)
+                for name in slot_names:
+                    values[name] = param
         return functional_call(module, values, args, kwargs)
 
     return zero3_forward

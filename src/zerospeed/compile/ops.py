@@ -4,24 +4,28 @@ Every op forwards to an *owner* - the object that knows the buckets of one engin
 integer key (a graph holds only plain ints, no Python objects). The owners call
 :mod:`zerospeed.comm`, so every collective a graph runs is counted like the eager ones.
 
-* ``zerospeed::gather(shard, key, bucket) -> Tensor[]`` - ZeRO-3: the parameters of one
-  bucket, whole, from this rank's flat shard (one all-gather). Differentiable: its backward is
-  ``reduce_bucket`` (the gradient of the shard is this rank's reduce-scattered range), so the
-  reduce-scatter of each bucket is a node of the backward graph. The outputs are views of one
-  freshly gathered flat buffer (one allocation per bucket, no copy).
-* ``zerospeed::gather_start(shard, key, bucket) -> Tensor`` - starts the all-gather of a bucket
-  asynchronously (prefetch); it returns an empty token that the matching
-  ``zerospeed::gather_wait(shard, key, bucket, token)`` takes (it replaces the ``gather`` in the
-  partitioned graph: same outputs, waits for the started all-gather), so the order is a data
-  dependency that no compiler can reorder.
+* ``zerospeed::gather(shard, key, bucket) -> Tensor`` - ZeRO-3: one bucket's flat gathered buffer
+  (``padded_numel`` elements) from this rank's flat shard (one all-gather). The parameters are views
+  of it taken *in the graph* (``split_with_sizes`` and ``view``, outside the op: a custom op may not
+  return aliases of its inputs or of its other outputs, so returning per-parameter views would need a
+  copy of every parameter). Differentiable: its backward is ``reduce_bucket`` of the one flat
+  gradient (autograd's backward of the split is a single concatenation), so the reduce-scatter of
+  each bucket is a node of the backward graph.
+* ``zerospeed::gather_start(shards, key, buckets) -> Tensor`` - starts the all-gather of one or more
+  buckets asynchronously (prefetch; several buckets share one collective); it returns an empty
+  token that each matching ``zerospeed::gather_wait(shard, key, bucket, token)`` takes (it replaces
+  the ``gather`` in the partitioned graph: same output, waits for the started all-gather), so the
+  order is a data dependency that no compiler can reorder.
 * ``zerospeed::release(ts)`` - frees the storage of a gathered bucket (resizes it to 0 bytes) after
-  its last use; only placed where nothing later reads any view of it (see ``zero_passes``).
+  its last use; only placed where nothing later reads any view of it (see ``zero_passes``). A
+  tensor that is a view of a larger buffer is left to be freed with it.
 * ``zerospeed::reduce_bucket(grads, key, bucket) -> Tensor`` - ZeRO-3: one reduce-scatter of a bucket's
   gradients; returns this rank's shard of the sum (model dtype).
-* ``zerospeed::reduce_start(grads, key, bucket) -> Tensor`` and ``zerospeed::reduce_wait(token, key,
+* ``zerospeed::reduce_start(grads, key, buckets) -> Tensor`` and ``zerospeed::reduce_wait(token, key,
   bucket) -> Tensor`` - ``reduce_bucket`` split in two (the ``async_reduce`` pass rewrites it so): the
-  start launches the bucket's reduce-scatter asynchronously and returns an empty token; the wait
-  takes the token (a data dependency, so no compiler runs it first) and returns the reduced shard.
+  start launches the reduce-scatter of one or more buckets (one flat gradient each; several buckets
+  share one collective) asynchronously and returns an empty token; each bucket's wait takes the
+  token (a data dependency, so no compiler runs it first) and returns its reduced shard.
 * ``zerospeed::reduce_grads(grads, key, params)`` - ZeRO-1/2 (and 0): hands the gradients of the
   listed parameters (indices into the owner's parameter table) to the strategy's reducer, which
   accumulates them into its bucket buffers and starts each bucket's reduce(-scatter) as soon as
@@ -56,40 +60,42 @@ def owner_of(key: int) -> Any:
 
 
 @torch.library.custom_op("zerospeed::gather", mutates_args=())
-def gather(shard: torch.Tensor, key: int, bucket: int) -> list[torch.Tensor]:
+def gather(shard: torch.Tensor, key: int, bucket: int) -> torch.Tensor:
     return owner_of(key).gather(shard, bucket)
 
 
 @gather.register_fake
-def _gather_fake(shard: torch.Tensor, key: int, bucket: int) -> list[torch.Tensor]:
-    return [shard.new_empty(shape) for shape in owner_of(key).slot_shapes(bucket)]
+def _gather_fake(shard: torch.Tensor, key: int, bucket: int) -> torch.Tensor:
+    return shard.new_empty(owner_of(key).full_numel(bucket))
 
 
 @torch.library.custom_op("zerospeed::gather_wait", mutates_args=())
-def gather_wait(shard: torch.Tensor, key: int, bucket: int, token: torch.Tensor) -> list[torch.Tensor]:
+def gather_wait(shard: torch.Tensor, key: int, bucket: int, token: torch.Tensor) -> torch.Tensor:
     return owner_of(key).gather(shard, bucket)
 
 
 @gather_wait.register_fake
-def _gather_wait_fake(shard: torch.Tensor, key: int, bucket: int, token: torch.Tensor) -> list[torch.Tensor]:
-    return [shard.new_empty(shape) for shape in owner_of(key).slot_shapes(bucket)]
+def _gather_wait_fake(shard: torch.Tensor, key: int, bucket: int, token: torch.Tensor) -> torch.Tensor:
+    return shard.new_empty(owner_of(key).full_numel(bucket))
 
 
 @torch.library.custom_op("zerospeed::gather_start", mutates_args=())
-def gather_start(shard: torch.Tensor, key: int, bucket: int) -> torch.Tensor:
-    owner_of(key).gather_start(shard, bucket)
-    return shard.new_empty(0)
+def gather_start(shards: list[torch.Tensor], key: int, buckets: list[int]) -> torch.Tensor:
+    owner_of(key).gather_start(shards, buckets)
+    return shards[0].new_empty(0)
 
 
 @gather_start.register_fake
-def _gather_start_fake(shard: torch.Tensor, key: int, bucket: int) -> torch.Tensor:
-    return shard.new_empty(0)
+def _gather_start_fake(shards: list[torch.Tensor], key: int, buckets: list[int]) -> torch.Tensor:
+    return shards[0].new_empty(0)
 
 
 @torch.library.custom_op("zerospeed::release", mutates_args=("ts",))
 def release(ts: list[torch.Tensor]) -> None:
     for t in ts:
-        t.untyped_storage().resize_(0)
+        storage = t.untyped_storage()
+        if storage.nbytes() == t.numel() * t.element_size():  # (not part of a larger buffer)
+            storage.resize_(0)
 
 
 @release.register_fake
@@ -109,13 +115,13 @@ def _reduce_bucket_fake(grads: list[torch.Tensor], key: int, bucket: int) -> tor
 
 
 @torch.library.custom_op("zerospeed::reduce_start", mutates_args=())
-def reduce_start(grads: list[torch.Tensor], key: int, bucket: int) -> torch.Tensor:
-    owner_of(key).reduce_start(grads, bucket)
+def reduce_start(grads: list[torch.Tensor], key: int, buckets: list[int]) -> torch.Tensor:
+    owner_of(key).reduce_start(grads, buckets)
     return grads[0].new_empty(0)
 
 
 @reduce_start.register_fake
-def _reduce_start_fake(grads: list[torch.Tensor], key: int, bucket: int) -> torch.Tensor:
+def _reduce_start_fake(grads: list[torch.Tensor], key: int, buckets: list[int]) -> torch.Tensor:
     return grads[0].new_empty(0)
 
 
@@ -134,8 +140,8 @@ def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.key, ctx.bucket, ctx.num_inputs = inputs[1], inputs[2], len(inputs)
 
 
-def _gather_backward(ctx: Any, grads: list[torch.Tensor]) -> tuple[Any, ...]:
-    return (reduce_bucket(list(grads), ctx.key, ctx.bucket),) + (None,) * (ctx.num_inputs - 1)
+def _gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    return (reduce_bucket([grad], ctx.key, ctx.bucket),) + (None,) * (ctx.num_inputs - 1)
 
 
 gather.register_autograd(_gather_backward, setup_context=_gather_setup)

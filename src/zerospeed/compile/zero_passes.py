@@ -1,17 +1,19 @@
 """ZeRO graph passes: data in, data out. Each pass is ``(graph_module, profile) -> graph_module`` over a
 forward or backward graph that ``aot_autograd`` produced with the ops of :mod:`zerospeed.compile.ops`.
 
-* :func:`gather_release` (ZeRO-3) - each ``gather`` moves to right before the first node that reads
-  one of its parameters, and a ``release`` of the bucket goes right after the last node that reads
-  any of them (or a view of them). A bucket some view of which leaves the graph (saved for the
+* :func:`gather_release` (ZeRO-3) - each ``gather`` (one flat buffer per bucket, the parameters
+  are views of it) moves to right before the first node that reads one of its parameters, and a
+  ``release`` of the bucket goes right after the last node that reads any of them. A bucket some view of which leaves the graph (saved for the
   backward: a bucket kept by selective unsharding) is not released. Under Inductor no release node
   is inserted: Inductor's generated code frees every buffer after its last use itself (and a
   storage-resizing node in an Inductor graph crashed its generated code when tried).
 * :func:`prefetch` (ZeRO-3) - a ``gather_start`` for each gather, as early as the profile says it
   must start to hide its all-gather behind the compute before it, but never where the bytes of
   the buckets gathered or in flight would exceed ``profile.memory_limit_bytes``.
-* :func:`reduce_early` (all stages) - each reduction (``reduce_bucket``, ``reduce_grads``) moves to
-  right after the node that produces its last gradient.
+* :func:`reduce_early` (all stages) - each reduction (``reduce_bucket``, ``reduce_grads``), with the
+  nodes that only feed it (the views and the concatenation of a bucket's gradients, which
+  ``aot_autograd`` places at the end of the backward graph), moves to right after the last node it
+  needs from the rest of the graph: as soon as its last gradient is produced.
 * :func:`async_reduce` (ZeRO-3) - each ``reduce_bucket`` becomes a ``reduce_start`` where it was and
   a ``reduce_wait`` as late as possible: right before the graph's output, or, when the bytes of
   reduce-scatters in flight would exceed ``profile.reduce_limit_bytes``, before the start that
@@ -54,6 +56,7 @@ class Profile:
     gather_seconds: dict[int, float] = field(default_factory=dict)  # measured all-gather time per bucket
     memory_limit_bytes: int | None = None  # gathered + in-flight bucket bytes the prefetch may reach
     prefetch_window_bytes: int | None = 0  # bytes of other buckets' gathers a start may move ahead of
+    coalesce_bytes: int | None = None  # most bytes of buckets one all-gather / reduce-scatter may carry
     reduce_limit_bytes: int | None = None  # bytes of reduce-scatters in flight at once (async_reduce)
     owner_key: int = 0
     data: dict[str, Any] = field(default_factory=dict)  # free-form (e.g. "param_of_output" for ZeRO-1/2)
@@ -97,7 +100,6 @@ def gather_release(gm: GraphModule, profile: Profile) -> GraphModule:
     for g in [n for n in graph.nodes if n.target in GATHERS]:
         order = _order(gm)
         users = sorted(_real_users(g), key=order.__getitem__)
-        getitems = sorted((u for u in g.users if u.target is operator.getitem), key=order.__getitem__)
         if users and order[users[0]] > order[g]:
             first = users[0]
             # the gather and the chain of aliases between it and its first reader move together
@@ -106,12 +108,12 @@ def gather_release(gm: GraphModule, profile: Profile) -> GraphModule:
                 first.prepend(a)
         if any(u.op == "output" for u in users):
             continue  # a view of it leaves the graph (saved for backward): released by whoever holds it
-        if not getitems or profile.data.get("compiler") == "inductor":
+        if profile.data.get("compiler") == "inductor":
             continue  # Inductor frees each buffer after its last use itself (an explicit release crashes it)
         order = _order(gm)
-        last = max(users, key=order.__getitem__) if users else max(getitems, key=order.__getitem__)
+        last = max(users, key=order.__getitem__) if users else max(_aliases(g), key=order.__getitem__)
         with graph.inserting_after(last):
-            graph.call_function(RELEASE, (list(getitems),)).meta["val"] = None
+            graph.call_function(RELEASE, ([g],)).meta["val"] = None
     return _finish(gm)
 
 
@@ -146,14 +148,59 @@ def prefetch(gm: GraphModule, profile: Profile) -> GraphModule:
         if start == pos:
             continue
         with graph.inserting_before(nodes[start]):
-            token = graph.call_function(GATHER_START, (g.args[0], g.args[1], g.args[2]))
+            token = graph.call_function(GATHER_START, ([g.args[0]], g.args[1], [g.args[2]]))
         shard_val = g.args[0].meta.get("val") if isinstance(g.args[0], Node) else None
         if shard_val is not None:  # compilers (Inductor) read each node's fake value
             token.meta["val"] = shard_val.new_empty(0)
         g.target = GATHER_WAIT
         g.args = (g.args[0], g.args[1], g.args[2], token)
         g.meta.pop("eager_input_vals", None)  # recorded for the gather's 3 arguments (Inductor reads it)
+    _coalesce_starts(gm, profile)
     return _finish(gm)
+
+
+def coalesce(items: list[tuple[Any, int]], cap: int | None) -> list[list[Any]]:
+    """Consecutive ``(item, bytes)`` in groups that double: a group holds at most as many bytes as all
+    the groups before it (the first: its first item), and at most ``cap``. The first group is then
+    ready soonest, and each later one has the work on the earlier ones to hide behind."""
+    groups: list[list[Any]] = []
+    current: list[Any] = []
+    done = current_bytes = 0
+    for item, nbytes in items:
+        limit = max(done, items[0][1])
+        if cap is not None:
+            limit = min(limit, cap)
+        if current and current_bytes + nbytes > limit:
+            groups.append(current)
+            done += current_bytes
+            current, current_bytes = [], 0
+        current.append(item)
+        current_bytes += nbytes
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _coalesce_starts(gm: GraphModule, profile: Profile) -> None:
+    """Adjacent ``gather_start`` nodes (placed at the same point) become one per :func:`coalesce` group."""
+    graph = gm.graph
+    runs: list[list[Node]] = []
+    for n in graph.nodes:
+        if n.target is GATHER_START:
+            if runs and runs[-1][-1].next is n:
+                runs[-1].append(n)
+            else:
+                runs.append([n])
+    for run in runs:
+        items = [(n, sum(profile.bucket_bytes.get(b, 0) for b in n.args[2])) for n in run]
+        for group in coalesce(items, profile.coalesce_bytes):
+            if len(group) == 1:
+                continue
+            head = group[0]
+            head.args = ([s for n in group for s in n.args[0]], head.args[1], [b for n in group for b in n.args[2]])
+            for n in group[1:]:
+                n.replace_all_uses_with(head)
+                graph.erase_node(n)
 
 
 def live_bytes(gm: GraphModule, profile: Profile) -> list[int]:
@@ -176,46 +223,78 @@ def live_bytes(gm: GraphModule, profile: Profile) -> list[int]:
     return out
 
 
+def _feeders(r: Node, nodes: list[Node]) -> list[Node]:
+    """The nodes before ``r`` that only feed ``r`` (directly or through each other), in graph order:
+    the gradient's glue (views, the concatenation of a bucket's gradients) and the computations
+    nothing else reads."""
+    group = {r}
+    pos = nodes.index(r)
+    for n in reversed(nodes[:pos]):
+        if n.op == "call_function" and n.users and all(u in group for u in n.users) and not n.is_impure():
+            group.add(n)
+    return [n for n in nodes[:pos] if n in group]
+
+
 def reduce_early(gm: GraphModule, profile: Profile) -> GraphModule:
-    """Each reduction right after the node producing its last gradient."""
+    """Each reduction (with what only feeds it) right after the last node it needs from the rest."""
     for r in [n for n in gm.graph.nodes if n.target in (REDUCE_BUCKET, REDUCE_GRADS)]:
-        order = _order(gm)
-        inputs = [a for a in r.all_input_nodes]
-        if not inputs:
+        nodes = list(gm.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        moving = _feeders(r, nodes) + [r]
+        inside = set(moving)
+        external = [a for n in moving for a in n.all_input_nodes if a not in inside]
+        if not external:
             continue
-        last = max(inputs, key=order.__getitem__)
-        if order[r] > order[last] + 1:
-            last.append(r)
+        anchor = max(external, key=order.__getitem__)
+        cursor = anchor
+        for n in moving:
+            if order[n] > order[anchor]:
+                if n is not cursor.next:
+                    cursor.append(n)
+                cursor = n
     return _finish(gm)
 
 
 def async_reduce(gm: GraphModule, profile: Profile) -> GraphModule:
-    """Split each ``reduce_bucket`` into a start (in place) and a wait (as late as the limit allows)."""
+    """Split the ``reduce_bucket`` nodes into starts (shared by :func:`coalesce` groups, counted from
+    the end of the graph) and waits (as late as the limit allows)."""
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     limit = profile.reduce_limit_bytes
-    in_flight: list[tuple[Node, Node, int]] = []  # (start, original node, bytes), oldest first
+    reds = [n for n in graph.nodes if n.target is REDUCE_BUCKET]
+    sized = [(r, profile.bucket_bytes.get(_bucket(r), 0)) for r in reversed(reds)]
+    groups: list[list[Node]] = []
+    for group in reversed(coalesce(sized, profile.coalesce_bytes)):  # the last reduction alone: least exposed
+        group.reverse()
+        if len(group) > 1 and any(len(r.args[0]) != 1 for r in group):
+            groups.extend([r] for r in group)  # (one gradient per slot: not shared)
+        else:
+            groups.append(group)
+    in_flight: list[tuple[Node, list[Node], int]] = []  # (start, reductions, bytes), oldest first
 
-    def wait_before(anchor: Node, start: Node, orig: Node) -> None:
-        with graph.inserting_before(anchor):
-            wait = graph.call_function(REDUCE_WAIT, (start, orig.args[1], orig.args[2]))
-        wait.meta["val"] = orig.meta.get("val")
-        orig.replace_all_uses_with(wait)
-        graph.erase_node(orig)
+    def wait_all(anchor: Node, start: Node, members: list[Node]) -> None:
+        for orig in members:
+            with graph.inserting_before(anchor):
+                wait = graph.call_function(REDUCE_WAIT, (start, orig.args[1], orig.args[2]))
+            wait.meta["val"] = orig.meta.get("val")
+            orig.replace_all_uses_with(wait)
+            graph.erase_node(orig)
 
-    for r in [n for n in graph.nodes if n.target is REDUCE_BUCKET]:
-        nbytes = profile.bucket_bytes.get(_bucket(r), 0)
+    for group in groups:
+        last = group[-1]
+        nbytes = sum(profile.bucket_bytes.get(_bucket(r), 0) for r in group)
         while limit is not None and in_flight and sum(b for _, _, b in in_flight) + nbytes > limit:
-            start, orig, _ = in_flight.pop(0)
-            wait_before(r, start, orig)
-        with graph.inserting_before(r):
-            start = graph.call_function(REDUCE_START, tuple(r.args))
-        val = r.meta.get("val")
+            start, members, _ = in_flight.pop(0)
+            wait_all(last, start, members)
+        grads = list(last.args[0]) if len(group) == 1 else [r.args[0][0] for r in group]
+        with graph.inserting_before(last):
+            start = graph.call_function(REDUCE_START, (grads, last.args[1], [_bucket(r) for r in group]))
+        val = last.meta.get("val")
         if val is not None:  # compilers (Inductor) read each node's fake value
             start.meta["val"] = val.new_empty(0)
-        in_flight.append((start, r, nbytes))
-    for start, orig, _ in in_flight:
-        wait_before(out, start, orig)
+        in_flight.append((start, group, nbytes))
+    for start, members, _ in in_flight:
+        wait_all(out, start, members)
     return _finish(gm)
 
 
