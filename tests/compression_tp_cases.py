@@ -153,6 +153,9 @@ def bad_inputs() -> dict[str, str]:
 
     whole = init_compression(tiny_gpt2(), cfg)
     err("clean_mpu", lambda: redundancy_clean(whole, cfg, mpu=_Mpu(None, None, comm.get_rank(), 2)))
+    singles = [comm.new_group([r]) for r in range(2)]  # (collective: every rank creates both)
+    alone = _Mpu(singles[comm.get_rank()], None, 0, 1)
+    err("other_mpu", lambda: init_compression(zerospeed.tp_model_init(tiny_gpt2(), tp_size=2), cfg, mpu=alone))
     head = {"weight_quantization": wq(8, ["lm_head", "mlp.c_fc"])}
     err("lm_head", lambda: init_compression(zerospeed.tp_model_init(tiny_gpt2(), tp_size=2), {"compression_training": head}))
     return out
@@ -259,4 +262,53 @@ def eager_vs_compiled() -> dict[str, Any]:
         out[backend or "none"] = {"losses": losses, "calls": calls, "report": engine.compile_report()}
         engine.destroy()
         comm.reset_mesh()
+    return out
+
+
+CKPT = {"weight_quantization": wq(4, MODULES, start=8, period=1, groups=8),
+        "activation_quantization": aq(6, MODULES, calibration="static", qtype="asymmetric"),
+        "sparse_pruning": prune(0.5, ["mlp.c_"], method="snip_momentum", block_pattern="4x1", schedule_offset_end=3),
+        "row_pruning": prune(0.5, ["attn.c_proj"], method="topk"),
+        "head_pruning": prune(0.5, ["attn.c_proj"], offset=1, num_heads=4)}
+
+
+def checkpoint_round_trip(ckpt_dir: str) -> dict[str, Any]:
+    """tp2: 4 steps straight; 2 steps, save, then 2 more in a new tp2 engine, and in a tp1 (dp2) one."""
+    import zerospeed
+    from zerospeed.compression import init_compression
+
+    def build(tp: int):
+        cfg = {"train_batch_size": 4 * (2 // tp), "train_micro_batch_size_per_gpu": 4, "steps_per_print": 0,
+               "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}, "compression_training": CKPT}
+        if tp > 1:
+            cfg["tensor_parallel"] = {"autotp_size": tp}
+        return zerospeed.initialize(model=init_compression(tiny_gpt2().train(), cfg), config=cfg)[0]
+
+    def train(engine, first: int, last: int) -> list[float]:
+        out = []
+        for step in range(first, last):
+            ids = batch(step)
+            loss = engine(ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            out.append(float(loss.detach()))
+        return out
+
+    def done(engine) -> None:
+        engine.destroy()
+        comm.reset_mesh()
+
+    engine = build(2)
+    straight = train(engine, 0, 4)
+    done(engine)
+    engine = build(2)
+    first = train(engine, 0, 2)
+    engine.save_checkpoint(ckpt_dir, tag="mid")
+    done(engine)
+    out = {"straight": straight}
+    for tp in (2, 1):
+        engine = build(tp)
+        engine.load_checkpoint(ckpt_dir, tag="mid")
+        out[f"tp{tp}"] = first + train(engine, 2, 4)
+        done(engine)
     return out

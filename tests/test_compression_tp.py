@@ -37,6 +37,10 @@ ZeRO: tp2 x dp2 (world 4) at ZeRO stages 1, 2 and 3 (static activation ranges re
 tp, snip_momentum scores averaged over dp, topk row scores) equals one process (every rank is fed
 the same batch, so the data-parallel mean is the one-process gradient): 1e-5 (measured <= 6.1e-7).
 
+Checkpoints: a tp2 run saved after 2 of 4 steps (QAT bit schedule, static ranges, snip_momentum
+scores, topk scores, head masks) and resumed at tp2, or at tp1 x dp2 (the checkpoint is in full
+coordinates), continues with the uninterrupted run's losses (1e-6 relative).
+
 Both orders are covered: init_compression on the whole model then ``initialize`` with
 ``tensor_parallel.autotp_size: 2`` (initialize splits the compressed model), and DeepSpeed's
 ``tp_model_init`` then ``init_compression(mpu=<Megatron-style mpu>)``.
@@ -100,6 +104,15 @@ def test_tp2_x_dp2_under_zero_stages_equals_one_process():
             assert _rel(run["state"][key], want) < (1e-3 if name in ACT else 1e-5), f"{name} {mode}: {key}"
 
 
+@pytest.mark.timeout(150)
+def test_checkpoint_round_trip_at_tp2_and_resharded_to_tp1(tmp_path):
+    from compression_tp_cases import checkpoint_round_trip
+
+    for r in run_distributed(checkpoint_round_trip, 2, str(tmp_path), timeout=130):
+        for key in ("tp2", "tp1"):
+            assert max(abs(a - b) / abs(b) for a, b in zip(r[key], r["straight"])) < 1e-6, (key, r)
+
+
 @pytest.mark.timeout(120)
 def test_bad_inputs_under_tensor_parallelism():
     from compression_tp_cases import bad_inputs
@@ -117,6 +130,10 @@ def test_bad_inputs_under_tensor_parallelism():
             "ConfigError: zerospeed config: compression_training.weight_quantization.different_groups.wq1.modules: "
             "['lm_head', 'mlp.c_fc'] match lm_head, a vocabulary-parallel LmHeadLayer under tensor parallelism"), \
             errors["lm_head"]
+        assert errors["other_mpu"].startswith(
+            "ValueError: init_compression: transformer.wte is split over a tensor-parallel group of 2 ranks (rank "), \
+            errors["other_mpu"]
+        assert errors["other_mpu"].endswith("other than the mpu's (1 ranks, rank 0)"), errors["other_mpu"]
         assert errors["clean_mpu"] == (
             "ValueError: redundancy_clean: the mpu has 2 tensor-parallel ranks but the model is not split; clean the "
             "model it trained (split by initialize / tp_model_init), or pass mpu=None"), errors["clean_mpu"]

@@ -173,9 +173,8 @@ class CompressedLayer(nn.Module):
         out = {"weight": self.tp.split}
         if self.tp.bias_split is not None and self.bias is not None:
             out["bias"] = self.tp.bias_split
-        for name in ("sparse_mask", "sparse_snip_score", "sparse_mask_scores"):
-            if hasattr(self, name):
-                out[name] = self.tp.canon_split
+        if hasattr(self, "sparse_mask_scores"):  # topk's learnable scores: sharded like the weight
+            out["sparse_mask_scores"] = self.tp.canon_split
         return out
 
     # -- configuration (init_compression) -----------------------------------------------------------
@@ -203,17 +202,18 @@ class CompressedLayer(nn.Module):
             self.register_buffer("act_batch_high", torch.full((), float("-inf")), persistent=False)
 
     def add_pruning(self, what: str, spec: PruneSpec) -> None:
-        # tp: the sparse state is this rank's canonical piece, row / head state full vectors, replicated
+        # tp: masks (and snip_momentum scores) cover the full layer, replicated on every rank (so
+        # checkpoints hold them like any buffer); only topk's learnable sparse scores are sharded
+        sparse = (self.full_out, self.full_in) if self.tp is not None else self.canonical(self.weight).shape
         if what == "sparse" and self.tp is not None:
             self.tp.weight_shaped_split("sparse pruning")
-        shape = {"sparse": self.canonical(self.weight).shape, "row": (self.full_out,), "channel": (self.out_features,),
+        shape = {"sparse": sparse, "row": (self.full_out,), "channel": (self.out_features,),
                  "head": (spec.num_heads,)}[what]
         if what == "head" and self.full_in % spec.num_heads:
             raise ValueError(f"{self.name}: {self.full_in} input features do not split into "
                              f"num_heads {spec.num_heads} heads")
         if what == "sparse" and spec.method == "snip_momentum":
-            M.block_scores(torch.zeros(self.full_out, self.full_in) if self.tp is not None else torch.zeros(shape),
-                           spec.block)  # raises if the block pattern does not tile the (full) weight
+            M.block_scores(torch.zeros(shape), spec.block)  # raises if the block pattern does not tile the weight
             self.register_buffer("sparse_snip_score", torch.zeros(shape))
         self.prune[what] = spec
         self.register_buffer(f"{what}_mask", torch.ones(shape))
@@ -262,24 +262,31 @@ class CompressedLayer(nn.Module):
         return self.tp.all_sum(torch.zeros(self.full_out).index_add_(0, self.tp.rows, absw.sum(dim=1)))
 
     def _sparse_top(self, scores: torch.Tensor) -> torch.Tensor:
-        """The sparse keep-mask of ``scores`` (canonical; tp: this rank's piece, ranked over the full
-        weight's), same shape."""
+        """The sparse keep-mask of the full layer's canonical ``scores``."""
         spec = self.prune["sparse"]
-        if self.tp is not None:
-            scores = self.tp.gather_full(scores.detach())
         if spec.method == "snip_momentum":
-            mask = M.expand_blocks(M.top_mask(M.block_scores(scores, spec.block), self.ratio["sparse"]), spec.block,
+            return M.expand_blocks(M.top_mask(M.block_scores(scores, spec.block), self.ratio["sparse"]), spec.block,
                                    scores.shape)
-        else:
-            mask = M.top_mask(scores, self.ratio["sparse"])
-        if self.tp is not None:
-            mask = self.tp.local_of(mask)
-        return mask
+        return M.top_mask(scores, self.ratio["sparse"])
+
+    def _local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's canonical piece of a full ``(out, in)`` tensor (itself without tp)."""
+        return full if self.tp is None else full[self.tp.rows[:, None], self.tp.cols[None, :]]
+
+    @torch.no_grad()
+    def sync_tp_state(self) -> None:
+        """After an optimizer step (the scheduler calls it): every rank's snip_momentum scores, updated on
+        its own piece in the backward, gathered into the full replicated tensor (collective over tp)."""
+        if self.tp is not None and hasattr(self, "sparse_snip_score"):
+            self.sparse_snip_score.copy_(self.tp.gather_full(self._local(self.sparse_snip_score)))
 
     @torch.no_grad()
     def _recompute(self, what: str, w: torch.Tensor) -> None:
         if what == "sparse":
-            scores = self.sparse_snip_score if self.prune[what].method == "snip_momentum" else w.abs()
+            if self.prune[what].method == "snip_momentum":
+                scores = self.sparse_snip_score
+            else:
+                scores = w.abs() if self.tp is None else self.tp.gather_full(w.detach().abs())
             mask = self._sparse_top(scores)
         else:
             mask = M.top_mask(self._unit_scores(what, w), self.ratio[what])
@@ -288,12 +295,11 @@ class CompressedLayer(nn.Module):
         self.refresh[what] = False
 
     def full_mask(self, what: str) -> torch.Tensor:
-        """The current {0,1} mask, no gradient: row / channel / head masks over the full layer; the
-        sparse mask canonical, this rank's piece under tp."""
+        """The current {0,1} mask of the full layer (sparse: canonical ``(out, in)``), no gradient."""
         if self.prune[what].method == "topk":
             scores = getattr(self, f"{what}_mask_scores").detach()
             if what == "sparse":
-                return self._sparse_top(scores)
+                return self._sparse_top(scores if self.tp is None else self.tp.gather_full(scores))
             return M.top_mask(scores, self.ratio[what])
         return getattr(self, f"{what}_mask")
 
@@ -303,10 +309,12 @@ class CompressedLayer(nn.Module):
         ``(num_heads,)``.  ``for_bias``: the mask of a replicated (row-parallel) bias, whose gradient to a
         replicated score is taken from tp rank 0 alone."""
         spec = self.prune[what]
-        if spec.method != "topk":
+        if what == "sparse":
+            m = self._local(self.full_mask(what))
+            if spec.method == "topk":
+                m = M.straight_through(m, self.sparse_mask_scores)
+        elif spec.method != "topk":
             m = self.full_mask(what)
-        elif what == "sparse":
-            m = M.straight_through(self.full_mask(what), self.sparse_mask_scores)
         else:
             scores = getattr(self, f"{what}_mask_scores")
             top = M.top_mask(scores, self.ratio[what])
@@ -386,7 +394,12 @@ class CompressedLayer(nn.Module):
     def _snip_hook(self, w: torch.Tensor) -> Any:
         def hook(grad: torch.Tensor) -> None:
             with torch.no_grad():
-                self.sparse_snip_score.mul_(0.9).add_((w * grad).abs().float())
+                score = (w * grad).abs().float()
+                if self.tp is None:
+                    self.sparse_snip_score.mul_(0.9).add_(score)
+                else:  # this rank's piece of the full scores (the others' pieces arrive at the step)
+                    index = (self.tp.rows[:, None], self.tp.cols[None, :])
+                    self.sparse_snip_score.index_put_(index, self.sparse_snip_score[index].mul_(0.9).add_(score))
         return hook
 
     # -- forward ------------------------------------------------------------------------------------

@@ -70,6 +70,8 @@ class CompressionScheduler:
             if layer.aq is not None and layer.aq.static:
                 layer.fold_activation_range()
         self._reduce(self._buffers("sparse_snip_score"), comm.ReduceOp.SUM, dp_group, mean=True)
+        for layer in self.layers.values():
+            layer.sync_tp_state()
         self._apply()
 
     def state_dict(self) -> dict[str, int]:

@@ -19,18 +19,20 @@ per-shard statistics into full-weight ones.  Semantics equal the unsharded model
   dynamic (and the static calibration) range is the max over the tp group; a column-parallel
   layer's input is replicated, its local range is already the global one;
 * sparse pruning (l1, topk, snip_momentum): the scores are all-gathered into the full weight's
-  shape, ranked as in one process, and each rank keeps its piece of the mask; topk's learnable
-  scores are sharded like the weight (straight-through gradient, no communication);
+  shape and ranked as in one process; the mask covers the full layer, replicated (a weight-sized
+  buffer on every rank, so checkpoints and consolidated state dicts hold it as any buffer), and each
+  rank applies its piece.  topk's learnable scores are sharded like the weight (straight-through
+  gradient, no communication); snip_momentum's scores are full and replicated, each rank updating its
+  piece in the backward and the pieces all-gathered at each optimizer step;
 * row and head pruning: the full per-row / per-head L1 norms are the all-reduced sums of the shards'
   partial norms; the masks (and topk's learnable scores) are full vectors, replicated, and each rank
   reads the entries of its rows / heads.  A replicated topk score's gradient is all-reduced over the
   tp group (each rank contributes its shard's part; the row-parallel bias, replicated, only from tp
   rank 0) so every rank applies the same update, as the optimizer of the unsharded model would.
 
-Weight-shaped state of a sharded layer (sparse mask, topk scores, snip_momentum scores) is kept in
-the canonical ``(out, in)`` layout as in one process, described by :attr:`TPShard.canon_split` (the
-weight's split, transposed for HF Conv1D), so checkpoints and consolidated state dicts assemble it
-into the unsharded model's tensors.  Stochastic rounding draws its noise per rank (not equal to
+The sharded topk scores are kept in the canonical ``(out, in)`` layout as in one process, described
+by :attr:`TPShard.canon_split` (the weight's split, transposed for HF Conv1D), so checkpoints and
+consolidated state dicts assemble them into the unsharded model's tensor.  Stochastic rounding draws its noise per rank (not equal to
 one process's; nearest rounding is).
 
 ``mpu``: :func:`tp_group_of` accepts a DeepSpeed / Megatron-style object with
