@@ -65,7 +65,8 @@ def train(cfg: dict[str, Any], mode: str = "config", steps: int = STEPS) -> dict
     """Compress the tiny GPT-2 and train it ``steps`` optimizer steps through the engine.
 
     mode ``config``: init_compression on the whole model, tp from the config (initialize splits it);
-    ``mpu``: tp_model_init first (DeepSpeed's order), then init_compression(mpu=<a Megatron-style mpu>).
+    ``mpu``: tp_model_init first (DeepSpeed's order), then init_compression(mpu=<a Megatron-style mpu>);
+    ``mpu_unsplit``: init_compression(mpu=...) on the whole model (it splits it), initialize(mpu=...).
     """
     import torch.distributed as dist
 
@@ -73,7 +74,16 @@ def train(cfg: dict[str, Any], mode: str = "config", steps: int = STEPS) -> dict
     from zerospeed.compression import init_compression
 
     model = tiny_gpt2().train()
-    if mode == "mpu":
+    mpu = None
+    if mode == "mpu_unsplit":  # init_compression splits the whole model over the mpu's group, then initialize
+        from tp_cases import _Mpu
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        tp_group = comm.new_group(list(range(world)))
+        singles = [comm.new_group([r]) for r in range(world)]
+        mpu = _Mpu(tp_group, singles[rank], rank, world)
+        model = init_compression(model, cfg, mpu=mpu)
+    elif mode == "mpu":
         model = zerospeed.tp_model_init(model, tp_size=dist.get_world_size())
         mesh = comm.get_mesh()
         from tp_cases import _Mpu
@@ -81,7 +91,7 @@ def train(cfg: dict[str, Any], mode: str = "config", steps: int = STEPS) -> dict
         model = init_compression(model, cfg, mpu=_Mpu(mesh.tp_group, mesh.dp_group, mesh.tp_rank, mesh.tp_size))
     elif "compression_training" in cfg:
         model = init_compression(model, cfg)
-    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    engine, *_ = zerospeed.initialize(model=model, config=cfg, mpu=mpu)
     gas = engine.gradient_accumulation_steps()
     losses = []
     for step in range(steps):
@@ -113,11 +123,11 @@ def train_cases(cases: list[tuple[str, str]], tp: int | None = None) -> list[dic
     for name, mode in cases:
         cfg = real_config(tp) if name == "real" else method_config(name, tp)
         cfg["train_batch_size"] *= dp
-        if mode == "mpu":
+        if mode.startswith("mpu"):
             cfg.pop("tensor_parallel", None)
         if mode.startswith("zero"):  # ZeRO partitions each rank's tp shard (over a dp group of one here)
             cfg["zero_optimization"] = {"stage": int(mode[4:])}
-        run = train(cfg, "mpu" if mode == "mpu" else "config")
+        run = train(cfg, mode if mode.startswith("mpu") else "config")
         out.append(run if dist.get_rank() == 0 else {"losses": run["losses"], "sharded": run["sharded"]})
     return out
 

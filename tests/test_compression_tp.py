@@ -17,10 +17,11 @@ Tolerances (fp32):
   boundary of the grid may round the other way (one code, 1/7 of the range at 4 bits); measured
   exactly equal here.  A range left per-shard (the bug this guards against) gives 8e-4 and 9e-2;
 * the real DeepSpeedExamples config ``gpt2 W8A8 Qgroup64 fp32`` (Adam, clipping 1.0, 2 micro-batches
-  per step): losses 1e-4, tensors 3e-2.  With 8-bit activations one such flip does occur here
+  per step): losses 1e-4, tensors 5e-2.  With 8-bit activations one such flip does occur here
   (1 of 16384 inputs of a c_proj at the first step, measured), and Adam turns the small gradient
   change into steps of up to lr on parameters with small gradients (the attention bias moves
-  1.9e-2 relative; every other tensor <= 2e-3).  The same run with per-shard ranges: 0.14.
+  1.9e-2 relative; every other tensor <= 2e-3; the bound leaves room for a few more flips on another
+  CPU).  The same run with per-shard activation ranges (the bug): 0.14.
 
 redundancy_clean under tp (each rank keeps its shard, see ``compression/clean.py``): after 2 steps
 at tp=2, the cleaned model's logits equal the simulated (fake-quantized, masked) model's within 1e-5
@@ -43,7 +44,8 @@ coordinates), continues with the uninterrupted run's losses (1e-6 relative).
 
 Both orders are covered: init_compression on the whole model then ``initialize`` with
 ``tensor_parallel.autotp_size: 2`` (initialize splits the compressed model), and DeepSpeed's
-``tp_model_init`` then ``init_compression(mpu=<Megatron-style mpu>)``.
+``tp_model_init`` then ``init_compression(mpu=<Megatron-style mpu>)``, and init_compression with an
+mpu on the whole model (it splits it) then ``initialize(mpu=...)``.
 """
 
 import pytest
@@ -53,7 +55,7 @@ from zerospeed.testing import run_distributed
 
 ACT = {"aq", "aq_static"}
 CASES = [(name, "config") for name in METHODS] + [("real", "config")] + \
-    [(name, "mpu") for name in ("wq", "row_topk", "sparse_topk", "head")]
+    [(name, "mpu") for name in ("wq", "row_topk", "sparse_topk", "head")] + [("aq", "mpu_unsplit")]
 LAYERS = [f"transformer.h.{i}.{m}" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
 
 
@@ -69,7 +71,7 @@ def test_tp2_equals_tp1_for_every_method_and_a_real_config():
     two = run_distributed(train_cases, 2, CASES, timeout=200)
     for (name, mode), ref, run, peer in zip(CASES, one, two[0], two[1]):
         where = f"{name} ({mode})"
-        loss_tol, tensor_tol = (1e-4, 3e-2) if name == "real" else (1e-4, 1e-3) if name in ACT else (1e-5, 1e-5)
+        loss_tol, tensor_tol = (1e-4, 5e-2) if name == "real" else (1e-4, 1e-3) if name in ACT else (1e-5, 1e-5)
         assert ref["sharded"] == [] and run["sharded"] == peer["sharded"], where
         assert run["sharded"] and set(run["sharded"]) <= set(LAYERS), where
         if name in ("wq", "aq", "real"):

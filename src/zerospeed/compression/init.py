@@ -196,8 +196,9 @@ def _compress(model: nn.Module, cfg: CompressionConfig) -> nn.Module:
                     group.params.start_bits, group.params.target_bits, group.params.quantization_period,
                     sp.schedule_offset, sp.quantize_groups, sp.quantization_type == "symmetric",
                     sp.rounding == "stochastic", mix.quantize_change_ratio if mix.enabled else None)
+                layer = _wrap(model, name, layers)
                 try:
-                    _wrap(model, name, layers).add_weight_quant(spec)
+                    layer.add_weight_quant(spec)
                 except ValueError as exc:
                     raise ConfigError(f"{root}.weight_quantization.shared_parameters.quantize_groups", str(exc)) from None
     aq = cfg.activation_quantization
