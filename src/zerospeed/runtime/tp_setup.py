@@ -100,12 +100,17 @@ def prepare_model(model: nn.Module, mesh: Mesh, tp_cfg: TensorParallelConfig, op
         raise ValueError("initialize: an optimizer instance was built over the unsplit model's parameters; with "
                          "tensor parallelism pass the optimizer class / a callable, use the config's optimizer, or "
                          "call zerospeed.tp_model_init(model, tp_size) before building it")
+    from zerospeed.compression.layers import CompressedLayer
     from zerospeed.compression.scheduler import scheduler_of
 
     if scheduler_of(model) is not None:  # init_compression before initialize: split, then compress the pieces
         from zerospeed.compression.init import split_compressed
 
         return split_compressed(model, mesh.tp_group, tp_cfg)
+    if any(isinstance(m, CompressedLayer) for m in model.modules()):
+        raise ValueError("tensor parallelism: the model holds compressed layers but is not the module init_compression "
+                         "was applied to (e.g. pipeline virtual stages); split it first (tp_model_init) and then call "
+                         "init_compression")
     return auto_tp(model, mesh.tp_group, partition_config=tp_cfg)
 
 
