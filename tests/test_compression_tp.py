@@ -177,3 +177,33 @@ def test_compressed_tp_model_compiles_as_one_graph():
         assert rep["graph_breaks"] == 0 and rep["recompiles"] == 1, str(rep)
         assert rep["graphs"] == rep["frames_compiled"] == 2, str(rep)
         assert "refresh" in rep["recompile_reasons"][0]
+
+
+def test_shard_rows_and_columns_match_the_split():
+    """TPShard's global row / column of each local canonical row / column equals the split's own
+    arithmetic (a full index tensor cut by local_piece), for plain, fused and Conv1D splits."""
+    import torch
+
+    from zerospeed.compression.tp import TPShard
+    from zerospeed.module_inject import LinearAllreduce, LinearLayer, TPSplit, local_piece
+
+    cases = [  # (storage shape, split dim, sub sizes, transposed, row-parallel)
+        ((12, 5), 0, (12,), False, False),        # column Linear
+        ((5, 12), 1, (4, 4, 4), True, False),     # GPT-2 c_attn: Conv1D [in, out], q/k/v fused
+        ((8, 6), 0, (8,), True, True),            # row-parallel Conv1D: input dim is storage dim 0
+        ((6, 8), 1, (8,), False, True),           # row-parallel Linear
+        ((12, 5), 0, (6, 2, 4), False, False),    # GQA-like unequal sub-projections
+    ]
+    for shape, dim, subs, transposed, row in cases:
+        for rank in range(2):
+            split = TPSplit(shape, dim, subs, 2)
+            weight = torch.randn(shape)
+            cls = LinearAllreduce if row else LinearLayer
+            args = (weight, None, split, None, 2, rank) if row else (weight, None, split, None, None, 2, rank)
+            shard = TPShard.of(cls(*args, transposed=transposed), "layer")
+            canon = shape[::-1] if transposed else shape
+            index = torch.arange(canon[0] * canon[1]).view(canon)
+            local = local_piece(index.t().contiguous() if transposed else index, split, rank)
+            local = local.t() if transposed else local
+            assert torch.equal(shard.flat_index(), local), (shape, dim, subs, rank)
+            assert shard.kind == ("row" if row else "column")

@@ -130,14 +130,21 @@ class TPShard:
         if len(full) != 2:
             raise ValueError(f"compression: {name}: a tensor-parallel weight of shape {list(full)} is not 2-D")
         full_out, full_in = (full[1], full[0]) if transposed else (full[0], full[1])
-        index = torch.arange(full_out * full_in, dtype=torch.int64).view(full_out, full_in)
-        local = local_piece(index.t().contiguous() if transposed else index, split, module.tp_rank)
-        local = local.t() if transposed else local
-        rows, cols = local[:, 0] // full_in, local[0, :] % full_in
-        if not torch.equal(local, rows[:, None] * full_in + cols[None, :]):
-            raise ValueError(f"compression: {name}: its tensor-parallel split (view {list(split.view)}, dim "
-                             f"{split.dim}) does not cut whole rows or columns of the weight; compression supports "
-                             "row- and column-wise splits")
+        if split.view_shape is None and split.padded_size is None:  # cut along one dim: index that dim only
+            along = TPSplit((full[split.dim],), 0, split.sub_sizes, split.tp_size)
+            cut = local_piece(torch.arange(full[split.dim]), along, module.tp_rank)
+            on_rows = (split.dim == 0) != transposed
+            rows = cut if on_rows else torch.arange(full_out)
+            cols = torch.arange(full_in) if on_rows else cut
+        else:  # a reshaped split: find each local element's global position (a full-size index, once)
+            index = torch.arange(full_out * full_in, dtype=torch.int64).view(full_out, full_in)
+            local = local_piece(index.t().contiguous() if transposed else index, split, module.tp_rank)
+            local = local.t() if transposed else local
+            rows, cols = local[:, 0] // full_in, local[0, :] % full_in
+            if not torch.equal(local, rows[:, None] * full_in + cols[None, :]):
+                raise ValueError(f"compression: {name}: its tensor-parallel split (view {list(split.view)}, dim "
+                                 f"{split.dim}) does not cut whole rows or columns of the weight; compression "
+                                 "supports row- and column-wise splits")
         kind = "row" if isinstance(module, LinearAllreduce) else "column"
         canon = _transposed_split(split) if transposed else split
         return cls(name, kind, module.tp_group, module.tp_size, module.tp_rank, split, canon,
