@@ -166,6 +166,9 @@ def bad_inputs() -> dict[str, str]:
     singles = [comm.new_group([r]) for r in range(2)]  # (collective: every rank creates both)
     alone = _Mpu(singles[comm.get_rank()], None, 0, 1)
     err("other_mpu", lambda: init_compression(zerospeed.tp_model_init(tiny_gpt2(), tp_size=2), cfg, mpu=alone))
+    from zerospeed.compression import quantize
+
+    err("ptq", lambda: quantize(zerospeed.tp_model_init(tiny_gpt2(), tp_size=2), bits=8, modules=["mlp"]))
     head = {"weight_quantization": wq(8, ["lm_head", "mlp.c_fc"])}
     err("lm_head", lambda: init_compression(zerospeed.tp_model_init(tiny_gpt2(), tp_size=2), {"compression_training": head}))
     return out

@@ -136,6 +136,9 @@ def test_bad_inputs_under_tensor_parallelism():
             "ValueError: init_compression: transformer.wte is split over a tensor-parallel group of 2 ranks (rank "), \
             errors["other_mpu"]
         assert errors["other_mpu"].endswith("other than the mpu's (1 ranks, rank 0)"), errors["other_mpu"]
+        assert errors["ptq"].startswith(
+            "ValueError: quantize: transformer.h.0.mlp.c_fc is a tensor-parallel layer (AutoTP); post-training "
+            "quantization of a split model is not supported"), errors["ptq"]
         assert errors["clean_mpu"] == (
             "ValueError: redundancy_clean: the mpu has 2 tensor-parallel ranks but the model is not split; clean the "
             "model it trained (split by initialize / tp_model_init), or pass mpu=None"), errors["clean_mpu"]

@@ -87,6 +87,9 @@ def quantize_for_inference(model: nn.Module, quant: InferenceQuantConfig) -> nn.
         targets.append((name, module, row, group_wise[keys[0]] if keys else None))
     if not targets:
         raise ValueError("quant: the model has no Linear layer to quantize")
+    from .ptq import _refuse_tp
+
+    _refuse_tp([(n, m) for n, m, _, _ in targets], "quant")
     act_bits = 8 if quant.activation.enabled else 0
     act_symmetric = quant.activation.q_type == "symmetric"
     for name, module, row, entry in targets:

@@ -51,6 +51,7 @@ def quantize(model: nn.Module, bits: int = 8, group_size: int | None = None, mod
                if n and kind_of(m) in ("linear", "conv1d") and matches(n, patterns)]
     if not targets:
         raise ValueError(f"quantize: no Linear layer matches {patterns}")
+    _refuse_tp(targets, "quantize")
     if backend == "torchao":
         if act_bits or num_groups is not None or not symmetric:
             raise ValueError("quantize: backend='torchao' is weight-only, symmetric, with group_size; "
@@ -61,6 +62,17 @@ def quantize(model: nn.Module, bits: int = 8, group_size: int | None = None, mod
     for name, module in targets:
         replace_module(model, name, quantized_linear(name, module, bits, group_size, num_groups, symmetric, act_bits))
     return model
+
+
+def _refuse_tp(targets: list[tuple[str, nn.Module]], where: str) -> None:
+    """A plain QuantizedLinear in place of AutoTP's layer would drop its communication."""
+    from .tp import is_tp_linear
+
+    split = [n for n, m in targets if is_tp_linear(m)]
+    if split:
+        raise ValueError(f"{where}: {split[0]} is a tensor-parallel layer (AutoTP); post-training quantization of a "
+                         "split model is not supported: quantize the whole model, or serve int8 under tensor "
+                         "parallelism with init_inference(replace_with_kernel_inject=True, quant=...)")
 
 
 def quantized_linear(name: str, module: nn.Module, bits: int, group_size: int | None = None,
