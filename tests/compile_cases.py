@@ -79,7 +79,8 @@ def eager_vs_compiled(stages: list[int], backend: str, seqs: tuple[int, ...] = (
 
 
 def deep_vs_eager(stages: list[int], backend: str, precision: str = "fp32", steps: int = STEPS,
-                  schedule: list | None = None, seqs: tuple[int, ...] = (), seqs_at: tuple[int, ...] = ()) -> dict:
+                  schedule: list | None = None, seqs: tuple[int, ...] = (), seqs_at: tuple[int, ...] = (),
+                  compile_extra: dict | None = None) -> dict:
     """For each stage: the eager run, then the DeepCompile run (``compile.deepcompile: true``); extra
     sequence lengths ``seqs`` after the steps at the stages in ``seqs_at``."""
     import torch._dynamo
@@ -90,7 +91,7 @@ def deep_vs_eager(stages: list[int], backend: str, precision: str = "fp32", step
     for stage in stages:
         def deep(stage: int) -> dict:
             cfg = plain(stage)
-            cfg["compile"] = {"deepcompile": True}
+            cfg["compile"] = {"deepcompile": True, **(compile_extra or {})}
             if precision == "bf16":
                 cfg["bf16"] = {"enabled": True}
             return cfg

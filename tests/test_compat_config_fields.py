@@ -80,12 +80,12 @@ NO_OP_FIELDS: dict[str, str] = {
                                                                               "as all-reduces, see comm/collectives)",
 }
 # DeepCompile-only options (config/compile.py): any value but DeepSpeed's default is refused by name, and
-# the default asks for nothing zerospeed's DeepCompile does not do; free_activation_threshold only acts with
-# free_activation (refused when true)
+# the default asks for nothing zerospeed's DeepCompile does not do (offload_activation and
+# free_activation_threshold are built and read)
 from zerospeed.config.compile import DEEPCOMPILE_ONLY_DEFAULTS  # noqa: E402
 
 NO_OP_FIELDS.update({f"compile.{k}": "DeepCompile-only option, refused unless at DeepSpeed's default"
-                     for k in (*DEEPCOMPILE_ONLY_DEFAULTS, "free_activation_threshold")})
+                     for k in DEEPCOMPILE_ONLY_DEFAULTS})
 # AutoEP keys zerospeed accepts only at DeepSpeed's default (config/expert_parallel.py refuses any other value by
 # name): the default asks for nothing zerospeed's expert-parallel replacement does not do
 from zerospeed.config.expert_parallel import DEFAULT_ONLY as AUTOEP_DEFAULT_ONLY  # noqa: E402

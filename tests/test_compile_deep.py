@@ -75,6 +75,16 @@ def test_deepcompile_zero3_inductor_and_bf16():
     _check(results[0][3], 1e-2, 3)
 
 
+@pytest.mark.timeout(300)
+def test_deepcompile_activation_offload_matches_eager():
+    # saved activations of at least 1 KiB wait in host memory between the forward and the backward graph
+    extra = {"offload_activation": True, "free_activation_threshold": 1024}
+    results = run_distributed(deep_vs_eager, 2, [3], "eager", "fp32", 2, None, (), (), extra, timeout=280)
+    rep = _check(results[0][3], 1e-6, 3)
+    ops = rep["graph_ops"]
+    assert ops["offloaded"] > 0 and ops["reloaded"] == ops["offloaded"] and ops["offloaded_bytes"] >= 1024, ops
+
+
 def test_deepcompile_with_parameter_offload_is_refused_in_one_line(tmp_path):
     message = run_distributed(deepcompile_refusal, 1, str(tmp_path), timeout=120)[0]
     assert message == ("engine.compile: compile.deepcompile does not support zero_optimization.offload_param "

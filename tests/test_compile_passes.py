@@ -341,3 +341,53 @@ def test_a_pass_that_does_not_return_a_graph_is_named():
         backend_fn([3])
     with pytest.raises(ValueError, match="compiler must be one of inductor, eager, profile"):
         backend_fn([], compiler="tvm")
+
+
+def _with_values(gm, *args):
+    """Record each node's value as its meta["val"] (what aot_autograd's fake values would be)."""
+
+    class Record(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            n.meta["val"] = out
+            return out
+
+    return Record(gm).run(*args)
+
+
+def test_activation_offload_moves_large_saved_tensors_to_host_and_back():
+    from zerospeed.compile.activation_offload import ActivationStore, offload_activations
+
+    fw_g = Graph()
+    x = fw_g.placeholder("x")
+    a = fw_g.call_function(torch.ops.aten.relu.default, (x,))
+    b = fw_g.call_function(torch.ops.aten.mul.Tensor, (a, 2.0))
+    loss = fw_g.call_function(torch.ops.aten.sum.default, (b,))
+    small = fw_g.call_function(torch.ops.aten.amax.default, (x, [0]))
+    fw_g.output((loss, a, small))  # user output, then what the backward needs: a (400 bytes), small (4)
+    fw = GraphModule(torch.nn.Module(), fw_g)
+    bw_g = Graph()
+    a_in, small_in, tangent = bw_g.placeholder("relu_default"), bw_g.placeholder("amax_default"), \
+        bw_g.placeholder("tangents_1")
+    g = bw_g.call_function(torch.ops.aten.mul.Tensor, (a_in, tangent))
+    h = bw_g.call_function(torch.ops.aten.add.Tensor, (g, small_in))
+    bw_g.output((h,))
+    bw = GraphModule(torch.nn.Module(), bw_g)
+    xv = torch.randn(100)
+    ref_fw = _with_values(fw, xv)
+    ref_bw = _with_values(bw, ref_fw[1], ref_fw[2], torch.tensor(1.5))
+    store = ActivationStore()
+    key = ops.register_owner(store)
+    assert offload_activations(fw, bw, store, key, threshold_bytes=100) == ["relu_default"]
+    fw_names = _names(fw)
+    assert fw_names.index("zerospeed::offload") == fw_names.index("aten::mul.Tensor") + 1  # after its last use
+    bw_nodes = [n for n in bw.graph.nodes if n.op == "call_function"]
+    assert bw_nodes[0].target is ops.RELOAD and bw_nodes[1].args[0] is bw_nodes[0]  # right before its first use
+    outs = fw(xv)
+    assert outs[1].numel() == 0 and torch.equal(outs[2], ref_fw[2])  # a token is saved instead of the activation
+    assert store.held_bytes() == 400
+    (got,) = bw(outs[1], outs[2], torch.tensor(1.5))
+    assert torch.equal(got, ref_bw[0]) and store.held_bytes() == 0
+    assert store.counts == {"offloaded": 1, "reloaded": 1, "offloaded_bytes": 400}
+    with pytest.raises(RuntimeError, match="nothing stored for slot 0"):
+        bw(outs[1], outs[2], torch.tensor(1.5))

@@ -9,7 +9,9 @@ Decisions:
   mid-step. A pass that does not return a GraphModule is named.
 * Partitioning uses torch's min-cut partitioner; before it runs, the joint graph goes through
   ``joint_passes`` (DeepCompile tags ZeRO-3 gathers "must recompute" there, so the backward graph
-  re-gathers instead of keeping every parameter from the forward).
+  re-gathers instead of keeping every parameter from the forward); after it, the forward and
+  backward graphs go together through ``partition_passes`` (activation offload rewrites what the
+  forward saves for the backward there).
 * ``compiler="inductor"`` compiles each rewritten graph with ``compile_fx_inner`` (Inductor's
   per-graph entry, the one ``torch.compile`` itself uses after partitioning), with Inductor's
   decompositions; ``"eager"`` runs ``GraphModule.forward``; ``"profile"`` runs the graph under an
@@ -76,12 +78,16 @@ def backend_fn(passes: Sequence[Pass] = (), data: dict[str, Any] | None = None, 
                profile_for: Callable[[str], Profile] | None = None,
                joint_passes: Sequence[Callable[[torch.fx.GraphModule], Any]] = (),
                bw_passes: Sequence[Pass] | None = None,
-               on_profiled: Callable[[str], None] | None = None) -> Callable[..., Any]:
+               on_profiled: Callable[[str], None] | None = None,
+               partition_passes: Sequence[Callable[[torch.fx.GraphModule, torch.fx.GraphModule], Any]] = (),
+               ) -> Callable[..., Any]:
     """A Dynamo backend running ``passes`` over the forward and backward graphs.
 
     ``profile_for(phase)`` gives each graph its :class:`Profile` (default: an empty one carrying
     ``data``); ``bw_passes`` (default: ``passes``) run over the backward graph; ``on_profiled(phase)``
-    is called after each timed run of a graph (``compiler="profile"``)."""
+    is called after each timed run of a graph (``compiler="profile"``); ``partition_passes`` see the
+    forward and backward graphs together, right after partitioning (``fn(forward, backward)``: what
+    the forward saves for the backward is what both agree on)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -121,7 +127,10 @@ def backend_fn(passes: Sequence[Pass] = (), data: dict[str, Any] | None = None, 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         for jp in joint_passes:
             jp(joint)
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        for pp in partition_passes:
+            pp(fw, bw)
+        return fw, bw
 
     kwargs: dict[str, Any] = {}
     if compiler == "inductor":

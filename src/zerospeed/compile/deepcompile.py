@@ -31,6 +31,9 @@ Decisions:
   reduce_early])]``.
 * The graphs' collectives (asynchronous where ``prefetch`` / ``async_reduce`` placed a start and a
   wait) are not seen by the ZeRO-3 watchdog (a hang is bounded by the process group's timeout).
+* ``compile.offload_activation: true``: the forward's saved tensors of at least
+  ``compile.free_activation_threshold`` bytes wait in host memory until the backward needs them
+  (:mod:`zerospeed.compile.activation_offload`), in every phase.
 * Not supported with DeepCompile (refused in one line): ``offload_param`` (shards may be on NVMe
   when a graph reads them), a callable backend (DeepCompile compiles with Inductor or runs eagerly).
 """
@@ -45,6 +48,7 @@ import torch
 from zerospeed import comm
 
 from . import ops
+from .activation_offload import ActivationStore, offload_activations
 from .backend import backend_fn
 from .zero_passes import Candidate, Profile, choose_unsharded, tag_recompute
 
@@ -292,6 +296,12 @@ class DeepCompile:
         self.phase: int | None = None
         self.fn: Callable[..., Any] | None = None
         self.kept: list[int] = []
+        ccfg = engine.config.compile
+        self.activations: ActivationStore | None = None
+        if ccfg.offload_activation:
+            self.activations = ActivationStore()
+            self._activations_key = ops.register_owner(self.activations)
+            self._offload_threshold = int(ccfg.free_activation_threshold)
 
     # -- the callable the engine's forward uses ---------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -321,8 +331,13 @@ class DeepCompile:
             kept = list(self.kept)
             joint.append(lambda gm: tag_recompute(gm, kept))
             graph_passes.insert(0, _record_gathers)
+        partition = []
+        if self.activations is not None:
+            store, key, threshold = self.activations, self._activations_key, self._offload_threshold
+            partition.append(lambda fw, bw: offload_activations(fw, bw, store, key, threshold))
         be = backend_fn(graph_passes, compiler="profile" if profiling else self.compiler,
-                        profile_for=self.profiles.__getitem__, joint_passes=joint, on_profiled=self._on_profiled)
+                        profile_for=self.profiles.__getitem__, joint_passes=joint, on_profiled=self._on_profiled,
+                        partition_passes=partition)
         if self.stage == 3:
             self.fn = torch.compile(_zero3_forward(self.engine.module, self._names, self.key), backend=be,
                                     **self.compile_kwargs)

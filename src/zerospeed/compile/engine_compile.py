@@ -98,6 +98,8 @@ class CompiledState:
             out["schedule"] = [list(e) for e in self.deepcompile.schedule]
             out["unsharded_buckets"] = list(self.deepcompile.kept)
             out["graph_ops"] = dict(self.deepcompile.owner.counts)
+            if self.deepcompile.activations is not None:
+                out["graph_ops"].update(self.deepcompile.activations.counts)
         return out
 
 

@@ -26,6 +26,13 @@ integer key (a graph holds only plain ints, no Python objects). The owners call
   start launches the reduce-scatter of one or more buckets (one flat gradient each; several buckets
   share one collective) asynchronously and returns an empty token; each bucket's wait takes the
   token (a data dependency, so no compiler runs it first) and returns its reduced shard.
+* ``zerospeed::offload(t, key, slot) -> Tensor`` and ``zerospeed::reload(token, key, slot, shape,
+  dtype) -> Tensor`` - activation offload: the forward's offload copies a saved activation to host
+  memory (pinned when the activation is on an accelerator) and returns an empty token on its
+  device, which the forward saves for the backward instead of the activation; the backward's reload
+  copies it back to the token's device (contiguous) right before its first use. The owner keeps a
+  stack per slot (a forward run twice before its backward reloads in reverse order, as autograd
+  runs the backwards).
 * ``zerospeed::reduce_grads(grads, key, params)`` - ZeRO-1/2 (and 0): hands the gradients of the
   listed parameters (indices into the owner's parameter table) to the strategy's reducer, which
   accumulates them into its bucket buffers and starts each bucket's reduce(-scatter) as soon as
@@ -136,6 +143,27 @@ def _reduce_wait_fake(token: torch.Tensor, key: int, bucket: int) -> torch.Tenso
     return token.new_empty(numel, dtype=dtype)
 
 
+@torch.library.custom_op("zerospeed::offload", mutates_args=())
+def offload(t: torch.Tensor, key: int, slot: int) -> torch.Tensor:
+    owner_of(key).offload(t, slot)
+    return t.new_empty(0)
+
+
+@offload.register_fake
+def _offload_fake(t: torch.Tensor, key: int, slot: int) -> torch.Tensor:
+    return t.new_empty(0)
+
+
+@torch.library.custom_op("zerospeed::reload", mutates_args=())
+def reload(token: torch.Tensor, key: int, slot: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return owner_of(key).reload(slot, token.device)
+
+
+@reload.register_fake
+def _reload_fake(token: torch.Tensor, key: int, slot: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return token.new_empty(shape, dtype=dtype)
+
+
 def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.key, ctx.bucket, ctx.num_inputs = inputs[1], inputs[2], len(inputs)
 
@@ -165,4 +193,6 @@ REDUCE_BUCKET = torch.ops.zerospeed.reduce_bucket.default
 REDUCE_START = torch.ops.zerospeed.reduce_start.default
 REDUCE_WAIT = torch.ops.zerospeed.reduce_wait.default
 REDUCE_GRADS = torch.ops.zerospeed.reduce_grads.default
+OFFLOAD = torch.ops.zerospeed.offload.default
+RELOAD = torch.ops.zerospeed.reload.default
 COLLECTIVES = (GATHER, GATHER_WAIT, GATHER_START, REDUCE_BUCKET, REDUCE_START, REDUCE_GRADS)

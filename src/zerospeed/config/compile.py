@@ -6,8 +6,10 @@ Decisions:
   engine's ZeRO machinery outside the graph (:mod:`zerospeed.compile.engine_compile`).
 * ``deepcompile: true``: ``engine.compile()`` moves the ZeRO gathers, releases and reductions into the
   forward/backward graphs (:mod:`zerospeed.compile.deepcompile`).
-* The DeepCompile options zerospeed does not build (activation / optimizer-state / parameter offload
-  by the graph, ``free_activation``, ``double_buffer: false``, the sync and debug switches...) are
+* ``offload_activation: true`` (needs ``deepcompile: true``): the forward graph's saved tensors of at
+  least ``free_activation_threshold`` bytes wait in host memory until the backward graph needs them.
+* The DeepCompile options zerospeed does not build (optimizer-state / parameter offload by the
+  graph, ``free_activation``, ``double_buffer: false``, the sync and debug switches...) are
   refused by name when set away from DeepSpeed's default: each asks for behaviour zerospeed does not
   have. A section that only restates the defaults is accepted.
 * ``passes`` (a zerospeed addition) names the graph passes of DeepCompile's optimized phase (after
@@ -28,7 +30,6 @@ NOT_BUILT = "is a DeepCompile option zerospeed does not build; leave it at its d
 #: DeepCompile-only keys and DeepSpeed's default for each (a non-default value is refused)
 DEEPCOMPILE_ONLY_DEFAULTS: dict[str, Any] = {
     "free_activation": False,
-    "offload_activation": False,
     "offload_opt_states": False,
     "offload_parameters": False,
     "double_buffer": True,
@@ -70,6 +71,9 @@ class CompileConfig(Section):
         for key, default in DEEPCOMPILE_ONLY_DEFAULTS.items():
             if getattr(self, key) != default:
                 raise fail(f"{getattr(self, key)!r} {NOT_BUILT}", key=key)
+        if self.offload_activation and not self.deepcompile:
+            raise fail("true offloads activations from DeepCompile's graphs; set compile.deepcompile: true",
+                       key="offload_activation")
         if self.passes and not self.deepcompile:
             raise fail(f"{self.passes!r} names DeepCompile graph passes; set compile.deepcompile: true", key="passes")
         return self
