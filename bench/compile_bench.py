@@ -8,12 +8,15 @@ is its own):
 * ``compile`` - zerospeed ``engine.compile(backend)``: the module compiled, ZeRO hooks outside the graph;
 * ``deepcompile`` - zerospeed with ``compile.deepcompile: true``: gathers, releases and reductions in
   the graphs (default schedule: a profiling step, then the optimized graphs);
-* ``deepcompile aot_eager`` (stage 3) - the same with the graphs run eagerly (``backend="aot_eager"``),
-  which is where the ``prefetch`` pass runs (it is refused under Inductor);
+* ``deepcompile aot_eager`` (stage 3) - the same with the graphs run eagerly (``backend="aot_eager"``);
 * ``fsdp2+compile`` - ``fully_shard`` on every block and the root, then ``torch.compile`` (stage-3 peer);
 * ``deepspeed compile`` - DeepSpeed's ``engine.compile(backend)`` at each stage (needs DeepSpeed:
   run with the bench venv); ``deepspeed deepcompile`` - DeepSpeed with ``compile.deepcompile``, whose
   exact error is recorded where it does not run.
+
+With ``--rounds N`` every system of a stage runs N times, interleaved (eager, compile, deepcompile, ...,
+eager, compile, ...), and a row's timings are the medians over the rounds (each round's are kept), so
+a busy spell of the shared machine does not land on one system only.
 
 Reported per row: median step time (warmup excluded; the steps that compile are warmup) and median
 CPU seconds per step (the slower rank; robust to other jobs on a shared machine), the first
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import sys
 import time
 from typing import Any
@@ -138,9 +142,42 @@ def _worker(system: str, stage: int, backend: str, steps: int, warmup: int, laye
     return out
 
 
+def _run(system: str, stage: int, a: Any) -> dict[str, Any]:
+    from zerospeed.testing import run_distributed
+
+    t0 = time.perf_counter()
+    try:
+        row = run_distributed(_worker, 2, system, stage, a.backend, a.steps, a.warmup, a.layers, a.d_model,
+                              a.seq, a.micro, timeout=900)[0]
+    except Exception as error:  # a peer that does not run here: its exact error is the result
+        lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+        # the first exception line of the rank that failed first (not its peers' lost connections)
+        errs = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", ln)
+                and "Connection" not in ln and "DistributedTestError" not in ln]
+        row = {"system": system, "stage": stage, "error": (errs[0] if errs else lines[-1])[:400]}
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def _combine(done: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the rounds of a (system, stage): medians of the timings, the largest peak RSS; the
+    per-round step times are kept (``rounds_step_s``)."""
+    ok = [r for r in done if "step_s" in r]
+    if not ok:
+        return done[0]
+    row = dict(ok[0])
+    for key in ("step_s", "cpu_step_s", "first_step_s"):
+        row[key] = statistics.median(r[key] for r in ok)
+    row["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in ok)
+    row["wall_s"] = round(sum(r["wall_s"] for r in done), 1)
+    if len(done) > 1:
+        row["rounds_step_s"] = [round(r["step_s"], 4) for r in ok]
+        row["rounds_cpu_step_s"] = [round(r["cpu_step_s"], 4) for r in ok]
+    return row
+
+
 def main() -> None:
     from common import write_results
-    from zerospeed.testing import run_distributed
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="inductor")
@@ -152,25 +189,21 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=192)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system of a stage this many times, interleaved; timings are the medians")
     p.add_argument("--no-write", action="store_true", help="print only (trial runs)")
     a = p.parse_args()
     rows: list[dict[str, Any]] = []
     eager: dict[int, dict[str, Any]] = {}
     for stage in a.stages:
-        for system in a.systems:
-            if system in STAGE3_ONLY and stage != 3:
-                continue
-            t0 = time.perf_counter()
-            try:
-                row = run_distributed(_worker, 2, system, stage, a.backend, a.steps, a.warmup, a.layers, a.d_model,
-                                      a.seq, a.micro, timeout=900)[0]
-            except Exception as error:  # a peer that does not run here: its exact error is the result
-                lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-                # the first exception line of the rank that failed first (not its peers' lost connections)
-                errs = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", ln)
-                        and "Connection" not in ln and "DistributedTestError" not in ln]
-                row = {"system": system, "stage": stage, "error": (errs[0] if errs else lines[-1])[:400]}
-            row["wall_s"] = round(time.perf_counter() - t0, 1)
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for _ in range(a.rounds):  # systems interleaved: a busy spell on the machine hits each of them
+            for system in a.systems:
+                if system in STAGE3_ONLY and stage != 3:
+                    continue
+                runs.setdefault(system, []).append(_run(system, stage, a))
+        for system, done in runs.items():
+            row = _combine(done)
             if system == "eager" and "step_s" in row:
                 eager[stage] = row
             base = eager.get(stage)
@@ -190,6 +223,9 @@ def main() -> None:
         notes=["2 gloo processes, 1 torch thread each, on a 2-core machine shared with other jobs: timings are noisy",
                "each (system, stage) runs in fresh processes; peak_rss_bytes is rank 0's peak resident set",
                "first_step_s includes compilation; step_s is the median of the measured steps after warmup",
+               "with --rounds N, every system of a stage ran N times interleaved with the others; step_s, "
+               "cpu_step_s and first_step_s are the medians over the rounds (rounds_step_s / rounds_cpu_step_s: "
+               "each round's)",
                "cpu_step_s: median CPU seconds per step of a rank (all its threads; the slower rank), which "
                "other jobs on the machine inflate much less than wall time; cpu_ratio_vs_eager compares those",
                "ratio_vs_eager: step_s over zerospeed eager's at the same stage; fsdp2+compile is compared "

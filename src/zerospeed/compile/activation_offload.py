@@ -10,7 +10,8 @@ Decisions:
   input, not a gathered ZeRO-3 parameter: selective unsharding decides about those) gets a
   ``zerospeed::offload`` right after its last use in the forward; the forward saves the op's empty
   token instead, so the device copy is freed as soon as the forward is done with it. In the
-  backward, a ``zerospeed::reload`` of the same slot goes right before the first use.
+  backward, a ``zerospeed::reload`` of the same slot goes right before the first use. A saved tensor
+  with a dynamic (symbolic) size stays: the reload's size would have to be computed in the graph.
 * The copies are synchronous on CPU (host memory is the memory the tensor is in: the pass then only
   costs the copies; it exists there for parity tests and for the same graphs on accelerators). On
   an accelerator the host copy is pinned and both copies are issued ``non_blocking`` on the current
