@@ -7,8 +7,10 @@
 One step: the scheduler (Dynamic SplitFuse, :mod:`~zerospeed.inference.scheduler`) picks this
 forward's tokens; copy-on-write block copies are applied; the model runs once over the flat token
 batch (no padding) writing K/V into the cache; logits are computed only for sequences whose known
-tokens are now all in the cache (decodes, last prompt chunks); the sampler picks their next tokens;
-stop conditions are checked and finished sequences free their blocks at once.
+tokens are now all in the cache (decodes, last prompt chunks); the sampler picks their next tokens
+(when every one of them is plain greedy, the model may return the argmax tokens straight from its
+LM head instead, :meth:`CausalLM.greedy_tokens`); stop conditions are checked and finished
+sequences free their blocks at once.
 
 Attention: decodes read the paged cache through a C kernel on CPU in float32
 (:mod:`~zerospeed.inference.cpu_kernel`, ``attention_backend="auto"``), else through torch
