@@ -80,24 +80,30 @@ def eager_vs_compiled(stages: list[int], backend: str, seqs: tuple[int, ...] = (
 
 def deep_vs_eager(stages: list[int], backend: str, precision: str = "fp32", steps: int = STEPS,
                   schedule: list | None = None, seqs: tuple[int, ...] = (), seqs_at: tuple[int, ...] = (),
-                  compile_extra: dict | None = None) -> dict:
+                  compile_extra: dict | None = None, accumulation: int = 1) -> dict:
     """For each stage: the eager run, then the DeepCompile run (``compile.deepcompile: true``); extra
-    sequence lengths ``seqs`` after the steps at the stages in ``seqs_at``."""
+    sequence lengths ``seqs`` after the steps at the stages in ``seqs_at``; ``steps`` are micro-steps,
+    ``accumulation`` of them per optimizer step."""
     import torch._dynamo
 
     global config
     plain = config
     out = {}
     for stage in stages:
+        def accumulate(cfg: dict) -> dict:
+            cfg["gradient_accumulation_steps"] = accumulation
+            cfg["train_batch_size"] = GLOBAL_BATCH * accumulation
+            return cfg
+
         def deep(stage: int) -> dict:
-            cfg = plain(stage)
+            cfg = accumulate(plain(stage))
             cfg["compile"] = {"deepcompile": True, **(compile_extra or {})}
             if precision == "bf16":
                 cfg["bf16"] = {"enabled": True}
             return cfg
 
         def eager_cfg(stage: int) -> dict:
-            cfg = plain(stage)
+            cfg = accumulate(plain(stage))
             if precision == "bf16":
                 cfg["bf16"] = {"enabled": True}
             return cfg

@@ -67,13 +67,17 @@ def test_deepcompile_matches_eager_at_stages_0_to_3_without_graph_breaks():
 def test_deepcompile_zero3_inductor_with_activation_offload_and_bf16():
     # one phase (no profiling step): Inductor compiles the forward and backward graphs once, with
     # the all-gathers prefetched (no profile: as early as the limits allow) and async reduce-scatters;
-    # saved activations of at least 1 KiB wait in host memory between the forward and the backward
+    # saved activations of at least 1 KiB wait in host memory between the forward and the backward;
+    # 2 micro-steps per optimizer step: the unsharded buckets stay gathered from the first micro-step's
+    # forward to the second's (no all-gather there), until the optimizer step changes their shards
     schedule = [(0, ["gather_release", "prefetch", "selective_unshard", "reduce_early", "async_reduce"])]
     extra = {"offload_activation": True, "free_activation_threshold": 1024}
-    results = run_distributed(deep_vs_eager, 2, [3], "inductor", "fp32", 2, schedule, (), (), extra, timeout=380)
+    results = run_distributed(deep_vs_eager, 2, [3], "inductor", "fp32", 4, schedule, (), (), extra, 2, timeout=380)
     assert results[0][3]["eager"]["weights"]
     ops = _check(results[0][3], 1e-5, 3, weight_tol=2e-3)["graph_ops"]
     assert ops["offloaded"] > 0 and ops["reloaded"] == ops["offloaded"] and ops["offloaded_bytes"] >= 1024, ops
+    calls = results[0][3]["compiled"]["calls"]
+    assert ops["resident"] > 0 and calls[1] < calls[0] and calls[3] < calls[2], (ops, calls)
     results = run_distributed(deep_vs_eager, 2, [3], "eager", "bf16", 2, timeout=380)
     _check(results[0][3], 1e-2, 3)
 

@@ -14,7 +14,9 @@ Decisions:
   beyond ``stage3_max_live_parameters`` + ``stage3_prefetch_bucket_size`` elements gathered or in
   flight), ``selective_unshard`` (at partition time: the buckets with the highest measured gather
   seconds per byte stay gathered from forward to backward within ``unshard_budget_bytes``, default
-  ``stage3_max_reuse_distance`` elements of the model dtype), ``reduce_early`` (each reduce-scatter
+  ``stage3_max_reuse_distance`` elements of the model dtype; with gradient accumulation they also
+  stay gathered from one micro-step's forward to the next within the window - no all-gather - until
+  their shard changes, which the shard's version counter tells), ``reduce_early`` (each reduce-scatter
   right after its last gradient), ``async_reduce`` (the reduce-scatters run asynchronously while the
   backward computes; they are waited for at the end of the backward graph, or earlier when more than
   ``reduce_bucket_size`` elements would be in flight).
@@ -105,7 +107,11 @@ class _Stage3Owner:
         self.pending: dict[int, _Started] = {}  # started all-gathers
         self.reducing: dict[int, _Started] = {}  # started reduce-scatters
         self.counts = {"gather": 0, "prefetched": 0, "reduce_bucket": 0, "gather_collectives": 0,
-                       "reduce_collectives": 0}  # what the graphs ran
+                       "reduce_collectives": 0, "resident": 0}  # what the graphs ran
+        # selective unsharding across micro-steps: gathered buckets kept until their shard changes
+        self.resident_buckets: set[int] = set()  # which buckets may stay (the kept ones)
+        self.store_resident = False  # whether this forward's gathers are kept (not the window's last)
+        self.resident: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (shard's identity, full buffer)
 
     def full_numel(self, bucket: int) -> int:
         return self.buckets[bucket].padded_numel
@@ -123,7 +129,31 @@ class _Stage3Owner:
         return list(groups.values())
 
     # -- all-gathers ------------------------------------------------------------------------------
+    def _resident(self, bucket: int) -> torch.Tensor | None:
+        held = self.resident.get(bucket)
+        if held is None:
+            return None
+        if held[0] != self._shard_identity(bucket):  # the shard changed (a step, a load): re-gather
+            del self.resident[bucket]
+            return None
+        return held[1]
+
+    def _shard_identity(self, bucket: int) -> tuple[int, int, int]:
+        """Changes whenever the shard does: another tensor, or any in-place write (version counter)."""
+        shard = self.buckets[bucket].shard
+        return id(shard), shard.data_ptr(), shard._version
+
+    def begin_forward(self, store: bool) -> None:
+        """Before each forward: whether its gathers of resident buckets are kept for the next ones."""
+        self.store_resident = store
+        for i in list(self.resident):
+            self._resident(i)  # drops the stale ones now (memory)
+
     def gather_start(self, shards: Sequence[torch.Tensor], buckets: Sequence[int]) -> None:
+        keep = [k for k, i in enumerate(buckets) if self._resident(i) is None]
+        if not keep:
+            return
+        shards, buckets = [shards[k] for k in keep], [buckets[k] for k in keep]
         by_index = dict(zip(buckets, shards))
         for members in self._together(buckets, lambda b: b.dtype):
             for i in members:
@@ -156,12 +186,22 @@ class _Stage3Owner:
         return _Started(work, take, len(members), keep=sent)
 
     def gather(self, shard: torch.Tensor, bucket: int) -> torch.Tensor:
-        started = self.pending.pop(bucket, None)
         self.counts["gather"] += 1
+        held = self._resident(bucket)
+        if held is not None:  # gathered by an earlier micro-step of this accumulation window
+            self.counts["resident"] += 1
+            if not self.store_resident:  # the window's last forward: its last use
+                del self.resident[bucket]
+                return held
+            return held.clone()  # (a graph may reuse the buffers it is given: never hand it the kept one)
+        started = self.pending.pop(bucket, None)
         self.counts["prefetched"] += started is not None
         if started is None:
             started = self._gather_async([shard], [bucket])
-        return started.result(bucket)
+        full = started.result(bucket)
+        if self.store_resident and bucket in self.resident_buckets:
+            self.resident[bucket] = (self._shard_identity(bucket), full.clone())
+        return full
 
     # -- reduce-scatters --------------------------------------------------------------------------
     def reduce_bucket(self, grads: Sequence[torch.Tensor], bucket: int) -> torch.Tensor:
@@ -310,6 +350,9 @@ class DeepCompile:
             self._build(phase)
         assert self.fn is not None
         if self.stage == 3:
+            engine = self.engine
+            window = engine.gradient_accumulation_steps() > 1 and not engine.is_gradient_accumulation_boundary()
+            self.owner.begin_forward(store=window and torch.is_grad_enabled())
             return self.fn(self._leaves(), args, kwargs)
         return self.fn(*args, **kwargs)
 
@@ -329,6 +372,8 @@ class DeepCompile:
             self._gather_seconds()
             self.kept = self._choose_kept() if "selective_unshard" in names else []
             kept = list(self.kept)
+            self.owner.resident_buckets = set(kept)
+            self.owner.resident.clear()
             joint.append(lambda gm: tag_recompute(gm, kept))
             graph_passes.insert(0, _record_gathers)
         partition = []
