@@ -129,7 +129,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_d
 LOGITS_TRANSPOSED_MIN_ROWS = 3
 
 
-# Greedy rows on CPU (float32, 4 rows or more, a CPU with bfloat16 matmul units) skip the float32
+# Greedy rows on CPU (float32, 3 rows or more, a CPU with bfloat16 matmul units) skip the float32
 # logits: a bfloat16 copy of the LM head gives approximate logits, every token whose approximate
 # logit is within twice the error bound of the row's best is a candidate, and the candidates' exact
 # float32 logits pick the token (lowest id on ties, as argmax). The bound: inputs and weights rounded
@@ -143,10 +143,11 @@ LOGITS_TRANSPOSED_MIN_ROWS = 3
 # matmul saved). Measured on the bench's 32000 x 256 head, one thread, caches flushed as in a step:
 # 32 rows 10.2 -> 4.7 ms (LM head plus argmax); over the whole bench workload (32 prompts, 64 greedy
 # tokens each) 1276 -> 1538-1576 tokens per CPU-second, the same tokens, a median of 21 candidates a
-# row (at most 74). Fewer rows: 4 rows 6.0 -> 3.5 ms, 2 rows 3.3 -> 3.2, 1 row 3.2 -> 5.0 (the bfloat16
-# matmul of one row is slow here; a C loop over the bfloat16 weights was no faster than float32's
-# F.linear), so 1-3 rows keep the float32 logits.
-GREEDY_APPROX_MIN_ROWS = 4
+# row (at most 74). Fewer rows: 4 rows 6.0 -> 3.5 ms, 3 rows 3.5 -> 3.5, 2 rows 3.3 -> 3.2, 1 row
+# 3.2 -> 5.0 (the bfloat16 matmul of one row is slow here; a C loop over the bfloat16 weights was
+# no faster than float32's F.linear), so 1-2 rows keep the float32 logits; from 3 rows on the
+# greedy path also spares a greedy workload the transposed float32 copy of the head above.
+GREEDY_APPROX_MIN_ROWS = 3
 GREEDY_MAX_CANDIDATES = 2048
 
 
