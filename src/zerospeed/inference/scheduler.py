@@ -193,7 +193,11 @@ class Scheduler:
         hold = False
         if self.prefill_first and not decoding:
             # hold last tokens only when the prompts in sight do not all fit in this one forward
-            pending = sum(s.num_remaining for s in self.running) + sum(len(s.tokens) for s in self.waiting)
+            pending = sum(s.num_remaining for s in self.running)
+            for s in self.waiting:  # stops as soon as the answer is known (a long queue costs nothing)
+                if pending > self.max_num_batched_tokens:
+                    break
+                pending += len(s.tokens)
             hold = pending > self.max_num_batched_tokens
         batch = self._schedule(hold, cap=decoding)
         if hold and not batch.items and not batch.preempted:
