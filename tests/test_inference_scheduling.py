@@ -190,3 +190,19 @@ def test_greedy_head_is_used_by_the_engine_and_keeps_hf_tokens(llama):
     used.clear()
     outs = engine.generate(ps, SamplingParams(max_new_tokens=2, ignore_eos=True, logprobs=1))
     assert outs == [r[:2] for r in ref] and not used
+
+
+def test_block_weights_are_stored_transposed_with_the_same_values(llama):
+    """On CPU in float32 the blocks' linear weights keep their shape and values but live transposed
+    in memory (MKL multiplies that layout faster); the LM head is left as loaded."""
+    path, _, _ = llama
+    model = make_model("llama", seed=3)
+    engine = build_engine(path, num_blocks=8)
+    ours = engine.model
+    qkv = ours.layers[0].attn.qkv.weight
+    a = model.model.layers[0].self_attn
+    assert qkv.stride() == (1, qkv.shape[0])
+    assert torch.equal(qkv, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+    down = ours.layers[1].mlp.down.weight
+    assert down.stride() == (1, down.shape[0]) and torch.equal(down, model.model.layers[1].mlp.down_proj.weight)
+    assert ours.lm_head.weight.is_contiguous()

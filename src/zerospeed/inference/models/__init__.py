@@ -12,7 +12,7 @@ import importlib
 
 import torch
 
-from zerospeed.inference.models.layers import CausalLM, RotaryTable, TPInfo
+from zerospeed.inference.models.layers import CausalLM, RotaryTable, RowLinear, TPInfo
 from zerospeed.inference.models.loader import TensorReader
 from zerospeed.inference.models.spec import ARCHITECTURES, ModelLoadError, ModelSpec, load_spec, spec_from_config
 
@@ -37,6 +37,22 @@ def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device:
     return model.eval().requires_grad_(False)
 
 
+def prefer_cpu_matmul_layout(model: CausalLM) -> None:
+    """On CPU in float32, store each block's linear weight ``[out, in]`` transposed in memory (same
+    shape and values, strides ``(1, out)``): ``F.linear`` then hands MKL a contiguous ``[in, out]``
+    matrix, which it multiplies faster. Measured (one thread, the bench model's 4 layers of QKV, O,
+    gate/up and down after a 32 MB stream, as in a decode step): 16 rows 1.67 -> 1.30 ms, 32 rows
+    2.54 -> 1.91, 8 rows 1.12 -> 0.96, 1 row 0.66 -> 0.57. No extra memory. The LM head is left
+    alone (tied to the embedding in some families; it has its own copies, see ``CausalLM``)."""
+    for m in model.modules():
+        if m is model.lm_head or not isinstance(m, (torch.nn.Linear, RowLinear)):
+            continue
+        w = m.weight
+        if w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and w.is_contiguous():
+            with torch.no_grad():
+                w.data = w.data.t().contiguous().t()
+
+
 def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                max_positions: int | None = None, tp: TPInfo = TPInfo()) -> tuple[CausalLM, ModelSpec]:
     spec = load_spec(model_dir)
@@ -45,6 +61,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: torch
     family = importlib.import_module(f"zerospeed.inference.models.{spec.family}")
     family.load_weights(model, reader)
     reader.finish(model)
+    prefer_cpu_matmul_layout(model)
     return model, spec
 
 
@@ -57,4 +74,5 @@ def model_from_hf(hf_model: torch.nn.Module, dtype: torch.dtype, device: torch.d
     family = importlib.import_module(f"zerospeed.inference.models.{spec.family}")
     family.load_weights(model, reader)
     reader.finish(model)
+    prefer_cpu_matmul_layout(model)
     return model, spec
