@@ -3,7 +3,6 @@ prefetch within a memory limit, selective unsharding by cost per byte, reduction
 after their last gradient, ZeRO-1/2 gradient outputs routed to the reducer, and backend_fn running
 passes over the forward and backward graphs. A local owner stands in for an engine's buckets."""
 
-import operator
 
 import pytest
 import torch

@@ -24,7 +24,6 @@ Decisions:
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node

@@ -3,21 +3,30 @@ forward or backward graph that ``aot_autograd`` produced with the ops of :mod:`z
 
 * :func:`gather_release` (ZeRO-3) - each ``gather`` (one flat buffer per bucket, the parameters
   are views of it) moves to right before the first node that reads one of its parameters, and a
-  ``release`` of the bucket goes right after the last node that reads any of them. A bucket some view of which leaves the graph (saved for the
-  backward: a bucket kept by selective unsharding) is not released. Under Inductor no release node
+  ``release`` of the bucket goes right after the last node that reads any of them. A bucket some
+  view of which leaves the graph (saved for the backward: a bucket kept by selective unsharding) is
+  not released. Under Inductor no release node
   is inserted: Inductor's generated code frees every buffer after its last use itself (and a
   storage-resizing node in an Inductor graph crashed its generated code when tried).
-* :func:`prefetch` (ZeRO-3) - a ``gather_start`` for each gather, as early as the profile says it
-  must start to hide its all-gather behind the compute before it, but never where the bytes of
-  the buckets gathered or in flight would exceed ``profile.memory_limit_bytes``.
+* :func:`prefetch` (ZeRO-3) - a ``gather_start`` for each gather, at least as early as the profile
+  says it must start to hide its all-gather behind the compute before it, and earlier while no more
+  than ``profile.prefetch_window_bytes`` of other buckets' gathers lie between it and its use; never
+  before an earlier bucket's start (all-gathers start in the order of use) and never where the bytes
+  of the buckets gathered or in flight would exceed ``profile.memory_limit_bytes``. Starts that end
+  up next to each other then share collectives in :func:`coalesce` groups.
+* :func:`coalesce` - consecutive buckets in groups that double in bytes (the first group is the
+  first bucket; each later one at most all the bytes before it, at most ``profile.coalesce_bytes``):
+  the first is ready soonest and each later one has the work on the earlier ones to hide behind.
 * :func:`reduce_early` (all stages) - each reduction (``reduce_bucket``, ``reduce_grads``), with the
   nodes that only feed it (the views and the concatenation of a bucket's gradients, which
   ``aot_autograd`` places at the end of the backward graph), moves to right after the last node it
   needs from the rest of the graph: as soon as its last gradient is produced.
-* :func:`async_reduce` (ZeRO-3) - each ``reduce_bucket`` becomes a ``reduce_start`` where it was and
-  a ``reduce_wait`` as late as possible: right before the graph's output, or, when the bytes of
-  reduce-scatters in flight would exceed ``profile.reduce_limit_bytes``, before the start that
-  would exceed it (oldest first). The reductions then run while the rest of the backward computes.
+* :func:`async_reduce` (ZeRO-3) - the ``reduce_bucket`` nodes become ``reduce_start`` nodes, one per
+  :func:`coalesce` group counted from the end of the graph (so the last, exposed one is the
+  smallest), each where its group's last member was, and one ``reduce_wait`` per bucket as late as
+  possible: right before the graph's output, or, when the bytes of reduce-scatters in flight would
+  exceed ``profile.reduce_limit_bytes``, before the start that would exceed it (oldest first). The
+  reductions then run while the rest of the backward computes.
 * :func:`insert_reduce_grads` (ZeRO-0/1/2) - the backward graph's gradient outputs of the engine's
   parameters go to one ``reduce_grads`` per bucket, and the outputs become ``None`` (autograd never
   accumulates them: the strategy's reducer owns them, so its Python hooks do not fire for them).
