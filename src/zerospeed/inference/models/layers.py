@@ -8,6 +8,7 @@ parity in fp32 (RMSNorm in float32, rotary tables from float32 ``positions * inv
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -151,6 +152,7 @@ GREEDY_APPROX_MIN_ROWS = 3
 GREEDY_MAX_CANDIDATES = 2048
 
 
+@functools.lru_cache(maxsize=None)
 def _bf16_matmul_fast() -> bool:
     cpu = getattr(torch, "cpu", None)
     probes = [getattr(cpu, n, None) for n in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
