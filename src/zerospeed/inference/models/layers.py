@@ -130,25 +130,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_d
 LOGITS_TRANSPOSED_MIN_ROWS = 3
 
 
-# Greedy rows on CPU (float32, 3 rows or more, a CPU with bfloat16 matmul units) skip the float32
-# logits: a bfloat16 copy of the LM head gives approximate logits, every token whose approximate
-# logit is within twice the error bound of the row's best is a candidate, and the candidates' exact
-# float32 logits pick the token (lowest id on ties, as argmax). The bound: inputs and weights rounded
-# to bfloat16 (unit roundoff u = 2^-8), products accumulated in float32 (H * 2^-24), the result
-# rounded to bfloat16 (u): |approx - exact| <= (3u + H 2^-24) * sum_i |h_i w_ji| <= that times
-# ||h|| * max_j ||w_j||, used with a factor 2 to spare. So the token is the float32 argmax (up to
-# float32 rounding of the candidates' dot products, as any change of summation order). A row with
-# more than GREEDY_MAX_CANDIDATES candidates (flat logits) gets its exact logits in full. The selection
-# and the candidates' dot products run in C (cpu_kernel.greedy_refine: one pass over each row's
-# bfloat16 logits for the maximum, one for the candidates; in torch those passes cost more than the
-# matmul saved). Measured on the bench's 32000 x 256 head, one thread, caches flushed as in a step:
-# 32 rows 10.2 -> 4.7 ms (LM head plus argmax); over the whole bench workload (32 prompts, 64 greedy
-# tokens each) 1276 -> 1538-1576 tokens per CPU-second, the same tokens, a median of 21 candidates a
-# row (at most 74). Fewer rows: 4 rows 6.0 -> 3.5 ms, 3 rows 3.5 -> 3.5, 2 rows 3.3 -> 3.2, 1 row
-# 3.2 -> 5.0 (the bfloat16 matmul of one row is slow here; a C loop over the bfloat16 weights was
-# no faster than float32's F.linear), so 1-2 rows keep the float32 logits; from 3 rows on the
-# greedy path also spares a greedy workload the transposed float32 copy of the head above.
-GREEDY_APPROX_MIN_ROWS = 3
+# Greedy rows on CPU (float32, a CPU with bfloat16 matmul units) skip the float32 logits: a
+# bfloat16 copy of the LM head gives approximate logits, every token whose approximate logit is
+# within twice the error bound of the row's best is a candidate, and the candidates' exact float32
+# logits pick the token (lowest id on ties, as argmax). The bound: inputs and weights rounded to
+# bfloat16 (unit roundoff u = 2^-8), products accumulated in float32 (H * 2^-24), the result rounded
+# to bfloat16 (u): |approx - exact| <= (3u + H 2^-24) * sum_i |h_i w_ji| <= that times ||h|| *
+# max_j ||w_j||, used with a factor 2 to spare. So the token is the float32 argmax (up to float32
+# rounding of the candidates' dot products, as any change of summation order). A row with more than
+# GREEDY_MAX_CANDIDATES candidates (flat logits) gets its exact logits in full. The selection and
+# the candidates' dot products run in C (cpu_kernel.greedy_refine: one pass over each row's
+# bfloat16 logits for the maximum, one for the candidates; in torch those passes cost more than
+# the matmul saved). The bfloat16 weight is packed by oneDNN once (torch.mm re-packed it at every
+# call: 3.0 ms for one row, against 1.6 packed). Measured on the bench's 32000 x 256 head, one
+# thread, caches flushed as in a step, LM head plus argmax: 1 row 3.1 -> 2.5 ms, 4 rows 6.1 -> 2.7,
+# 8 rows 9.0 -> 2.9, 32 rows 9.8 -> 4.2; over the whole bench workload (32 prompts, 64 greedy tokens
+# each) 1195 -> 1623-1698 tokens per CPU-second, the same tokens, a median of 21 candidates a row
+# (at most 74).
+GREEDY_APPROX_MIN_ROWS = 1
 GREEDY_MAX_CANDIDATES = 2048
 
 
@@ -205,8 +204,9 @@ class CausalLM(nn.Module):
     def _greedy_tokens_bf16(self, hidden: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         from zerospeed.inference import cpu_kernel
 
-        wb, wmax = self._lm_head_bf16(w)
-        approx = torch.mm(hidden.to(torch.bfloat16), wb)  # [R, V] bfloat16
+        mat, packed, wmax = self._lm_head_bf16(w)
+        xb = hidden.to(torch.bfloat16)
+        approx = torch.ops.mkldnn._linear_pointwise(xb, mat, None, "none", [], "") if packed else torch.mm(xb, mat)
         u = 2.0 ** -8
         # the bound of |approx - exact|, times 2 to spare (the kernel rounds the threshold down)
         err = (2.0 * (3 * u + w.shape[1] * 2.0 ** -24) * (1 + 4 * u) * hidden.norm(dim=1) * wmax).float()
@@ -216,13 +216,25 @@ class CausalLM(nn.Module):
             tokens[flat] = F.linear(hidden.index_select(0, flat), w).max(dim=1).indices
         return tokens
 
-    def _lm_head_bf16(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``w.t()`` in bfloat16, contiguous, and ``max_j ||w_j||``; cached like the transposed copy."""
+    def _lm_head_bf16(self, w: torch.Tensor) -> tuple[torch.Tensor, bool, torch.Tensor]:
+        """The head's weight in bfloat16 for the approximate logits: packed by oneDNN for its matmul
+        when torch has that op (True), else transposed and contiguous for ``torch.mm`` (False); and
+        ``max_j ||w_j||``. Cached like the transposed copy."""
         key = (id(w), w.data_ptr(), w._version, tuple(w.shape))
         cached = self.__dict__.get("_lm_head_bf16_t")
         if cached is None or cached[0] != key:
             wd = w.detach()
-            cached = (key, (wd.t().contiguous().to(torch.bfloat16), wd.norm(dim=1).max()))
+            wb = wd.to(torch.bfloat16)
+            try:
+                mat = torch.ops.mkldnn._reorder_linear_weight(wb, 32)  # the batch size is only a hint
+                probe = torch.ones(1, wb.shape[1], dtype=torch.bfloat16)
+                ok = torch.equal(torch.ops.mkldnn._linear_pointwise(probe, mat, None, "none", [], ""),
+                                 torch.mm(probe, wb.t()))
+            except (AttributeError, RuntimeError):
+                ok = False
+            if not ok:
+                mat = wb.t().contiguous()
+            cached = (key, (mat, ok, wd.norm(dim=1).max()))
             self.__dict__["_lm_head_bf16_t"] = cached
         return cached[1]
 
