@@ -148,6 +148,12 @@ class _Stage3Owner:
         self.store_resident = store
         for i in list(self.resident):
             self._resident(i)  # drops the stale ones now (memory)
+        # collectives a failed forward / backward left behind (every rank issued them): completed, dropped
+        for started in {id(s): s for s in [*self.pending.values(), *self.reducing.values()]}.values():
+            if started.work is not None:
+                started.work.wait()
+        self.pending.clear()
+        self.reducing.clear()
 
     def gather_start(self, shards: Sequence[torch.Tensor], buckets: Sequence[int]) -> None:
         keep = [k for k, i in enumerate(buckets) if self._resident(i) is None]
