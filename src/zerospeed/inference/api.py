@@ -96,7 +96,7 @@ class EngineStats:
 #
 #   build_engine(model_dir: str, *, dtype="fp32", block_size=16, num_blocks=None,
 #                kv_cache_memory=None, max_num_seqs=256, max_model_len=None,
-#                max_num_batched_tokens=512, tensor_parallel=1, max_prefill_tokens_with_decodes=32,
+#                max_num_batched_tokens=512, tensor_parallel=1, max_prefill_tokens_with_decodes=16,
 #                attention_backend="auto", prefill_first=True) -> InferenceEngine
 #
 # With tensor_parallel > 1 it is called on every rank of a torchrun world: rank 0 gets the engine

@@ -59,12 +59,13 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float3
 # scheduler). With prefill first (the scheduler's default), a burst of requests on an idle engine is
 # prefilled before anything decodes, so the cap only matters for requests arriving while others
 # decode. Measured with bench/inference_bench.py's online mode (Poisson arrivals at 4 req/s, one
-# thread, p95 inter-token latency in CPU time; 20261124 sweeps on the shared 2-core machine): a cap of
-# 128 gave 16.6 ms, 64: 12.1 ms, 32: 10.8 ms, 16: 9.3 ms (HF generate at batch 1: 7.1 ms), at about
-# the same tokens per CPU-second (arrival-bound), while a long prompt arriving mid-decode needs
-# prompt_len / cap forwards to its first token. Serving latency-sensitive traffic, lower it; for
-# offline batch jobs, pass None.
-DEFAULT_PREFILL_WITH_DECODES: int | None = 32
+# thread, p95 inter-token latency in CPU time, 2026-11-24 sweeps on the shared 2-core machine): a
+# cap of 128 gave 16.6 ms, 64: 12.1, 32: 10.8 then (after the greedy LM head) 8.8, 16: 7.2, 8: 7.0,
+# against 7.0 for HF generate at batch 1 in the same sweep, at about the same tokens per CPU-second
+# (arrival-bound), while a prompt arriving mid-decode needs prompt_len / cap forwards to its first
+# token (time to first token 43 ms at 32, 63 ms at 16, 155 ms at 8). Serving latency-sensitive
+# traffic, lower it; for offline batch jobs, pass None.
+DEFAULT_PREFILL_WITH_DECODES: int | None = 16
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel")
