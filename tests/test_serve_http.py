@@ -240,6 +240,11 @@ def test_engine_flags_size_the_kv_cache_and_the_context(model_dir):
     kwargs = engine_kwargs(args)
     assert kwargs == {"kv_cache_memory": 65536, "block_size": 8, "max_model_len": 64,
                       "max_num_seqs": 3}
+    latency = build_parser().parse_args([str(model_dir), "--max-prefill-tokens-with-decodes", "none",
+                                         "--no-prefill-first"])
+    assert engine_kwargs(latency) == {"max_prefill_tokens_with_decodes": None, "prefill_first": False}
+    assert engine_kwargs(build_parser().parse_args([str(model_dir), "--max-prefill-tokens-with-decodes", "4"])) \
+        == {"max_prefill_tokens_with_decodes": 4}
     block_bytes = 2 * 2 * 2 * 8 * 4 * 8  # layers x (K, V) x KV heads x head_dim x fp32 x block
     with serve(model_dir, port=0, **kwargs) as handle:
         ok = httpx.post(handle.url + "/v1/completions", timeout=30, json={

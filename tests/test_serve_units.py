@@ -155,6 +155,9 @@ def test_openai_parameters_map_to_sampling_params():
     (["serve", ".", "--bogus"], "unrecognized arguments: --bogus"),
     (["serve", ".", "--tensor-parallel", "0"], "--tensor-parallel: must be at least 1"),
     (["serve", ".", "--max-waiting", "0"], "--max-waiting: must be at least 1"),
+    (["serve", ".", "--max-prefill-tokens-with-decodes", "0"], "--max-prefill-tokens-with-decodes: must be at least 1"),
+    (["serve", ".", "--max-prefill-tokens-with-decodes", "few"],
+     "--max-prefill-tokens-with-decodes: expected an integer"),
 ])
 def test_command_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     assert launcher_main(argv) == 2

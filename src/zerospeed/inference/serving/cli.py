@@ -60,6 +60,13 @@ def _non_negative(name: str):
     return parse
 
 
+def _prefill_cap(text: str) -> int | str:
+    """``--max-prefill-tokens-with-decodes``: a positive integer, or ``none`` (no cap)."""
+    if text.strip().lower() == "none":
+        return "none"
+    return _positive("--max-prefill-tokens-with-decodes")(text)
+
+
 def _memory(text: str) -> int:
     """Bytes, with an optional K/M/G/KiB/MiB/GiB suffix."""
     units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -95,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, help="token budget of one forward")
     p.add_argument("--block-size", type=_positive("--block-size"), default=None,
                    help="tokens per KV-cache block")
+    p.add_argument("--max-prefill-tokens-with-decodes", type=_prefill_cap, default=None,
+                   help="prompt tokens joining a forward while sequences decode (default 16): lower "
+                        "for steadier inter-token latency, 'none' for throughput")
+    p.add_argument("--no-prefill-first", dest="prefill_first", action="store_false", default=None,
+                   help="let the first prompts of a burst decode while the rest are prefilled")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-blocks", type=_positive("--num-blocks"), default=None,
                     help="KV-cache blocks")
@@ -117,8 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("dtype", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs",
-            "max_model_len", "max_num_batched_tokens")
-    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+            "max_model_len", "max_num_batched_tokens", "max_prefill_tokens_with_decodes", "prefill_first")
+    kwargs = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if kwargs.get("max_prefill_tokens_with_decodes") == "none":
+        kwargs["max_prefill_tokens_with_decodes"] = None
+    return kwargs
 
 
 def _error(message: str, status: int) -> int:

@@ -128,7 +128,8 @@ def serve(model_dir: str | os.PathLike | None = None, *, engine: Any = None,
     :class:`ServerHandle` once it accepts connections.
 
     ``engine_kwargs`` go to ``build_engine`` (``dtype``, ``block_size``, ``num_blocks``,
-    ``kv_cache_memory``, ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``). An
+    ``kv_cache_memory``, ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``,
+    ``max_prefill_tokens_with_decodes``, ``prefill_first``). An
     already built ``engine`` (an object with the :mod:`zerospeed.inference.api` interface) may be
     given instead; ``model_dir`` then only supplies the chat template.
     """
