@@ -18,7 +18,8 @@ With ``--rounds N`` every system of a stage runs N times, interleaved (eager, co
 eager, compile, ...), and a row's timings are the medians over the rounds (each round's are kept), so
 a busy spell of the shared machine does not land on one system only.
 
-Reported per row: median step time (warmup excluded; the steps that compile are warmup) and median
+Reported per row: zerospeed's collectives per step (``collectives_per_step``, from ``zerospeed.comm``'s
+counter; the peers' collectives are not counted there), median step time (warmup excluded; the steps that compile are warmup) and median
 CPU seconds per step (the slower rank; robust to other jobs on a shared machine), the first
 step's wall time (compile included), compile seconds (zerospeed: ``engine.get_compile_time()``),
 graph breaks and recompiles (zerospeed: ``engine.compile_report()``), peak RSS of rank 0, the
@@ -123,8 +124,14 @@ def _worker(system: str, stage: int, backend: str, steps: int, warmup: int, laye
     t0 = time.perf_counter()
     losses.append(step(0))
     out["first_step_s"] = time.perf_counter() - t0
+    from zerospeed import comm
+
+    comm.COUNTER.reset()  # zerospeed's collectives (the peers' do not go through zerospeed.comm)
     timing = time_steps(timed, steps, warmup, barrier=dist.barrier)
     out["step_s"] = timing.median_s
+    if engine is not None and not system.startswith("deepspeed"):
+        calls = sum(s["count"] for s in comm.COUNTER.snapshot().values())
+        out["collectives_per_step"] = round(calls / (steps + warmup), 1)
     # CPU seconds of this process per step (all its threads): what the step costs, whatever else
     # runs on the shared machine; the slower rank's median is reported
     mine = torch.tensor([sorted(cpu[warmup:])[len(cpu[warmup:]) // 2]], dtype=torch.float64)
