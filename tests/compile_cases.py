@@ -137,3 +137,34 @@ def deepcompile_refusal(nvme_root: str) -> str:
     finally:
         engine.destroy()
     return ""
+
+
+def deepcompile_after_a_failed_backward() -> tuple[list[float], list[float]]:
+    """ZeRO-3 DeepCompile: a backward that fails after starting a reduce-scatter (simulated: a start
+    left without its wait) does not break the next steps; the losses with and without it."""
+    import torch._dynamo
+
+    out = []
+    for inject in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(TINY)
+        cfg = config(3)
+        cfg["compile"] = {"deepcompile": True}
+        engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine.compile(backend="eager", schedule=[(0, ["gather_release", "prefetch", "reduce_early", "async_reduce"])])
+        owner = engine._zs_compile_state.deepcompile.owner
+        rank, world = dist.get_rank(), dist.get_world_size()
+        losses = []
+        for step in range(3):
+            x, y = batch(step)
+            if step == 1 and inject:  # what a backward that raised halfway leaves: a started reduce-scatter
+                bucket = next(iter(owner.buckets.values()))
+                owner.reduce_start([torch.zeros(bucket.padded_numel)], [bucket.index])
+            loss = engine(x.chunk(world)[rank], targets=y.chunk(world)[rank])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out.append(losses)
+        engine.destroy()
+    return out[0], out[1]

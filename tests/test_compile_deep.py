@@ -15,7 +15,7 @@ of every parameter handed to the reducer at stages 0-2).
 import pytest
 import torch
 
-from compile_cases import deep_vs_eager, deepcompile_refusal
+from compile_cases import deep_vs_eager, deepcompile_after_a_failed_backward, deepcompile_refusal
 from zerospeed.testing import run_distributed
 
 
@@ -86,3 +86,9 @@ def test_deepcompile_with_parameter_offload_is_refused_in_one_line(tmp_path):
     message = run_distributed(deepcompile_refusal, 1, str(tmp_path), timeout=120)[0]
     assert message == ("engine.compile: compile.deepcompile does not support zero_optimization.offload_param "
                        "(a graph reads the shards directly); disable one of them")
+
+
+def test_a_collective_left_started_by_a_failed_step_is_completed_and_dropped():
+    # the next forward waits for it and drops it; the training goes on with the same losses as without it
+    for left, clean in run_distributed(deepcompile_after_a_failed_backward, 2, timeout=200):
+        assert left == clean and len(left) == 3
