@@ -54,11 +54,12 @@ def train(stage: int, backend: str | None, steps: int = STEPS, seqs: tuple[int, 
     weights = engine.consolidated_state_dict()
     return {"losses": losses, "calls": calls, "weights": {k: v.float() for k, v in weights.items()},
             "report": engine.compile_report(), "is_compiled": engine.is_compiled,
-            "compile_time": engine.get_compile_time()}
+            "compile_time": engine.get_compile_time(), "param_dtype": str(next(engine.module.parameters()).dtype)}
 
 
 def eager_vs_compiled(stages: list[int], backend: str, seqs: tuple[int, ...] = (),
-                      compile_kwargs: dict | None = None, seqs_at: tuple[int, ...] = (0,)) -> dict:
+                      compile_kwargs: dict | None = None, seqs_at: tuple[int, ...] = (0,),
+                      precision: str = "fp32") -> dict:
     """For each stage: the eager run, then the compiled run, in this process (extra sequence
     lengths ``seqs`` only at the stages in ``seqs_at``) (Dynamo's caches are
     reset before each compiled run so one engine's guards do not count as another's recompiles)."""
@@ -66,15 +67,28 @@ def eager_vs_compiled(stages: list[int], backend: str, seqs: tuple[int, ...] = (
 
     import torch._dynamo
 
+    global config
+    plain = config
+
+    def with_precision(stage: int) -> dict:
+        cfg = plain(stage)
+        if precision == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        return cfg
+
     out = {}
-    for stage in stages:
-        extra = seqs if stage in seqs_at else ()
-        eager = train(stage, None, seqs=extra)
-        torch._dynamo.reset()
-        t0 = time.perf_counter()
-        compiled = train(stage, backend, seqs=extra, compile_kwargs=compile_kwargs)
-        compiled["wall_s"] = time.perf_counter() - t0
-        out[stage] = {"eager": eager, "compiled": compiled}
+    config = with_precision
+    try:
+        for stage in stages:
+            extra = seqs if stage in seqs_at else ()
+            eager = train(stage, None, seqs=extra)
+            torch._dynamo.reset()
+            t0 = time.perf_counter()
+            compiled = train(stage, backend, seqs=extra, compile_kwargs=compile_kwargs)
+            compiled["wall_s"] = time.perf_counter() - t0
+            out[stage] = {"eager": eager, "compiled": compiled}
+    finally:
+        config = plain
     return out
 
 

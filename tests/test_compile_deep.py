@@ -82,6 +82,15 @@ def test_deepcompile_zero3_inductor_with_activation_offload_and_bf16():
     _check(results[0][3], 1e-2, 3)
 
 
+@pytest.mark.timeout(400)
+def test_deepcompile_matches_eager_in_bf16_at_stages_0_to_2():
+    # stage 3 in bf16 is in the Inductor test above
+    for r in run_distributed(deep_vs_eager, 2, [0, 1, 2], "eager", "bf16", 2, timeout=380):
+        for stage, pair in r.items():
+            assert pair["eager"]["param_dtype"] == pair["compiled"]["param_dtype"] == "torch.bfloat16"
+            _check(pair, 1e-2, stage)
+
+
 def test_deepcompile_with_parameter_offload_is_refused_in_one_line(tmp_path):
     message = run_distributed(deepcompile_refusal, 1, str(tmp_path), timeout=120)[0]
     assert message == ("engine.compile: compile.deepcompile does not support zero_optimization.offload_param "

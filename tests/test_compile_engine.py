@@ -46,3 +46,17 @@ def test_compiled_matches_eager_at_stages_0_to_3_with_counted_breaks_and_recompi
         assert len(r[0]["compiled"]["losses"]) == 6
         assert rep0["recompiles"] == 1 and "size mismatch" in rep0["recompile_reasons"][0], rep0
         assert all(r[s]["compiled"]["report"]["recompiles"] == 0 for s in (1, 2))
+
+
+@pytest.mark.timeout(400)
+def test_compiled_matches_eager_in_bf16_at_stages_0_to_3():
+    # bf16 rounds at 8 bits: the compiled graphs run the same kernels, so 1e-2 relative allows
+    # reassociation only; stage 3 still breaks the graph at the hooks (counted), stages 0-2 do not
+    for r in run_distributed(eager_vs_compiled, 2, [0, 1, 2, 3], "eager", (), None, (), "bf16", timeout=380):
+        for stage, pair in r.items():
+            eager, compiled = pair["eager"], pair["compiled"]
+            assert eager["param_dtype"] == compiled["param_dtype"] == "torch.bfloat16"
+            assert max(abs(a - b) / abs(b) for a, b in zip(compiled["losses"], eager["losses"])) < 1e-2, stage
+            assert max((_rel(compiled["weights"][k], eager["weights"][k]) for k in eager["weights"]), default=0) < 1e-2
+            assert all(c <= e for c, e in zip(compiled["calls"], eager["calls"])), (stage, compiled["calls"])
+            assert (compiled["report"]["graph_breaks"] == 0) == (stage < 3), (stage, compiled["report"])
