@@ -50,6 +50,7 @@ from torch import nn
 
 from zerospeed import comm
 from zerospeed.comm import traceable
+from zerospeed.module_inject.functional import all_reduce_grad
 from zerospeed.module_inject.layers import LinearAllreduce, LinearLayer, LmHeadLayer, VocabParallelEmbedding
 from zerospeed.module_inject.tp_shard import TPSplit, assemble, local_piece
 
@@ -201,24 +202,10 @@ class TPShard:
         return local_piece(full.contiguous(), self.weight_shaped_split("sparse pruning"), self.rank)
 
 
-class _GradAllReduce(torch.autograd.Function):
+def grad_all_reduce(x: torch.Tensor, shard: TPShard) -> torch.Tensor:
     """Identity forward; the gradient summed over the tp group (a replicated tensor whose gradient
     each rank only has a part of)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, shard: TPShard) -> torch.Tensor:
-        ctx.shard = shard
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.shard.all_sum(grad), None
-
-
-def grad_all_reduce(x: torch.Tensor, shard: TPShard) -> torch.Tensor:
-    if shard.size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
-        return x
-    return _GradAllReduce.apply(x, shard)
+    return all_reduce_grad(x, shard.group, shard.size)
 
 
 def fake_quantize_sharded(w: torch.Tensor, bits: int, num_groups: int, symmetric: bool, stochastic: bool,

@@ -110,6 +110,15 @@ def copy_to_tp(x: torch.Tensor, group: Any, tp_size: int) -> torch.Tensor:
     return y
 
 
+def all_reduce_grad(x: torch.Tensor, group: Any, tp_size: int) -> torch.Tensor:
+    """Identity forward; the gradient summed over the tp group (for a replicated tensor of which each
+    rank's backward produces only a part of the gradient). Unlike :func:`copy_to_tp`, no region:
+    every call is its own collective in backward."""
+    if tp_size == 1 or not _tracking(x):
+        return x
+    return _CopyToTP.apply(x, group)
+
+
 def close_region(group: Any) -> None:
     """A row-parallel layer (or the LM head) ran: the next column layer starts a new region."""
     if torch.compiler.is_compiling():
