@@ -220,10 +220,7 @@ class CausalLM(nn.Module):
         """The head's weight in bfloat16 for the approximate logits: packed by oneDNN for its matmul
         when torch has that op (True), else transposed and contiguous for ``torch.mm`` (False); and
         ``max_j ||w_j||``. Cached like the transposed copy."""
-        key = (id(w), w.data_ptr(), w._version, tuple(w.shape))
-        cached = self.__dict__.get("_lm_head_bf16_t")
-        if cached is None or cached[0] != key:
-            wd = w.detach()
+        def build(wd: torch.Tensor) -> tuple[torch.Tensor, bool, torch.Tensor]:
             wb = wd.to(torch.bfloat16)
             try:
                 mat = torch.ops.mkldnn._reorder_linear_weight(wb, 32)  # the batch size is only a hint
@@ -232,19 +229,22 @@ class CausalLM(nn.Module):
                                  torch.mm(probe, wb.t()))
             except (AttributeError, RuntimeError):
                 ok = False
-            if not ok:
-                mat = wb.t().contiguous()
-            cached = (key, (mat, ok, wd.norm(dim=1).max()))
-            self.__dict__["_lm_head_bf16_t"] = cached
-        return cached[1]
+            return (mat if ok else wb.t().contiguous()), ok, wd.norm(dim=1).max()
+
+        return self._derived("_lm_head_bf16_t", w, build)
 
     def _lm_head_transposed(self, w: torch.Tensor) -> torch.Tensor:
         """``w.t().contiguous()``, cached while ``w`` is the same tensor, storage and version."""
+        return self._derived("_lm_head_t", w, lambda wd: wd.t().contiguous())
+
+    def _derived(self, name: str, w: torch.Tensor, build: Callable[[torch.Tensor], Any]) -> Any:
+        """``build(w.detach())``, cached under ``name`` while ``w`` is the same tensor, storage, version
+        and shape (a plain attribute: not a parameter, not in the state dict)."""
         key = (id(w), w.data_ptr(), w._version, tuple(w.shape))
-        cached = self.__dict__.get("_lm_head_t")
+        cached = self.__dict__.get(name)
         if cached is None or cached[0] != key:
-            cached = (key, w.detach().t().contiguous())
-            self.__dict__["_lm_head_t"] = cached  # a plain attribute: not a parameter, not in the state dict
+            cached = (key, build(w.detach()))
+            self.__dict__[name] = cached
         return cached[1]
 
 
