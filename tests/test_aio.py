@@ -141,7 +141,9 @@ def test_direct_io_is_used_on_a_disk_that_supports_it(tmp_path):
         unaligned = _rand((1 << 20) + 1, torch.float32)[1:]  # 4-byte offset: goes via bounce buffer
         h.sync_pwrite(aligned, tmp_path / "a.bin")
         h.sync_pwrite(unaligned, tmp_path / "u.bin")
-        back_a, back_u = new_aligned_tensor(1 << 20, torch.float32), torch.empty_like(unaligned)
+        back_a = new_aligned_tensor(1 << 20, torch.float32)
+        back_u = torch.empty((1 << 20) + 1, dtype=torch.float32)[1:]  # unaligned on purpose, not by chance
+        assert not is_aligned(unaligned) and not is_aligned(back_u)
         h.sync_pread(back_a, tmp_path / "a.bin")
         h.sync_pread(back_u, tmp_path / "u.bin")
         assert torch.equal(back_a, aligned) and torch.equal(back_u, unaligned)
