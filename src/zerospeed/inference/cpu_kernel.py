@@ -217,6 +217,42 @@ void zs_greedy_refine(const uint16_t *approx, const float *hidden, const float *
     }
 }
 
+/* The same selection after an approximate float32 matmul (the int8 LM head, whose logits are in
+   units of each row's activation scale, see models/layers.py): candidates are the tokens with
+   approx[j] >= max_j approx - 2 * err[r], the threshold taken in double and rounded down to a float
+   (a superset of the candidates, never fewer); exact float32 logits h . w_j of the candidates pick
+   the token (largest, lowest id on ties). tokens[r] = -1 with more than max_cand candidates or none
+   (NaN). The maximum is taken over 16 lanes so that the compiler vectorises the pass. */
+void zs_greedy_refine_f32(const float *approx, const float *hidden, const float *w, const float *err,
+                          int64_t rows, int64_t vocab, int64_t h, int64_t max_cand, int64_t *tokens) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *a = approx + r * vocab;
+        const float *x = hidden + r * h;
+        float lane[16];
+        for (int k = 0; k < 16; ++k) lane[k] = -INFINITY;
+        int64_t j = 0;
+        for (; j + 16 <= vocab; j += 16)
+            for (int k = 0; k < 16; ++k) lane[k] = a[j + k] > lane[k] ? a[j + k] : lane[k];
+        float m = -INFINITY;
+        for (int k = 0; k < 16; ++k) m = lane[k] > m ? lane[k] : m;
+        for (; j < vocab; ++j) m = a[j] > m ? a[j] : m;
+        const double thr = (double)m - 2.0 * (double)err[r];
+        float tf = (float)thr;
+        if ((double)tf > thr) tf = nextafterf(tf, -INFINITY);
+        int64_t count = 0, best_j = -1;
+        float best = -INFINITY;
+        for (j = 0; j < vocab; ++j) {
+            if (!(a[j] >= tf)) continue;
+            if (++count > max_cand) { best_j = -1; break; }
+            const float *wj = w + j * h;
+            float s = 0.f;
+            for (int64_t i = 0; i < h; ++i) s += x[i] * wj[i];
+            if (s > best || best_j < 0) { best = s; best_j = j; }
+        }
+        tokens[r] = best_j;
+    }
+}
+
 """
 
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -260,6 +296,9 @@ def _build() -> ctypes.CDLL:
     g = dll.zs_greedy_refine
     g.argtypes = [P, P, P, P, I, I, I, I, P]
     g.restype = None
+    g = dll.zs_greedy_refine_f32
+    g.argtypes = [P, P, P, P, I, I, I, I, P]
+    g.restype = None
     return dll
 
 
@@ -301,7 +340,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def greedy_refine(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, err: torch.Tensor,
                   max_candidates: int) -> torch.Tensor:
-    """``approx [R, V]`` bfloat16 approximate logits, ``hidden [R, H]`` and ``weight [V, H]`` float32,
+    """``approx [R, V]`` bfloat16 or float32 approximate logits, ``hidden [R, H]`` and ``weight [V, H]`` float32,
     ``err [R]`` float32 bounds on ``|approx - exact|``: the exact argmax token of each row among the
     candidates within ``2 * err`` of its best approximate logit, or -1 where a row has more than
     ``max_candidates`` of them. All contiguous CPU tensors."""
@@ -311,7 +350,13 @@ def greedy_refine(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tens
     rows, vocab = approx.shape
     out = torch.empty(rows, dtype=torch.int64)
     approx, hidden, weight, err = approx.contiguous(), hidden.contiguous(), weight.contiguous(), err.contiguous()
-    _state["dll"].zs_greedy_refine(approx.data_ptr(), hidden.data_ptr(), weight.data_ptr(), err.data_ptr(), rows, vocab,
-                                   hidden.shape[1], max_candidates, out.data_ptr())
+    if approx.dtype == torch.float32:
+        fn = _state["dll"].zs_greedy_refine_f32
+    elif approx.dtype == torch.bfloat16:
+        fn = _state["dll"].zs_greedy_refine
+    else:
+        raise TypeError(f"greedy_refine: approximate logits must be bfloat16 or float32, not {approx.dtype}")
+    fn(approx.data_ptr(), hidden.data_ptr(), weight.data_ptr(), err.data_ptr(), rows, vocab, hidden.shape[1],
+       max_candidates, out.data_ptr())
     return out
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from zerospeed.inference.models import greedy_head
 from zerospeed.inference.models.spec import ModelLoadError, ModelSpec
 
 
@@ -146,8 +147,12 @@ LOGITS_TRANSPOSED_MIN_ROWS = 3
 # thread, caches flushed as in a step, LM head plus argmax: 1 row 3.1 -> 2.5 ms, 4 rows 6.1 -> 2.7,
 # 8 rows 9.0 -> 2.9, 32 rows 9.8 -> 4.2; over the whole bench workload (32 prompts, 64 greedy tokens
 # each) 1195 -> 1623-1698 tokens per CPU-second, the same tokens, a median of 21 candidates a row
-# (at most 74).
+# (at most 74). Where oneDNN's int8 matmul runs on int8 units (AMX / VNNI), an int8 copy of the head
+# (8 MB) replaces the bfloat16 one, with its own proven bound (models/greedy_head.py): engine decode
+# steps of 12 sequences on the bench model, interleaved A/B on the loaded 2-core machine, 7.83 ->
+# 7.44 CPU ms (median), the same tokens.
 GREEDY_APPROX_MIN_ROWS = 1
+GREEDY_APPROX_MODES = ("auto", "int8", "bf16", "off")
 GREEDY_MAX_CANDIDATES = 2048
 
 
@@ -187,19 +192,46 @@ class CausalLM(nn.Module):
             return torch.mm(hidden, self._lm_head_transposed(w))
         return self.lm_head(hidden).float()
 
+    #: the approximate LM head for greedy rows on CPU: "auto" (int8 where oneDNN's int8 matmul runs
+    #: on int8 matrix units, else bfloat16 where the CPU has bfloat16 units, else none), "int8",
+    #: "bf16" or "off" (float32 logits always); "int8" / "bf16" still need their hardware
+    greedy_approx: str = "auto"
+
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The argmax token of each row of ``compute_logits(hidden)`` without computing every float32
-        logit (see ``GREEDY_APPROX_MIN_ROWS``); None where that path does not apply (the caller
-        then computes the logits)."""
+        logit (see ``GREEDY_APPROX_MIN_ROWS`` and :mod:`~zerospeed.inference.models.greedy_head`);
+        None where that path does not apply (the caller then computes the logits)."""
         w, rows = getattr(self.lm_head, "weight", None), hidden.shape[0]
+        mode = self.greedy_approx
+        if mode not in GREEDY_APPROX_MODES:
+            raise ValueError(f"greedy_approx: {mode!r} is not one of {', '.join(GREEDY_APPROX_MODES)}")
         if (w is None or w.device.type != "cpu" or w.dtype != torch.float32 or hidden.dtype != torch.float32
-                or rows < GREEDY_APPROX_MIN_ROWS or self.lm_head.bias is not None or not _bf16_matmul_fast()):
+                or rows < GREEDY_APPROX_MIN_ROWS or self.lm_head.bias is not None or mode == "off"):
             return None
+        if mode in ("auto", "int8") and greedy_head.int8_matmul_fast():
+            head = self._derived("_lm_head_int8", w, greedy_head.build_int8_head)
+            if head is not None:
+                return self._greedy_tokens_int8(hidden, w, head)
+        if mode in ("auto", "bf16") and _bf16_matmul_fast():
+            from zerospeed.inference import cpu_kernel
+
+            if cpu_kernel.available()[0]:
+                return self._greedy_tokens_bf16(hidden, w)
+        return None
+
+    def _greedy_tokens_int8(self, hidden: torch.Tensor, w: torch.Tensor, head: "greedy_head.Int8Head"
+                            ) -> torch.Tensor:
         from zerospeed.inference import cpu_kernel
 
-        if not cpu_kernel.available()[0]:
-            return None
-        return self._greedy_tokens_bf16(hidden, w)
+        approx, err = greedy_head.approx_logits(head, hidden)
+        if cpu_kernel.available()[0]:
+            tokens = cpu_kernel.greedy_refine(approx, hidden, w, err, GREEDY_MAX_CANDIDATES)
+        else:
+            tokens = greedy_head.refine_torch(approx, hidden, w, err, GREEDY_MAX_CANDIDATES)
+        flat = (tokens < 0).nonzero(as_tuple=True)[0]
+        if flat.numel():  # too many near-ties for the candidate path: these rows in full
+            tokens[flat] = F.linear(hidden.index_select(0, flat), w).max(dim=1).indices
+        return tokens
 
     def _greedy_tokens_bf16(self, hidden: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         from zerospeed.inference import cpu_kernel
