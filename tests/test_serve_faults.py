@@ -17,21 +17,26 @@ import pytest
 from serve_cases import ServerProcess, build_model_dir, metric, serve_argv
 
 MODEL = "tiny"
-NUM_BLOCKS = 80
+NUM_BLOCKS = 300
+# A request long enough that nothing a client does around it (a /metrics read, a 0.5 s read timeout,
+# two more requests) can race with its end: 4000 tokens take about 5 s on the 2-core dev machine
+# (900 took 0.86 s there, so a CPU twice as fast would have finished one before a 0.5 s read timeout)
+LONG = 4000
+MAX_LEN = 4096
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_model_dir(tmp_path_factory.mktemp("serve_faults") / "tiny-llama",
-                           max_position_embeddings=1024)
+                           max_position_embeddings=MAX_LEN)
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
     srv = ServerProcess(serve_argv(model_dir, "--served-model-name", MODEL, "--max-num-seqs", "1",
                                    "--max-waiting", "1", "--num-blocks", str(NUM_BLOCKS),
-                                   "--block-size", "16", "--max-model-len", "1024",
+                                   "--block-size", "16", "--max-model-len", str(MAX_LEN),
                                    "--shutdown-timeout", "20"))
     yield srv
     srv.kill()
@@ -65,7 +70,7 @@ def _idle(server) -> bool:
 def test_disconnect_mid_stream_frees_blocks_at_once(server):
     tokens0 = metric(_metrics(server), "zerospeed_generation_tokens_total")
     with httpx.Client(timeout=30) as c:
-        with c.stream("POST", server.url + "/v1/completions", json=_body(900)) as r:
+        with c.stream("POST", server.url + "/v1/completions", json=_body(LONG)) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             for line in lines:
@@ -78,12 +83,12 @@ def test_disconnect_mid_stream_frees_blocks_at_once(server):
     _wait_for(lambda: _idle(server), timeout=20.0)
     m = _metrics(server)
     assert metric(m, "zerospeed_kv_blocks_free") == NUM_BLOCKS
-    assert metric(m, "zerospeed_generation_tokens_total") - tokens0 < 900  # cut short, not finished
+    assert metric(m, "zerospeed_generation_tokens_total") - tokens0 < LONG  # cut short, not finished
     assert 'zerospeed_requests_finished_total{finish_reason="abort"} 1.0' in m
 
 
 def test_non_streaming_client_that_gives_up_frees_blocks(server):
-    body = dict(_body(900), stream=False)
+    body = dict(_body(LONG), stream=False)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
     _wait_for(lambda: _idle(server), timeout=20.0)
@@ -94,7 +99,7 @@ def test_non_streaming_client_that_gives_up_frees_blocks(server):
 
 def test_full_waiting_queue_gives_429_with_retry_after(server):
     with httpx.Client(timeout=30) as c1, httpx.Client(timeout=30) as c2:
-        with c1.stream("POST", server.url + "/v1/completions", json=_body(900)) as running:
+        with c1.stream("POST", server.url + "/v1/completions", json=_body(LONG)) as running:
             assert running.status_code == 200
             lines = running.iter_lines()  # kept: a dropped iterator closes the connection
             assert next(line for line in lines if line.startswith("data: {"))
