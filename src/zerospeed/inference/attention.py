@@ -92,6 +92,8 @@ class AttentionMetadata:
     kernel_tables: torch.Tensor | None = None
     kernel_lens: torch.Tensor | None = None
     kernel_max_ctx: int = 0
+    # float32 on CPU with the C kernels: layers may use attend_qkv and the fused norms (see the models)
+    cpu_fused: bool = False
     _masks: dict = field(default_factory=dict)
 
     @classmethod
@@ -154,7 +156,7 @@ class AttentionMetadata:
         return cls(torch.tensor(slots, dtype=torch.int64, device=device),
                    torch.tensor(positions, dtype=torch.int64, device=device), num_decodes, groups,
                    prefills, block_size=block_size, workspace=workspace if workspace is not None else Workspace(),
-                   kernel_tables=k_tables, kernel_lens=k_lens, kernel_max_ctx=k_max)
+                   kernel_tables=k_tables, kernel_lens=k_lens, kernel_max_ctx=k_max, cpu_fused=decode_kernel)
 
     @property
     def num_tokens(self) -> int:
@@ -211,6 +213,27 @@ class AttentionMetadata:
         for g, group in enumerate(self.decode_groups):
             out[group.start:group.end] = self._decode(g, q[group.start:group.end], k_cache, v_cache, scale, window,
                                                       gqa)
+        self._prefills_into(out, q, k, v, k_cache, v_cache, scale, window, gqa)
+        return out.view(T, hq * d)
+
+    def attend_qkv(self, qkv: torch.Tensor, hq: int, hkv: int, d: int, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float | None = None,
+                   window: int | None = None) -> torch.Tensor:
+        """:meth:`attend` from the fused projection ``qkv [T, (hq + 2 hkv) d]`` with rotary ``cos`` /
+        ``sin`` (``[T, 1, rot]``) applied, in one C call for the rotary, the cache writes and the
+        decodes (only with ``cpu_fused``: float32 on CPU with the kernels built). Returns ``[T, hq*d]``."""
+        T = qkv.shape[0]
+        out, q, k = cpu_kernel.attention_layer(
+            qkv, self.num_decodes, hq, hkv, d, cos.reshape(T, -1), sin.reshape(T, -1), self.slots, k_cache, v_cache,
+            self.kernel_tables, self.kernel_lens, self.block_size, self.kernel_max_ctx, scale, window,
+            want_k=bool(self.prefills))
+        if self.prefills:
+            v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)
+            self._prefills_into(out, q, k, v, k_cache, v_cache, scale, window, hq != hkv)
+        return out.view(T, hq * d)
+
+    def _prefills_into(self, out, q, k, v, k_cache, v_cache, scale, window, gqa) -> None:
+        """Prompt chunks: one SDPA call each, into rows of ``out [T, Hq, D]``."""
         for i, chunk in enumerate(self.prefills):
             s, n = chunk.token_start, chunk.num_tokens
             qp = q[s:s + n].transpose(0, 1).unsqueeze(0)
@@ -225,7 +248,6 @@ class AttentionMetadata:
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale,
                                                enable_gqa=gqa)
             out[s:s + n] = o[0].transpose(0, 1)
-        return out.view(T, hq * d)
 
     def _gather(self, cache: torch.Tensor, tables: torch.Tensor, name: str) -> torch.Tensor:
         """Blocks ``tables [B, nb]`` of a ``[slots, H, D]`` cache -> ``[B, nb * block_size, H, D]``, in

@@ -175,6 +175,103 @@ int zs_paged_decode_attention(const float *q, const float *k, const float *v, fl
     return err;
 }
 
+/* The glue of one attention layer in a forward, fused so that it costs one call instead of a dozen
+   torch ops (each ~2-5 us of dispatch on this CPU, most of a small decode step's fixed cost):
+   qkv [T, (hq + 2 hkv) d] (row stride ld) -> q rotated into q_out [T, hq, d]; k rotated into the cache
+   at slots[t] (and into k_out [T, hkv, d] when given); v copied into the cache; then decode
+   attention for the first nd rows (their contexts through tables / lens) into attn_out [nd, hq, d].
+   Rotary: rotate-half on the first rot features with the rows cos / sin [T, rot] (already looked up
+   by position), the rest passed through: y_i = x_i c_i - x_{i+rot/2} s_i (i < rot/2), y_i = x_i c_i +
+   x_{i-rot/2} s_i (rot/2 <= i < rot), HF's q * cos + rotate_half(q) * sin. */
+static inline void rope_row(const float *x, float *y, int64_t heads, int64_t d, int64_t rot, const float *c,
+                            const float *s) {
+    const int64_t half = rot / 2;
+    for (int64_t hh = 0; hh < heads; ++hh) {
+        const float *xr = x + hh * d;
+        float *yr = y + hh * d;
+        for (int64_t i = 0; i < half; ++i) yr[i] = xr[i] * c[i] - xr[i + half] * s[i];
+        for (int64_t i = half; i < rot; ++i) yr[i] = xr[i] * c[i] + xr[i - half] * s[i];
+        for (int64_t i = rot; i < d; ++i) yr[i] = xr[i];
+    }
+}
+
+int zs_attention_layer(const float *qkv, int64_t ld, int64_t T, int64_t nd, int64_t hq, int64_t hkv, int64_t d,
+                       int64_t rot, const float *cos_rows, const float *sin_rows, const int64_t *slots,
+                       float *k_cache, float *v_cache, float *q_out, float *k_out, const int64_t *tables,
+                       const int64_t *lens, int64_t max_blocks, int64_t block_size, int64_t window, int64_t max_ctx,
+                       float scale, int64_t nthreads, float *attn_out) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float *row = qkv + t * ld;
+        const float *c = cos_rows + t * rot, *s = sin_rows + t * rot;
+        rope_row(row, q_out + t * hq * d, hq, d, rot, c, s);
+        float *kc = k_cache + slots[t] * hkv * d;
+        rope_row(row + hq * d, kc, hkv, d, rot, c, s);
+        if (k_out) memcpy(k_out + t * hkv * d, kc, sizeof(float) * (size_t)(hkv * d));
+        memcpy(v_cache + slots[t] * hkv * d, row + (hq + hkv) * d, sizeof(float) * (size_t)(hkv * d));
+    }
+    if (nd == 0) return 0;
+    return zs_paged_decode_attention(q_out, k_cache, v_cache, attn_out, tables, lens, nd, max_blocks, block_size,
+                                     hq, hkv, d, window, max_ctx, scale, nthreads);
+}
+
+/* RMSNorm over rows of x [T, n]: y = w * (x * 1 / sqrt(mean(x^2) + eps)), HF's LlamaRMSNorm in float32
+   (the sum of squares in another order: float32 rounding apart). */
+void zs_rms_norm(const float *x, const float *w, float *y, int64_t T, int64_t n, float eps) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float *xr = x + t * n;
+        float *yr = y + t * n;
+        float ss = 0.f;
+        for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+        const float r = 1.f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; ++i) yr[i] = w[i] * (xr[i] * r);
+    }
+}
+
+/* y [M, N] = x [M, K] @ W + (bias [N] or 0) + (res [M, N] or 0), for a few rows M (decode steps): the
+   weight packed as [N/16][K][16] (16 output columns, all K, contiguous) is streamed from memory once,
+   each 16-column panel reused from L1 by every group of up to 8 rows, whose 16-wide accumulators stay
+   in registers. A decode step of a small model reads each weight once from DRAM: there MKL's sgemm for
+   4-16 rows ran at about half the memory speed (its packing and blocking are made for large M). */
+typedef float zs_v16w __attribute__((vector_size(64)));
+#define ZS_PANEL(R)                                                                                          \
+    static void zs_panel##R(const float *x, int64_t K, const float *w, const float *bias, const float *res,   \
+                            float *y, int64_t N, int pf) {                                                  \
+        zs_v16w acc[R];                                                                                      \
+        zs_v16w b0 = {0};                                                                                    \
+        if (bias) memcpy(&b0, bias, sizeof b0);                                                              \
+        for (int r = 0; r < R; ++r) acc[r] = b0;                                                             \
+        for (int64_t k = 0; k < K; ++k) {                                                                    \
+            zs_v16w b;                                                                                       \
+            memcpy(&b, w + k * 16, sizeof b);                                                                \
+            if (pf) __builtin_prefetch(w + (K + k) * 16); /* the next panel, while this one computes */     \
+            for (int r = 0; r < R; ++r) acc[r] += x[r * K + k] * b;                                          \
+        }                                                                                                    \
+        for (int r = 0; r < R; ++r) {                                                                        \
+            zs_v16w o = acc[r];                                                                              \
+            if (res) { zs_v16w h; memcpy(&h, res + r * N, sizeof h); o = h + o; }                            \
+            memcpy(y + r * N, &o, sizeof o);                                                                 \
+        }                                                                                                    \
+    }
+ZS_PANEL(8)
+ZS_PANEL(4)
+ZS_PANEL(2)
+ZS_PANEL(1)
+
+void zs_skinny_gemm(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
+                    const float *res, float *y) {
+    for (int64_t t = 0; t < N / 16; ++t) {
+        const float *w = wp + t * K * 16;
+        const float *bt = bias ? bias + t * 16 : 0;
+        int64_t m = 0;
+        int pf = t + 1 < N / 16; /* every group of rows prefetches the next panel (lines already asked for are cheap) */
+#define ZS_ROWS(R)                                                                                           \
+        for (; m + R <= M; m += R)                                                                           \
+            zs_panel##R(x + m * K, K, w, bt, res ? res + m * N + t * 16 : 0, y + m * N + t * 16, N, pf);
+        ZS_ROWS(8) ZS_ROWS(4) ZS_ROWS(2) ZS_ROWS(1)
+#undef ZS_ROWS
+    }
+}
+
 /* Greedy selection after an approximate (bfloat16) LM head, one row at a time: the row's largest
    approximate logit m; every token j with approx[j] >= m - 2 * err[r] is a candidate; its exact
    float32 logit h . w_j picks the token (largest, lowest id on ties). A row with more than
@@ -223,33 +320,56 @@ void zs_greedy_refine(const uint16_t *approx, const float *hidden, const float *
    (a superset of the candidates, never fewer); exact float32 logits h . w_j of the candidates pick
    the token (largest, lowest id on ties). tokens[r] = -1 with more than max_cand candidates or none
    (NaN). The maximum is taken over 16 lanes so that the compiler vectorises the pass. */
+typedef float zs_v16f __attribute__((vector_size(64)));
+typedef int32_t zs_v16i __attribute__((vector_size(64)));
+
+/* GCC/Clang vector extensions (one AVX-512 register, or several narrower ones): the compiler would not
+   vectorise a scalar max or compare loop over floats by itself (NaN rules) */
+static inline zs_v16f zs_load16(const float *p) { zs_v16f v; memcpy(&v, p, sizeof v); return v; }
+
 void zs_greedy_refine_f32(const float *approx, const float *hidden, const float *w, const float *err,
                           int64_t rows, int64_t vocab, int64_t h, int64_t max_cand, int64_t *tokens) {
     for (int64_t r = 0; r < rows; ++r) {
         const float *a = approx + r * vocab;
         const float *x = hidden + r * h;
-        float lane[16];
-        for (int k = 0; k < 16; ++k) lane[k] = -INFINITY;
         int64_t j = 0;
-        for (; j + 16 <= vocab; j += 16)
-            for (int k = 0; k < 16; ++k) lane[k] = a[j + k] > lane[k] ? a[j + k] : lane[k];
         float m = -INFINITY;
-        for (int k = 0; k < 16; ++k) m = lane[k] > m ? lane[k] : m;
+        if (vocab >= 16) {
+            zs_v16f mv = zs_load16(a);
+            for (j = 16; j + 16 <= vocab; j += 16) {
+                const zs_v16f v = zs_load16(a + j);
+                const zs_v16i gt = v > mv;
+                mv = (zs_v16f)(((zs_v16i)v & gt) | ((zs_v16i)mv & ~gt));
+            }
+            for (int k = 0; k < 16; ++k) m = mv[k] > m ? mv[k] : m;
+        }
         for (; j < vocab; ++j) m = a[j] > m ? a[j] : m;
         const double thr = (double)m - 2.0 * (double)err[r];
         float tf = (float)thr;
         if ((double)tf > thr) tf = nextafterf(tf, -INFINITY);
+        const zs_v16f tv = (zs_v16f){0} + tf;
         int64_t count = 0, best_j = -1;
         float best = -INFINITY;
-        for (j = 0; j < vocab; ++j) {
-            if (!(a[j] >= tf)) continue;
-            if (++count > max_cand) { best_j = -1; break; }
-            const float *wj = w + j * h;
-            float s = 0.f;
-            for (int64_t i = 0; i < h; ++i) s += x[i] * wj[i];
-            if (s > best || best_j < 0) { best = s; best_j = j; }
+        for (int64_t j0 = 0; j0 < vocab && count <= max_cand; j0 += 64) {
+            const int64_t j1 = j0 + 64 < vocab ? j0 + 64 : vocab;
+            if (j1 - j0 == 64) { /* a vectorised test of 64 tokens first: candidates are rare */
+                zs_v16f v0 = zs_load16(a + j0), v1 = zs_load16(a + j0 + 16), v2 = zs_load16(a + j0 + 32),
+                        v3 = zs_load16(a + j0 + 48);
+                const zs_v16i ge = (v0 >= tv) | (v1 >= tv) | (v2 >= tv) | (v3 >= tv);
+                uint64_t u[8];
+                memcpy(u, &ge, sizeof u);
+                if (!(u[0] | u[1] | u[2] | u[3] | u[4] | u[5] | u[6] | u[7])) continue;
+            }
+            for (j = j0; j < j1; ++j) {
+                if (!(a[j] >= tf)) continue;
+                if (++count > max_cand) { best_j = -1; break; }
+                const float *wj = w + j * h;
+                float s = 0.f;
+                for (int64_t i = 0; i < h; ++i) s += x[i] * wj[i];
+                if (s > best || best_j < 0) { best = s; best_j = j; }
+            }
         }
-        tokens[r] = best_j;
+        tokens[r] = count > max_cand ? -1 : best_j;
     }
 }
 
@@ -296,6 +416,15 @@ def _build() -> ctypes.CDLL:
     g = dll.zs_greedy_refine
     g.argtypes = [P, P, P, P, I, I, I, I, P]
     g.restype = None
+    a = dll.zs_attention_layer
+    a.argtypes = [P, I, I, I, I, I, I, I, P, P, P, P, P, P, P, P, P, I, I, I, I, ctypes.c_float, I, P]
+    a.restype = ctypes.c_int
+    n = dll.zs_rms_norm
+    n.argtypes = [P, P, P, I, I, ctypes.c_float]
+    n.restype = None
+    k = dll.zs_skinny_gemm
+    k.argtypes = [P, I, I, P, I, P, P, P]
+    k.restype = None
     g = dll.zs_greedy_refine_f32
     g.argtypes = [P, P, P, P, I, I, I, I, P]
     g.restype = None
@@ -360,3 +489,58 @@ def greedy_refine(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tens
        max_candidates, out.data_ptr())
     return out
 
+
+
+def attention_layer(qkv: torch.Tensor, num_decodes: int, hq: int, hkv: int, d: int, cos_rows: torch.Tensor,
+                    sin_rows: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    tables: torch.Tensor | None, lens: torch.Tensor | None, block_size: int, max_ctx: int,
+                    scale: float | None, window: int | None, want_k: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     torch.Tensor | None]:
+    """One attention layer's glue in one call (see ``zs_attention_layer``): ``qkv [T, (hq + 2 hkv) d]``
+    (rows contiguous), ``cos_rows`` / ``sin_rows [T, rot]``, ``slots [T]``; returns the decode rows'
+    attention ``[T, hq, d]`` (rows ``num_decodes:`` left for the caller), the rotated q ``[T, hq, d]``
+    and, with ``want_k``, the rotated k ``[T, hkv, d]``. Caller guarantees float32 CPU tensors with
+    contiguous rows, and that :func:`available` is true."""
+    T = qkv.shape[0]
+    rot = cos_rows.shape[-1]
+    q_out = torch.empty(T, hq, d)
+    k_out = torch.empty(T, hkv, d) if want_k else None
+    out = torch.empty(T, hq, d)
+    rc = _state["dll"].zs_attention_layer(
+        qkv.data_ptr(), qkv.stride(0), T, num_decodes, hq, hkv, d, rot, cos_rows.data_ptr(), sin_rows.data_ptr(),
+        slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q_out.data_ptr(),
+        None if k_out is None else k_out.data_ptr(), None if tables is None else tables.data_ptr(),
+        None if lens is None else lens.data_ptr(), 0 if tables is None else tables.shape[1], block_size,
+        window or 0, max_ctx, d ** -0.5 if scale is None else float(scale), torch.get_num_threads(),
+        out.data_ptr())
+    if rc != 0:
+        raise MemoryError("CPU decode-attention kernel: out of memory for its score buffer")
+    return out, q_out, k_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim of a contiguous float32 CPU ``x``."""
+    y = torch.empty_like(x)
+    n = x.shape[-1]
+    _state["dll"].zs_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+    return y
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (an ``nn.Linear`` weight) -> ``[N / 16, K, 16]`` contiguous for
+    :func:`skinny_linear`; ``N`` must be a multiple of 16."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // 16, 16, k).transpose(1, 2).contiguous()
+
+
+def skinny_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias) (+ residual)`` with ``W`` given by :func:`pack_weight`; contiguous float32
+    CPU tensors, :func:`available` true."""
+    m, k = x.shape
+    n = packed.shape[0] * 16
+    y = torch.empty(m, n)
+    _state["dll"].zs_skinny_gemm(x.data_ptr(), m, k, packed.data_ptr(), n,
+                                 None if bias is None else bias.data_ptr(),
+                                 None if residual is None else residual.data_ptr(), y.data_ptr())
+    return y

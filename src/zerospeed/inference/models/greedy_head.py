@@ -72,9 +72,14 @@ class Int8Head:
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [V, H]`` float32 -> int8 ``q`` and float32 scales ``s`` (``s_j = max|w_j| / 127``, 1 for
     an all-zero row)."""
-    s = w.abs().amax(dim=1) / 127
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    q = torch.round(w / s.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    s = torch.empty(w.shape[0], dtype=torch.float32)
+    q = torch.empty(w.shape, dtype=torch.int8)
+    for lo in range(0, w.shape[0], 1024):  # in slices: no full-size temporaries
+        part = w[lo:lo + 1024]
+        sc = part.abs().amax(dim=1) / 127
+        sc = torch.where(sc > 0, sc, torch.ones_like(sc))
+        s[lo:lo + 1024] = sc
+        q[lo:lo + 1024] = torch.round(part / sc.unsqueeze(1)).clamp_(-127, 127)
     return q, s
 
 
@@ -82,11 +87,14 @@ def build_int8_head(w: torch.Tensor) -> Int8Head | None:
     """Quantise and pack ``w``; None when oneDNN's result on a probe is not the integer product
     (an op that does not do what this module assumes is never used)."""
     q, s = quantize_rows(w)
-    w64, q64, s64 = w.double(), q.double(), s.double()
-    residual = w64 - s64.unsqueeze(1) * q64
-    scaled = s64.unsqueeze(1) * q64
-    consts = (float(residual.abs().max()), float(residual.norm(dim=1).max()), float(scaled.abs().sum(dim=1).max()),
-              float(scaled.norm(dim=1).max()))
+    consts = [0.0, 0.0, 0.0, 0.0]
+    for lo in range(0, w.shape[0], 1024):  # float64 in slices: no 8-byte copy of the whole head at once
+        s64 = s[lo:lo + 1024].double().unsqueeze(1)
+        scaled = s64 * q[lo:lo + 1024].double()
+        residual = w[lo:lo + 1024].double() - scaled
+        part = (residual.abs().max(), residual.norm(dim=1).max(), scaled.abs().sum(dim=1).max(),
+                scaled.norm(dim=1).max())
+        consts = [max(c, float(x)) for c, x in zip(consts, part)]
     zps = torch.zeros(w.shape[0], dtype=torch.int64)
     try:
         packed = torch.ops.onednn.qlinear_prepack(q, None)
@@ -94,9 +102,10 @@ def build_int8_head(w: torch.Tensor) -> Int8Head | None:
         got = _qlinear(probe, packed, s, zps).double()
     except (AttributeError, RuntimeError, TypeError):
         return None
-    want = (probe.double() @ q64.t()) * s64
-    if not torch.allclose(got, want, rtol=2.0 ** -20, atol=0.0):
-        return None
+    for lo in range(0, w.shape[0], 1024):  # integer products: exact in float64
+        want = (probe.double() @ q[lo:lo + 1024].double().t()) * s[lo:lo + 1024].double()
+        if not torch.allclose(got[:, lo:lo + 1024], want, rtol=2.0 ** -20, atol=0.0):
+            return None
     return Int8Head(packed, s, zps, *consts)
 
 

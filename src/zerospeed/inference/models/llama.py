@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zerospeed.inference.models.layers import RMSNorm, RotaryDecoderLM, RowLinear, TPInfo, activation, apply_rotary
+from zerospeed.inference import cpu_kernel
+from zerospeed.inference.models.layers import (RMSNorm, RotaryDecoderLM, RowLinear, TPInfo, activation, apply_rotary,
+                                               cpu_linear)
 from zerospeed.inference.models.spec import ModelSpec
 
 
@@ -29,6 +31,9 @@ class LlamaAttention(nn.Module):
     def forward(self, x, meta, cos, sin, k_cache, v_cache):
         T = x.shape[0]
         qkv = self.qkv(x)
+        if meta.cpu_fused:  # rotary, cache writes and decode attention in one C call
+            return self.o(meta.attend_qkv(qkv, self.hq, self.hkv, self.d, cos, sin, k_cache, v_cache, None,
+                                          self.window))
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q = apply_rotary(q.view(T, self.hq, self.d), cos, sin, self.rotary_dim)
         k = apply_rotary(k.view(T, self.hkv, self.d), cos, sin, self.rotary_dim)
@@ -57,8 +62,22 @@ class LlamaBlock(nn.Module):
         self.mlp = LlamaMLP(spec, tp)
 
     def forward(self, h, meta, cos, sin, k_cache, v_cache):
+        if meta.cpu_fused:
+            return self._forward_cpu(h, meta, cos, sin, k_cache, v_cache)
         h = h + self.attn(self.input_norm(h), meta, cos, sin, k_cache, v_cache)
         return h + self.mlp(self.post_norm(h))
+
+    def _forward_cpu(self, h, meta, cos, sin, k_cache, v_cache):
+        """The same on CPU in float32 with the C kernels, in fewer ops: the norms in C, each residual
+        add folded into its output projection (``addmm``), the attention glue in one call."""
+        a, m = self.attn, self.mlp
+        x = cpu_kernel.rms_norm(h, self.input_norm.weight, self.input_norm.eps)
+        qkv = cpu_linear(x, a.qkv)
+        o = meta.attend_qkv(qkv, a.hq, a.hkv, a.d, cos, sin, k_cache, v_cache, None, a.window)
+        h = cpu_linear(o, a.o, residual=h)
+        x = cpu_kernel.rms_norm(h, self.post_norm.weight, self.post_norm.eps)
+        gate, up = cpu_linear(x, m.gate_up).split(m.inter, dim=-1)
+        return cpu_linear(m.act(gate) * up, m.down, residual=h)
 
 
 class LlamaForCausalLM(RotaryDecoderLM):
