@@ -320,6 +320,9 @@ def cpu_linear(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None 
     """``residual + layer(x)`` (or ``layer(x)``) for a float32 CPU ``nn.Linear`` / single-rank
     :class:`RowLinear`, through :func:`cpu_kernel.skinny_linear` for few rows, else ``addmm`` (the
     residual folded in) or the layer itself. Only with the C kernels available (``meta.cpu_fused``)."""
+    if type(layer) not in (nn.Linear, RowLinear):  # e.g. a quantized replacement (compression): its own forward
+        y = layer(x)
+        return y if residual is None else residual + y
     w, bias = layer.weight, layer.bias
     plain = not isinstance(layer, RowLinear) or layer.tp.size == 1
     if plain and SKINNY_ROWS[0] <= x.shape[0] <= SKINNY_ROWS[1] and w.shape[0] % 16 == 0:
