@@ -112,12 +112,13 @@ def zerospeed_settings(system: str, args) -> dict:
     """``build_engine`` keywords of a zerospeed system: ``zerospeed`` (defaults: the prompt cap, prefill
     first), ``zerospeed_nocap`` (no cap), or ``zerospeed:KEY=VALUE:...`` with ``seqs`` (max_num_seqs),
     ``cap`` (max_prefill_tokens_with_decodes, a number or ``none``), ``budget``
-    (max_num_batched_tokens) and ``pf`` (prefill_first, 0/1): the settings of the latency frontier."""
+    (max_num_batched_tokens), ``pf`` (prefill_first, 0/1) and ``kv`` (max_decode_kv_bytes in MiB, or
+    ``none``): the settings of the latency frontier."""
     from zerospeed.inference.engine import DEFAULT_PREFILL_WITH_DECODES
 
     caps = {"default": DEFAULT_PREFILL_WITH_DECODES, "none": None}
     cap = caps[args.prefill_cap] if args.prefill_cap in caps else int(args.prefill_cap)
-    kw = dict(max_num_batched_tokens=args.token_budget, max_num_seqs=64, max_prefill_tokens_with_decodes=cap)
+    kw = dict(max_num_batched_tokens=args.token_budget, max_prefill_tokens_with_decodes=cap)
     if system == "zerospeed_nocap":
         kw["max_prefill_tokens_with_decodes"] = None
     for part in system.split(":")[1:]:
@@ -130,6 +131,8 @@ def zerospeed_settings(system: str, args) -> dict:
             kw["max_num_batched_tokens"] = int(value)
         elif key == "pf":
             kw["prefill_first"] = bool(int(value))
+        elif key == "kv":  # max_decode_kv_bytes in MiB, or none
+            kw["max_decode_kv_bytes"] = None if value == "none" else int(float(value) * 2**20)
         else:
             raise SystemExit(f"unknown zerospeed setting {key!r} in {system!r}")
     return kw
@@ -146,7 +149,7 @@ def run_zerospeed(prompts, arrive, args) -> dict:
     cpu_times = [[] for _ in prompts]
     toks = [[] for _ in prompts]
     start = _start_clock()
-    nxt = 0
+    nxt, max_running = 0, 0
     while nxt < len(prompts) or engine.has_unfinished():
         now = time.perf_counter() - start
         while nxt < len(prompts) and arrive[nxt] <= now:
@@ -157,6 +160,7 @@ def run_zerospeed(prompts, arrive, args) -> dict:
             continue
         outs = engine.step()
         t, c = time.perf_counter(), time.process_time()
+        max_running = max(max_running, len(engine.scheduler.running))
         for o in outs:
             i = int(o.request_id)
             toks[i].extend(o.new_token_ids)
@@ -166,6 +170,8 @@ def run_zerospeed(prompts, arrive, args) -> dict:
     res = summarise(times, arrive, start, end, toks, cpu_times=cpu_times)
     st = engine.stats()
     res.update(kv_cache_bytes=st.kv_cache_bytes, preemptions=st.num_preemptions, forwards=st.extra["num_forwards"],
+               decode_kv_budget_bytes=int(st.extra["max_decode_kv_bytes"]),
+               max_running=max_running,
                settings=" ".join(f"{k}={v}" for k, v in kw.items()))
     return res | {"tokens": toks}
 
@@ -387,7 +393,7 @@ def main() -> None:
                 ref = tokens
             res = {"mode": mode, "system": system, **res, "_tokens": tokens}
             rows.append(res)
-            print(f"{mode:8s} {system:11s} {res['tokens_per_s']:8.1f} tok/s {res['tokens_per_cpu_s']:8.1f} tok/cpu-s  ttft {res['ttft_mean_s']:.3f}s  "
+            print(f"{mode:8s} {system:11s} run<={res.get('max_running')} {res['tokens_per_s']:8.1f} tok/s {res['tokens_per_cpu_s']:8.1f} tok/cpu-s  ttft {res['ttft_mean_s']:.3f}s  "
                   f"itl p50 {res['itl_p50_ms']:.1f} p95 {res['itl_p95_ms']:.1f} ms (cpu p95 {res.get('itl_cpu_p95_ms', float('nan')):.1f})  rss "
                   f"{format_bytes(res['peak_rss_bytes'])} ({time.time() - t0:.0f}s)", flush=True)
     for r in rows:  # how many of the 32 requests got exactly HF batch 1's tokens
@@ -414,9 +420,10 @@ def main() -> None:
                                       "threads": args.threads, "token_budget": args.token_budget,
                                       "kv_bytes": args.kv_bytes, "prefill_cap": args.prefill_cap},
                               notes=["zerospeed rows: build_engine defaults (prefill first, max_prefill_tokens_with_decodes "
-                                     "as in the engine) with max_num_seqs=64; zerospeed:KEY=VALUE rows change one "
-                                     "setting (seqs: max_num_seqs, cap: max_prefill_tokens_with_decodes, pf: "
-                                     "prefill_first), see the settings column: the latency / throughput frontier",
+                                     "as in the engine, max_num_seqs and max_decode_kv_bytes as in build_engine); "
+                                     "zerospeed:KEY=VALUE rows change one setting (seqs: max_num_seqs, cap: "
+                                     "max_prefill_tokens_with_decodes, pf: prefill_first, kv: max_decode_kv_bytes "
+                                     "in MiB), see the settings column: the latency / throughput frontier",
                                      "itl_cpu_*: inter-token latency in CPU seconds of the process between the two "
                                      "tokens (zerospeed and HF; the work between them whatever else ran on the machine)",
                                      "machine shared with other jobs (2 cores, several helpers): wall-clock figures "

@@ -68,6 +68,20 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float3
 DEFAULT_PREFILL_WITH_DECODES: int | None = 16
 
 
+# max_decode_kv_bytes="auto": the K/V that the running sequences hold at their longest may be at most
+# this fraction of the weight bytes one decode step reads (CausalLM.decode_weight_bytes: the blocks as
+# stored, the LM head as the greedy path reads it). Why: a decode step is bound by the bytes it reads,
+# the weights once (shared by every running sequence) plus each sequence's K/V, and each sequence
+# also brings per-row work (its matmul rows, attention arithmetic, sampling) that measured about as
+# much again as its K/V read (bench model, one thread, 2026-11-24: a step costs ~2.0 ms, about the
+# time to read its 19 MiB of weights, plus ~0.3 ms per sequence of ~200 tokens, whose K/V read is
+# ~0.16 ms). So the fraction sets the step time relative to a weights-only step, about 1 + 2 x ratio,
+# and the cost per token. Measured frontier (bench/inference_bench.py offline, tokens per CPU-second
+# vs HF static batches of 8 / p95 inter-token latency vs HF batch 1, CPU time): 0.5: 3.5x / 0.59x,
+# 0.62: 4.0x / 0.69x, 0.75: 4.4x / 0.74x, 1.0: 4.6x / 0.93x. 0.75 is the knee: past it throughput
+# grows ~5% while the gaps between tokens grow ~25%.
+DECODE_KV_RATIO = 0.75
+
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel")
 
 
@@ -110,7 +124,7 @@ class InferenceEngine:
                  max_num_batched_tokens: int, model_name: str = "", enable_prefix_caching: bool = True,
                  tp: TPInfo = TPInfo(), kv_cache_memory: int | None = None,
                  max_prefill_tokens_with_decodes: int | None = None, attention_backend: str = "auto",
-                 prefill_first: bool = True) -> None:
+                 prefill_first: bool = True, max_decode_kv_bytes: int | str | None = None) -> None:
         self.model = model
         self.spec = spec
         self.tokenizer = tokenizer
@@ -128,8 +142,13 @@ class InferenceEngine:
         self.attention_backend = resolve_attention_backend(attention_backend, dtype, device)
         self._decode_kernel = self.attention_backend == "cpu_kernel"
         self.allocator = BlockAllocator(num_blocks, block_size)
+        kv_token_bytes = kv_cache_bytes(spec.num_layers, 1, 1, kv_heads, spec.head_dim, dtype)
+        if max_decode_kv_bytes == "auto":
+            max_decode_kv_bytes = int(DECODE_KV_RATIO * model.decode_weight_bytes())
+        self.max_decode_kv_bytes = max_decode_kv_bytes
+        kv_tokens = None if max_decode_kv_bytes is None else max(1, max_decode_kv_bytes // kv_token_bytes)
         self.scheduler = Scheduler(self.allocator, max_num_batched_tokens, max_num_seqs, enable_prefix_caching,
-                                   max_prefill_tokens_with_decodes, prefill_first)
+                                   max_prefill_tokens_with_decodes, prefill_first, kv_tokens)
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.eos_token_ids = list(spec.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -310,7 +329,8 @@ class InferenceEngine:
             num_preemptions=s.num_preemptions,
             extra={"kv_cache_bytes_formula": float(self.kv_cache_bytes_formula),
                    "prefix_cache_hit_blocks": float(self.allocator.num_prefix_hits),
-                   "num_forwards": float(self._num_forwards), "forward_seconds": float(self._forward_s)})
+                   "num_forwards": float(self._num_forwards), "forward_seconds": float(self._forward_s),
+                   "max_decode_kv_bytes": float(self.max_decode_kv_bytes or 0)})
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[list[int]]:
@@ -368,8 +388,14 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                  max_num_batched_tokens: int = 512, tensor_parallel: int = 1, device: str | torch.device | None = None,
                  enable_prefix_caching: bool = True, tp_group: Any = None,
                  max_prefill_tokens_with_decodes: int | None = DEFAULT_PREFILL_WITH_DECODES,
-                 attention_backend: str = "auto", prefill_first: bool = True) -> InferenceEngine:
-    """Load ``model_dir`` (an HF folder) into an :class:`InferenceEngine`. Errors name the argument."""
+                 attention_backend: str = "auto", prefill_first: bool = True,
+                 max_decode_kv_bytes: int | str | None = "auto") -> InferenceEngine:
+    """Load ``model_dir`` (an HF folder) into an :class:`InferenceEngine`. Errors name the argument.
+
+    ``max_decode_kv_bytes``: admission bound on the K/V the running sequences hold at their longest
+    (``prompt + max_new_tokens`` tokens each), i.e. on the K/V bytes any decode step reads: ``"auto"``
+    (``DECODE_KV_RATIO`` of the weight bytes a step reads), a number of bytes, or None (only
+    ``max_num_seqs`` and the cache bound the batch)."""
     from zerospeed.inference.models.spec import load_spec
 
     spec = load_spec(model_dir)
@@ -382,6 +408,10 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                                                         or max_prefill_tokens_with_decodes < 1):
         raise ValueError("max_prefill_tokens_with_decodes: must be an integer >= 1 or None, got "
                          f"{max_prefill_tokens_with_decodes!r}")
+    if max_decode_kv_bytes is not None and max_decode_kv_bytes != "auto" and (
+            isinstance(max_decode_kv_bytes, bool) or not isinstance(max_decode_kv_bytes, int) or max_decode_kv_bytes < 1):
+        raise ValueError("max_decode_kv_bytes: must be 'auto', None or a positive integer number of bytes, got "
+                         f"{max_decode_kv_bytes!r}")
     if not isinstance(prefill_first, bool):
         raise ValueError(f"prefill_first: must be True or False, got {prefill_first!r}")
     if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
@@ -419,7 +449,8 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                              enable_prefix_caching=enable_prefix_caching, tp=tp,
                              kv_cache_memory=None if kv_cache_memory is None else int(kv_cache_memory),
                              max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
-                             attention_backend=attention_backend, prefill_first=prefill_first)
+                             attention_backend=attention_backend, prefill_first=prefill_first,
+                             max_decode_kv_bytes=max_decode_kv_bytes)
     if tp.size > 1 and tp.rank == 0:
         from zerospeed.inference.tp_runtime import attach_rank0
 

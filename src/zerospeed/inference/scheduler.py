@@ -28,6 +28,14 @@ chunks); they go through steps 2-3 under the cap of step 1. A request is admitte
    free blocks can hold its whole remaining prompt (blocks found in the prefix table excepted),
    and no later request is admitted ahead of one that cannot: no request starves.
 
+Decode K/V budget (``max_decode_kv_tokens``, the engine's ``max_decode_kv_bytes`` in tokens): a
+waiting request is admitted only while the K/V that the running sequences will hold at their
+longest, ``prompt + max_new_tokens`` tokens each, plus its own, stays within the budget, so that no
+decode step reads more K/V than that (on CPU a decode step is bound by the bytes it reads: weights
+plus every running sequence's K/V; see the engine for the default). It is checked in arrival order
+and stops at the first request that does not fit, like the block check; a request is always
+admitted when nothing runs, so none waits forever.
+
 Cache pressure: when a running sequence needs a block and none is free, the newest running
 sequence (possibly one already picked for this forward, which is then dropped from it) is
 preempted: its blocks are freed and it goes back to the front of the waiting queue, in arrival
@@ -45,6 +53,11 @@ from dataclasses import dataclass, field
 
 from zerospeed.inference.kv_cache import BlockAllocator, chain_hash
 from zerospeed.inference.sequence import Sequence, Status
+
+
+def _reserved_tokens(seq: Sequence) -> int:
+    """The K/V tokens ``seq`` holds at its longest (its last decode step)."""
+    return seq.prompt_len + seq.params.max_new_tokens
 
 
 @dataclass
@@ -65,13 +78,16 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_batched_tokens: int, max_num_seqs: int,
                  enable_prefix_caching: bool = True, max_prefill_tokens_with_decodes: int | None = None,
-                 prefill_first: bool = True) -> None:
+                 prefill_first: bool = True, max_decode_kv_tokens: int | None = None) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_prefill_tokens_with_decodes is not None and max_prefill_tokens_with_decodes < 1:
             raise ValueError(f"max_prefill_tokens_with_decodes must be >= 1 or None, got {max_prefill_tokens_with_decodes}")
+        if max_decode_kv_tokens is not None and max_decode_kv_tokens < 1:
+            raise ValueError(f"max_decode_kv_tokens must be >= 1 or None, got {max_decode_kv_tokens}")
+        self.max_decode_kv_tokens = max_decode_kv_tokens
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.prefill_first = prefill_first
         self.allocator = allocator
@@ -233,13 +249,18 @@ class Scheduler:
                 continue
             if self._reserve(seq, n, batch, picked):
                 picked[seq] = n
+        reserved = sum(_reserved_tokens(s) for s in self.running) if self.max_decode_kv_tokens is not None else 0
         while self.waiting and len(self.running) < self.max_num_seqs and len(picked) < self.max_num_seqs:
             n_left = budget - spent()
             if n_left <= 0:
                 break
             seq = self.waiting[0]
+            if self.max_decode_kv_tokens is not None and self.running and \
+                    reserved + _reserved_tokens(seq) > self.max_decode_kv_tokens:
+                break  # the decode K/V budget is full; FIFO: nothing overtakes this request
             if not self._admit(seq):
                 break
+            reserved += _reserved_tokens(seq)
             self.waiting.pop(0)
             self.running.append(seq)
             self.running.sort(key=lambda s: s.arrival)

@@ -185,6 +185,23 @@ class CausalLM(nn.Module):
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.input_embedding().weight
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every parameter as stored except the input embedding
+        (a few rows of it are read), the LM head as the greedy path reads it (its int8 or bfloat16
+        copy where :meth:`greedy_tokens` uses one, see ``greedy_approx``)."""
+        emb = self.input_embedding().weight
+        head = getattr(self.lm_head, "weight", None)
+        total = sum(p.numel() * p.element_size() for p in self.parameters() if p is not emb and p is not head)
+        if head is not None:
+            per = head.element_size()
+            cpu32 = head.device.type == "cpu" and head.dtype == torch.float32 and self.lm_head.bias is None
+            if cpu32 and self.greedy_approx in ("auto", "int8") and greedy_head.int8_matmul_fast():
+                per = 1
+            elif cpu32 and self.greedy_approx in ("auto", "bf16") and _bf16_matmul_fast():
+                per = 2
+            total += head.numel() * per
+        return total
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w, rows = getattr(self.lm_head, "weight", None), hidden.shape[0]  # None: a QuantizedLinear (quant)
         if (w is not None and w.device.type == "cpu" and w.dtype == torch.float32 and hidden.dtype == torch.float32
