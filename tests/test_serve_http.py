@@ -245,8 +245,14 @@ def test_engine_flags_size_the_kv_cache_and_the_context(model_dir):
     assert engine_kwargs(latency) == {"max_prefill_tokens_with_decodes": None, "prefill_first": False}
     assert engine_kwargs(build_parser().parse_args([str(model_dir), "--max-prefill-tokens-with-decodes", "4"])) \
         == {"max_prefill_tokens_with_decodes": 4}
+    knobs = engine_kwargs(build_parser().parse_args([str(model_dir), "--max-prefill-tokens-with-decodes", "4",
+                                                     "--max-decode-kv-bytes", "8KiB"]))
+    assert knobs == {"max_prefill_tokens_with_decodes": 4, "max_decode_kv_bytes": 8192}
+    for text, want in (("none", None), ("auto", "auto")):
+        args_kv = build_parser().parse_args([str(model_dir), "--max-decode-kv-bytes", text])
+        assert engine_kwargs(args_kv)["max_decode_kv_bytes"] == want
     block_bytes = 2 * 2 * 2 * 8 * 4 * 8  # layers x (K, V) x KV heads x head_dim x fp32 x block
-    with serve(model_dir, port=0, **kwargs) as handle:
+    with serve(model_dir, port=0, **kwargs, **knobs) as handle:  # the latency knobs reach the engine too
         ok = httpx.post(handle.url + "/v1/completions", timeout=30, json={
             "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4

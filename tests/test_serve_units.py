@@ -156,6 +156,7 @@ def test_openai_parameters_map_to_sampling_params():
     (["serve", ".", "--tensor-parallel", "0"], "--tensor-parallel: must be at least 1"),
     (["serve", ".", "--max-waiting", "0"], "--max-waiting: must be at least 1"),
     (["serve", ".", "--max-prefill-tokens-with-decodes", "0"], "--max-prefill-tokens-with-decodes: must be at least 1"),
+    (["serve", ".", "--max-decode-kv-bytes", "lots"], "--max-decode-kv-bytes: expected auto, none or bytes"),
     (["serve", ".", "--max-prefill-tokens-with-decodes", "few"],
      "--max-prefill-tokens-with-decodes: expected an integer"),
 ])

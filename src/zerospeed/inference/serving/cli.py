@@ -67,6 +67,18 @@ def _prefill_cap(text: str) -> int | str:
     return _positive("--max-prefill-tokens-with-decodes")(text)
 
 
+def _decode_kv(text: str) -> int | str:
+    """``--max-decode-kv-bytes``: ``auto``, ``none`` or bytes with an optional unit suffix."""
+    t = text.strip().lower()
+    if t in ("auto", "none"):
+        return t
+    try:
+        return _memory(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"--max-decode-kv-bytes: expected auto, none or bytes like 64MiB, got {text!r}") from None
+
+
 def _memory(text: str) -> int:
     """Bytes, with an optional K/M/G/KiB/MiB/GiB suffix."""
     units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -105,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens-with-decodes", type=_prefill_cap, default=None,
                    help="prompt tokens joining a forward while sequences decode (default 16): lower "
                         "for steadier inter-token latency, 'none' for throughput")
+    p.add_argument("--max-decode-kv-bytes", type=_decode_kv, default=None,
+                   help="K/V bytes the running sequences may hold at their longest (default auto: "
+                        "0.75x the weight bytes a decode step reads), like 64MiB, or 'none'")
     p.add_argument("--no-prefill-first", dest="prefill_first", action="store_false", default=None,
                    help="let the first prompts of a burst decode while the rest are prefilled")
     kv = p.add_mutually_exclusive_group()
@@ -129,10 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("dtype", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs",
-            "max_model_len", "max_num_batched_tokens", "max_prefill_tokens_with_decodes", "prefill_first")
+            "max_model_len", "max_num_batched_tokens", "max_prefill_tokens_with_decodes", "prefill_first",
+            "max_decode_kv_bytes")
     kwargs = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
-    if kwargs.get("max_prefill_tokens_with_decodes") == "none":
-        kwargs["max_prefill_tokens_with_decodes"] = None
+    for key in ("max_prefill_tokens_with_decodes", "max_decode_kv_bytes"):
+        if kwargs.get(key) == "none":
+            kwargs[key] = None
     return kwargs
 
 

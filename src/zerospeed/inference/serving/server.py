@@ -35,7 +35,8 @@ log = logging.getLogger("zerospeed.serve")
 
 DEFAULT_MAX_WAITING = 1024
 ENGINE_KEYS = ("dtype", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs",
-               "max_model_len", "max_num_batched_tokens", "tensor_parallel")
+               "max_model_len", "max_num_batched_tokens", "tensor_parallel",
+               "max_prefill_tokens_with_decodes", "prefill_first", "max_decode_kv_bytes")
 
 
 class ServeError(ValueError):
