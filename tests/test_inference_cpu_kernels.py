@@ -100,3 +100,11 @@ def test_fused_attention_glue_equals_torch_path(hq, hkv, rot, window):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[1][0], caches[0][0], rtol=1e-6, atol=1e-6)
     assert torch.equal(caches[1][1], caches[0][1])
+
+
+def test_silu_mul_equals_torch():
+    g = torch.Generator().manual_seed(5)
+    gu = torch.randn(9, 2 * 40, generator=g) * 4
+    gu[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -90.0])
+    want = F.silu(gu[:, :40]) * gu[:, 40:]
+    torch.testing.assert_close(cpu_kernel.silu_mul(gu, 40), want, rtol=2e-6, atol=1e-30)

@@ -141,3 +141,18 @@ def test_engine_tokens_equal_hf_through_each_head(tmp_path, mode):
     assert engine.generate(ps, SamplingParams(max_new_tokens=8, ignore_eos=True)) == ref
     built = "_lm_head_int8" in engine.model.__dict__
     assert built == (mode == "int8" and INT8)
+
+
+@needs_int8
+@needs_c
+def test_c_activation_side_equals_torch():
+    """cpu_kernel.int8_rows (one C pass) gives the torch code's int8 rows, scales and bounds: the same
+    approximate logits, bounds within float64 rounding, on every kind of row (zero, one, outliers)."""
+    w, h = _weights_and_rows()
+    h = torch.cat([h, torch.zeros(1, h.shape[1])])
+    head = greedy_head.build_int8_head(w)
+    for rows in (h, h[:1]):
+        a_t, e_t = greedy_head.approx_logits(head, rows)
+        a_c, e_c = greedy_head.approx_logits(head, rows, use_c=True)
+        assert torch.equal(a_c, a_t)
+        torch.testing.assert_close(e_c, e_t, rtol=1e-6, atol=0)

@@ -272,6 +272,52 @@ void zs_skinny_gemm(const float *x, int64_t M, int64_t K, const float *wp, int64
     }
 }
 
+/* SwiGLU's gate: out [T, I] = silu(gu[:, :I]) * gu[:, I:] for gu [T, 2I] (the fused gate/up projection),
+   with silu(x) = x * sigmoid(x), sigmoid from exp(-|x|) (exp_nonpos: no overflow, vectorised):
+   1 / (1 + e) for x >= 0, e / (1 + e) below; torch's silu to float32 rounding. */
+void zs_silu_mul(const float *gu, int64_t T, int64_t I, float *out) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        for (int64_t i = 0; i < I; ++i) {
+            const float x = g[i];
+            const float e = exp_nonpos(-fabsf(x));
+            const float s = (x >= 0.f ? 1.f : e) / (1.f + e);
+            o[i] = x * s * u[i];
+        }
+    }
+}
+
+/* The int8 LM head's activation side (see models/greedy_head.py, whose torch code this mirrors):
+   per row of h [R, H], a = max|h_i| / 127 (1 for a zero row), p = round-half-even(h / a) clamped to
+   +-127, and err = [min(||h||_1 E, ||h||_2 E2) + min(||d||_inf G, ||d||_2 G2)] / a (1 + 2^-10)
+   + 2^-20 127 G with d = h - a p, all in double, rounded up to a float. */
+void zs_int8_rows(const float *h, int64_t R, int64_t H, double E, double E2, double G, double G2, int8_t *p,
+                  float *a_out, float *err) {
+    for (int64_t r = 0; r < R; ++r) {
+        const float *x = h + r * H;
+        int8_t *q = p + r * H;
+        float m = 0.f;
+        for (int64_t i = 0; i < H; ++i) { const float v = fabsf(x[i]); m = v > m ? v : m; }
+        const float a = m > 0.f ? m / 127.f : 1.f;
+        double l1 = 0, l2 = 0, dinf = 0, d2 = 0;
+        for (int64_t i = 0; i < H; ++i) {
+            float t = nearbyintf(x[i] / a);
+            t = t > 127.f ? 127.f : (t < -127.f ? -127.f : t);
+            q[i] = (int8_t)t;
+            const double xd = (double)x[i], d = xd - (double)a * (double)t;
+            l1 += fabs(xd); l2 += xd * xd;
+            dinf = fabs(d) > dinf ? fabs(d) : dinf; d2 += d * d;
+        }
+        const double t1 = fmin(l1 * E, sqrt(l2) * E2), t2 = fmin(dinf * G, sqrt(d2) * G2);
+        const double b = (t1 + t2) / (double)a * (1 + 0x1p-10) + 0x1p-20 * 127 * G;
+        float bf = (float)b;
+        if ((double)bf < b) bf = nextafterf(bf, INFINITY);
+        a_out[r] = a;
+        err[r] = bf;
+    }
+}
+
 /* Greedy selection after an approximate (bfloat16) LM head, one row at a time: the row's largest
    approximate logit m; every token j with approx[j] >= m - 2 * err[r] is a candidate; its exact
    float32 logit h . w_j picks the token (largest, lowest id on ties). A row with more than
@@ -425,6 +471,13 @@ def _build() -> ctypes.CDLL:
     k = dll.zs_skinny_gemm
     k.argtypes = [P, I, I, P, I, P, P, P]
     k.restype = None
+    sm = dll.zs_silu_mul
+    sm.argtypes = [P, I, I, P]
+    sm.restype = None
+    q = dll.zs_int8_rows
+    D = ctypes.c_double
+    q.argtypes = [P, I, I, D, D, D, D, P, P, P]
+    q.restype = None
     g = dll.zs_greedy_refine_f32
     g.argtypes = [P, P, P, P, I, I, I, I, P]
     g.restype = None
@@ -544,3 +597,25 @@ def skinny_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
                                  None if bias is None else bias.data_ptr(),
                                  None if residual is None else residual.data_ptr(), y.data_ptr())
     return y
+
+
+def int8_rows(hidden: torch.Tensor, consts: tuple[float, float, float, float]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hidden [R, H]`` contiguous float32 -> int8 rows ``p [max(R, 2), H]`` (a single row written
+    twice), scales ``a [R]`` and bounds ``err [R]`` (see ``zs_int8_rows`` and models/greedy_head.py);
+    ``consts`` are the head's ``(E, E2, G, G2)``."""
+    rows, h = hidden.shape
+    p = torch.empty(max(rows, 2), h, dtype=torch.int8)
+    a = torch.empty(rows)
+    err = torch.empty(rows)
+    _state["dll"].zs_int8_rows(hidden.data_ptr(), rows, h, *consts, p.data_ptr(), a.data_ptr(), err.data_ptr())
+    if rows == 1:
+        p[1] = p[0]
+    return p, a, err
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(gate_up[:, :inter]) * gate_up[:, inter:]`` for a contiguous float32 CPU ``[T, 2 * inter]``."""
+    out = torch.empty(gate_up.shape[0], inter)
+    _state["dll"].zs_silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter, out.data_ptr())
+    return out

@@ -240,8 +240,9 @@ class CausalLM(nn.Module):
                             ) -> torch.Tensor:
         from zerospeed.inference import cpu_kernel
 
-        approx, err = greedy_head.approx_logits(head, hidden)
-        if cpu_kernel.available()[0]:
+        c = cpu_kernel.available()[0]
+        approx, err = greedy_head.approx_logits(head, hidden, use_c=c)
+        if c:
             tokens = cpu_kernel.greedy_refine(approx, hidden, w, err, GREEDY_MAX_CANDIDATES)
         else:
             tokens = greedy_head.refine_torch(approx, hidden, w, err, GREEDY_MAX_CANDIDATES)

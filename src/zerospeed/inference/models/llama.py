@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from zerospeed.inference import cpu_kernel
 from zerospeed.inference.models.layers import (RMSNorm, RotaryDecoderLM, RowLinear, TPInfo, activation, apply_rotary,
@@ -76,8 +77,13 @@ class LlamaBlock(nn.Module):
         o = meta.attend_qkv(qkv, a.hq, a.hkv, a.d, cos, sin, k_cache, v_cache, None, a.window)
         h = cpu_linear(o, a.o, residual=h)
         x = cpu_kernel.rms_norm(h, self.post_norm.weight, self.post_norm.eps)
-        gate, up = cpu_linear(x, m.gate_up).split(m.inter, dim=-1)
-        return cpu_linear(m.act(gate) * up, m.down, residual=h)
+        gu = cpu_linear(x, m.gate_up)
+        if m.act is F.silu and gu.is_contiguous():  # SwiGLU's gate in one C pass
+            act = cpu_kernel.silu_mul(gu, m.inter)
+        else:
+            gate, up = gu.split(m.inter, dim=-1)
+            act = m.act(gate) * up
+        return cpu_linear(act, m.down, residual=h)
 
 
 class LlamaForCausalLM(RotaryDecoderLM):
