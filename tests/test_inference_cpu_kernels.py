@@ -17,6 +17,15 @@ pytestmark = pytest.mark.skipif(not cpu_kernel.available()[0], reason="no C comp
 BS = 4
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The single-threaded kernels are chosen with one torch thread (as the suite runs): pin it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 15, 24])
 def test_skinny_gemm_equals_linear(rows):
     g = torch.Generator().manual_seed(rows)
@@ -108,3 +117,20 @@ def test_silu_mul_equals_torch():
     gu[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -90.0])
     want = F.silu(gu[:, :40]) * gu[:, 40:]
     torch.testing.assert_close(cpu_kernel.silu_mul(gu, 40), want, rtol=2e-6, atol=1e-30)
+
+
+def test_skinny_path_only_with_one_thread():
+    """The C GEMM is single-threaded: with more torch threads cpu_linear leaves the rows to torch (the
+    packed copy is then never made)."""
+    lin = torch.nn.Linear(32, 64, bias=False)
+    x = torch.randn(layers.SKINNY_ROWS[0], 32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        torch.testing.assert_close(cpu_linear(x, lin), lin(x))
+        assert "_packed_weight" not in lin.__dict__
+        torch.set_num_threads(1)
+        cpu_linear(x, lin)
+        assert "_packed_weight" in lin.__dict__
+    finally:
+        torch.set_num_threads(before)

@@ -25,6 +25,10 @@ sequence (a Python loop per layer) and one block-diagonal mask for the whole bat
 wasted compute) were rejected by design; ``flex_attention`` was not measured (on CPU it needs
 ``torch.compile``, whose compile time this 2-core shared machine could not afford).
 
+On CPU in float32 with the C kernels, :meth:`AttentionMetadata.attend_qkv` takes the fused QKV
+projection instead and does the rotary, the cache writes and the decodes in one C call
+(:func:`cpu_kernel.attention_layer`), prompt chunks as below.
+
 Grouped-query attention repeats nothing: SDPA's ``enable_gqa`` broadcasts KV heads. A sliding
 window (Mistral, Qwen2) narrows the masks per layer; masks are built once per window value.
 

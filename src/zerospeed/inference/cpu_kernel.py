@@ -1,4 +1,12 @@
-"""A C kernel for decode attention straight from the paged KV cache, on CPU in float32.
+"""C kernels for a CPU float32 decode step: decode attention straight from the paged KV cache, each
+attention layer's glue in one call (rotary, cache writes, decodes: :func:`attention_layer`), RMSNorm,
+SwiGLU's gate, a skinny GEMM over packed weights (:func:`skinny_linear`), and the int8 greedy LM
+head's activation side and candidate selection (:func:`int8_rows`, :func:`greedy_refine`).
+
+Why so many small kernels: a decode step of a small model on one CPU core reads its weights and
+K/V from memory once and does little arithmetic; each torch op costs ~2-5 us of dispatch, and a
+step made of ~200 of them spent about a third of its time there. The same step with these kernels
+(bench model, 8-12 sequences, one thread) went from ~7.5 to ~4.5 CPU ms (see bench/results).
 
 Why: on CPU, decode attention through torch (gather each sequence's blocks into a padded buffer,
 then SDPA with a key-padding mask; see :mod:`zerospeed.inference.attention`) moves every cached
@@ -14,13 +22,15 @@ keyed by a hash of the source, the flags and the CPU's feature flags, and called
 ``torch.utils.cpp_extension`` build of the same kernel took two minutes on this machine because of
 the torch headers. ``-march=native`` plus reassociation of sums (``-fassociative-math``, not
 ``-ffast-math``, which would change the floating-point mode of the whole process) let the compiler
-vectorise the dot products. Threads: the (sequence, KV head) pairs are split over
-``torch.get_num_threads()`` POSIX threads.
+vectorise the dot products. Threads: decode attention splits its sequences over
+``torch.get_num_threads()`` POSIX threads; the skinny GEMM and SwiGLU's gate are single-threaded and
+used only when torch has one thread (else torch's multi-threaded ops run); the rest are small.
 
 When it is used: :func:`available` says whether it compiled (and why not); the engine uses it for
-float32 on CPU unless ``attention_backend="torch"``, and ``attention_backend="cpu_kernel"`` makes a
-failed build an error instead of a logged fallback. The torch path stays the reference: the tests
-compare both on the same cache (fp32, 1e-5).
+float32 on CPU unless ``attention_backend="torch"`` (then every forward is plain torch), and
+``attention_backend="cpu_kernel"`` makes a failed build an error instead of a logged fallback. The
+torch path stays the reference: the tests compare every kernel with its torch twin (fp32, 1e-5) and
+both paths' tokens with HF's.
 
 Numerics: per query head, scores ``q . k * scale`` in float32, softmax with the maximum
 subtracted (``expf``), then the probability-weighted sum of values, normalised at the end; the

@@ -330,7 +330,8 @@ class RotaryDecoderLM(CausalLM):
 # (bench model's 4 layers of QKV / O / gate-up / down, one thread, after streaming 160 MB as a step's
 # K/V reads do; CPU ms, MKL -> C): 1 row 1.10 -> 1.19, 2: 1.41 -> 1.14, 4: 1.62 -> 1.25, 8: 1.99 ->
 # 1.38, 12: 2.26 -> 1.67, 16: 2.35 -> 1.82, 24: 2.58 -> 2.24, 32: 2.83 -> 2.71. One row keeps MKL's
-# (its gemv streams as well). The packed copies cost the blocks' weight bytes once more in memory.
+# (its gemv streams as well), and so does every call when torch has more than one thread (the kernel
+# is single-threaded). The packed copies cost the blocks' weight bytes once more in memory.
 SKINNY_ROWS = (2, 24)
 
 
@@ -343,7 +344,8 @@ def cpu_linear(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None 
         return y if residual is None else residual + y
     w, bias = layer.weight, layer.bias
     plain = not isinstance(layer, RowLinear) or layer.tp.size == 1
-    if plain and SKINNY_ROWS[0] <= x.shape[0] <= SKINNY_ROWS[1] and w.shape[0] % 16 == 0:
+    if (plain and SKINNY_ROWS[0] <= x.shape[0] <= SKINNY_ROWS[1] and w.shape[0] % 16 == 0
+            and torch.get_num_threads() == 1):  # single-threaded: with more threads MKL uses them all
         from zerospeed.inference import cpu_kernel
 
         packed = _derived_on(layer, "_packed_weight", w, cpu_kernel.pack_weight)

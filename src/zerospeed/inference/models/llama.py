@@ -78,7 +78,7 @@ class LlamaBlock(nn.Module):
         h = cpu_linear(o, a.o, residual=h)
         x = cpu_kernel.rms_norm(h, self.post_norm.weight, self.post_norm.eps)
         gu = cpu_linear(x, m.gate_up)
-        if m.act is F.silu and gu.is_contiguous():  # SwiGLU's gate in one C pass
+        if m.act is F.silu and gu.is_contiguous() and torch.get_num_threads() == 1:  # SwiGLU's gate, one C pass
             act = cpu_kernel.silu_mul(gu, m.inter)
         else:
             gate, up = gu.split(m.inter, dim=-1)
