@@ -162,9 +162,10 @@ def test_greedy_head_equals_float32_argmax_on_near_ties():
     assert torch.equal(got, want)
     assert got[0].item() == 7 and got[1].item() == 500
     # the same through torch.mm when oneDNN's packed matmul is not there
-    key, (_, _, wmax) = model.__dict__["_lm_head_bf16_t"]
+    cached = model.__dict__["_lm_head_bf16_t"]  # (weight, version, data_ptr, shape, derived)
+    _, _, wmax = cached[-1]
     wb_t = model.lm_head.weight.detach().to(torch.bfloat16).t().contiguous()
-    model.__dict__["_lm_head_bf16_t"] = (key, (wb_t, False, wmax))
+    model.__dict__["_lm_head_bf16_t"] = cached[:-1] + ((wb_t, False, wmax),)
     assert torch.equal(model._greedy_tokens_bf16(h, model.lm_head.weight), want)
     neg = _head(-w.abs())  # every logit negative: the threshold rounds the other way
     hp = h.abs()

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from zerospeed.inference import cpu_kernel
 from zerospeed.inference.models import greedy_head
 from zerospeed.inference.models.spec import ModelLoadError, ModelSpec
 
@@ -346,8 +347,6 @@ def cpu_linear(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None 
     plain = not isinstance(layer, RowLinear) or layer.tp.size == 1
     if (plain and SKINNY_ROWS[0] <= x.shape[0] <= SKINNY_ROWS[1] and w.shape[0] % 16 == 0
             and torch.get_num_threads() == 1):  # single-threaded: with more threads MKL uses them all
-        from zerospeed.inference import cpu_kernel
-
         packed = _derived_on(layer, "_packed_weight", w, cpu_kernel.pack_weight)
         return cpu_kernel.skinny_linear(x.contiguous(), packed, bias, residual)
     if residual is None:
@@ -360,12 +359,12 @@ def cpu_linear(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None 
 def _derived_on(owner: nn.Module, name: str, w: torch.Tensor, build: Callable[[torch.Tensor], Any]) -> Any:
     """``build(w.detach())`` cached on ``owner`` under ``name`` while ``w`` is the same tensor, storage,
     version and shape (a plain attribute: not a parameter, not in the state dict)."""
-    key = (id(w), w.data_ptr(), w._version, tuple(w.shape))
     cached = owner.__dict__.get(name)
-    if cached is None or cached[0] != key:
-        cached = (key, build(w.detach()))
+    if (cached is None or cached[0] is not w or cached[1] != w._version or cached[2] != w.data_ptr()
+            or cached[3] != w.shape):
+        cached = (w, w._version, w.data_ptr(), w.shape, build(w.detach()))
         owner.__dict__[name] = cached
-    return cached[1]
+    return cached[4]
 
 
 class RowLinear(nn.Module):
