@@ -583,6 +583,7 @@ def attention_layer(qkv: torch.Tensor, num_decodes: int, hq: int, hkv: int, d: i
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim of a contiguous float32 CPU ``x``."""
+    x = x.contiguous()
     y = torch.empty_like(x)
     n = x.shape[-1]
     _state["dll"].zs_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)

@@ -69,8 +69,9 @@ class LlamaBlock(nn.Module):
         return h + self.mlp(self.post_norm(h))
 
     def _forward_cpu(self, h, meta, cos, sin, k_cache, v_cache):
-        """The same on CPU in float32 with the C kernels, in fewer ops: the norms in C, each residual
-        add folded into its output projection (``addmm``), the attention glue in one call."""
+        """The same on CPU in float32 with the C kernels (``meta.cpu_fused``), in fewer ops: the norms
+        and SwiGLU's gate in C, the linears through :func:`cpu_linear` (a C GEMM for few rows, each
+        residual add folded into its output projection), the attention glue in one call."""
         a, m = self.attn, self.mlp
         x = cpu_kernel.rms_norm(h, self.input_norm.weight, self.input_norm.eps)
         qkv = cpu_linear(x, a.qkv)
