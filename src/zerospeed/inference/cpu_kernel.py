@@ -92,6 +92,16 @@ static inline float exp_nonpos(float x) {
     return y * p;
 }
 
+/* Software prefetch of the K or V row ZS_AHEAD tokens ahead (through the block table): the rows of a
+   sequence are contiguous only within a block, and the hardware prefetcher restarts at every block,
+   so a decode step stalled on each block's first loads. Measured (8 sequences of 170 tokens, 4 heads
+   of 64, 4 layers, one thread, after streaming 160 MB): 0.81-0.93 -> 0.69 ms; 3 to 16 rows ahead
+   all gave 0.69-0.80 (noise of the shared machine). */
+#define ZS_AHEAD 6
+static inline void zs_prefetch_row(const float *row, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i);
+}
+
 static void run(job_t *a) {
     /* one work item per sequence: its keys are read block by block, all heads of a token at once
        (one contiguous row of hkv * d floats), so the cache is streamed once in address order */
@@ -108,9 +118,14 @@ static void run(job_t *a) {
         for (int64_t h = 0; h < hq; ++h) mx[h] = -INFINITY;
         /* no division in the token loops: (block, offset) advance by one, heads go by KV group */
         int64_t blk = start / bs, off = start % bs;
+        int64_t pblk = (start + ZS_AHEAD) / bs, poff = (start + ZS_AHEAD) % bs; /* ZS_AHEAD tokens ahead */
         for (int64_t t = 0; t < n; ++t) {
             const float *kr = a->k + (table[blk] * bs + off) * hkv * d;
             if (++off == bs) { off = 0; ++blk; }
+            if (t + ZS_AHEAD < n) {
+                zs_prefetch_row(a->k + (table[pblk] * bs + poff) * hkv * d, hkv * d);
+                if (++poff == bs) { poff = 0; ++pblk; }
+            }
             for (int64_t g = 0, h = 0; g < hkv; ++g) {
                 const float *kv = kr + g * d;
                 for (int64_t j = 0; j < g_per; ++j, ++h) {
@@ -131,9 +146,14 @@ static void run(job_t *a) {
         }
         for (int64_t i = 0; i < hq * d; ++i) acc[i] = 0.f;
         blk = start / bs, off = start % bs;
+        pblk = (start + ZS_AHEAD) / bs, poff = (start + ZS_AHEAD) % bs;
         for (int64_t t = 0; t < n; ++t) {
             const float *vr = a->v + (table[blk] * bs + off) * hkv * d;
             if (++off == bs) { off = 0; ++blk; }
+            if (t + ZS_AHEAD < n) {
+                zs_prefetch_row(a->v + (table[pblk] * bs + poff) * hkv * d, hkv * d);
+                if (++poff == bs) { poff = 0; ++pblk; }
+            }
             for (int64_t g = 0, h = 0; g < hkv; ++g) {
                 const float *vv = vr + g * d;
                 for (int64_t j = 0; j < g_per; ++j, ++h) {
