@@ -323,6 +323,8 @@ class RotaryDecoderLM(CausalLM):
         cos, sin = self.rotary.lookup(meta.positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, meta, cos, sin, kv.k[i], kv.v[i])
+        if getattr(meta, "cpu_fused", False) and type(self.norm) is RMSNorm:
+            return cpu_kernel.rms_norm(h, self.norm.weight, self.norm.eps)
         return self.norm(h)
 
 
