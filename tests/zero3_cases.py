@@ -297,6 +297,10 @@ def init_peak_memory(label: str) -> dict:
 
     Large allocations are forced onto mmap (``mallopt(M_MMAP_THRESHOLD)``), so freed tensors leave
     the resident set at once and the high-water mark measures live tensors, not heap reuse.
+    8 layers of 1024 x 1024 (4 MiB each, 32 MiB in all): the high-water mark also counts a few hundred
+    KiB that are not tensors (first-touched pages, Python objects): 0.2-0.3 of a layer with the former
+    32 layers of 512 x 512 (1 MiB), which left the test 0.7 MiB below its bound; under 0.06 of a layer
+    here, which leaves it ~3.9 MiB below.
     """
     import ctypes
 
@@ -308,15 +312,16 @@ def init_peak_memory(label: str) -> dict:
     dist.barrier()
     resettable = _reset_peak_rss()
     base = _current_rss_bytes()
+    dim = 1024
     if label == "init":
         with zero.Init(config_dict_or_path=cfg):
-            model = Big()
+            model = Big(num_layers=8, dim=dim)
     else:
-        model = Big()
+        model = Big(num_layers=8, dim=dim)
     peak = _peak_rss_bytes() - base
     held = sum(p.numel() * p.element_size() for p in model.parameters())
-    layer = (512 * 512 + 512) * 4
-    return {"peak": peak, "resettable": resettable, "held": held, "full": 32 * layer, "layer": layer}
+    layer = (dim * dim + dim) * 4
+    return {"peak": peak, "resettable": resettable, "held": held, "full": 8 * layer, "layer": layer}
 
 
 # -- GatheredParameters --------------------------------------------------------------------------
