@@ -254,6 +254,35 @@ def mixtral_tokens(rank: int) -> torch.Tensor:
     return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(7 + rank))
 
 
+# |gradient| below which AdamW's normalised step is the sign of rounding noise. Elements whose gradient
+# is noise (k_proj biases: exactly 0 in exact arithmetic, softmax ignores a shift of every score;
+# embedding rows and expert rows nothing reached) move by ~lr in a direction two correct
+# implementations need not share, so the weight parity after AdamW steps is asserted on the others.
+GRAD_FLOOR = 1e-4
+
+
+def track_min_grad(model: nn.Module, min_grad: dict[str, torch.Tensor]) -> None:
+    """Fold this step's |gradient| of every parameter of ``model`` into its per-element minimum."""
+    for n, p in model.named_parameters():
+        g = p.grad.detach().abs() if p.grad is not None else torch.zeros_like(p)
+        min_grad[n] = torch.minimum(min_grad[n], g) if n in min_grad else g
+
+
+def weight_diff_on_signal(pairs) -> tuple[float, float]:
+    """Max |ours - reference| over the elements whose reference gradient stayed >= GRAD_FLOOR (all
+    elements where ``floor`` is None: buffers), and the fraction of elements compared.
+    ``pairs``: (ours, reference, min |gradient| or None)."""
+    worst, compared, total = 0.0, 0, 0
+    for ours, ref, floor in pairs:
+        diff = (ours.detach().float() - ref.detach().float()).abs()
+        signal = torch.ones_like(diff, dtype=torch.bool) if floor is None else floor.reshape(diff.shape) >= GRAD_FLOOR
+        if signal.any():
+            worst = max(worst, diff[signal].max().item())
+        compared += int(signal.sum())
+        total += diff.numel()
+    return worst, compared / max(total, 1)
+
+
 def hf_mixtral_parity(ep_size: int, steps: int = 2, family: str = "mixtral", autoep: bool = False,
                       save_dir: str | None = None) -> dict[str, float]:
     """A HF Mixtral (or Qwen2-MoE) whose MoE blocks are replaced (experts over ``ep_size`` ranks), trained
@@ -277,10 +306,12 @@ def hf_mixtral_parity(ep_size: int, steps: int = 2, family: str = "mixtral", aut
     with torch.no_grad():
         worst["first_logits"] = (engine.module(mixtral_tokens(rank)).logits
                                  - ref(mixtral_tokens(rank)).logits).abs().max().item()
+    min_grad: dict[str, torch.Tensor] = {}  # see GRAD_FLOOR
     for _ in range(steps):
         ref_opt.zero_grad()
         total = sum(ref(mixtral_tokens(r), labels=mixtral_tokens(r)).loss for r in range(world)) / world
         total.backward()
+        track_min_grad(ref, min_grad)
         ref_opt.step()
         x = mixtral_tokens(rank)
         loss = engine(x, labels=x).loss
@@ -289,20 +320,23 @@ def hf_mixtral_parity(ep_size: int, steps: int = 2, family: str = "mixtral", aut
         mean = loss.detach().clone()
         comm.all_reduce(mean)
         worst["loss"] = max(worst["loss"], abs(mean.item() / world - total.item()))
-    # weights: dense by name; experts: HF's fused [E, 2I, H] / [E, H, I] rows vs ours by global index
+    # weights: dense by name; experts: HF's fused [E, 2I, H] / [E, H, I] rows vs ours by global index.
+    # Compared where the reference's gradient stayed >= GRAD_FLOOR: over all elements, 12 model seeds
+    # gave up to 1.4e-5 (6.4e-6 for this one); over those, < 4e-7.
     ref_p = dict(ref.named_parameters())
-    w = 0.0
+    pairs = []
     for name, p in engine.module.named_parameters():
         if ".moe.deepspeed_moe.experts.deepspeed_experts." in name:
             block, rest = name.split(".mlp.moe.deepspeed_moe.experts.deepspeed_experts.")
             g, kind = rest.split(".", 1)
-            src = ref_p[f"{block}.mlp.experts.{'gate_up_proj' if kind.startswith('gate_up') else 'down_proj'}"][int(g)]
+            key = f"{block}.mlp.experts.{'gate_up_proj' if kind.startswith('gate_up') else 'down_proj'}"
+            pairs.append((p, ref_p[key][int(g)], min_grad[key][int(g)]))
         elif ".moe.deepspeed_moe.gate.wg." in name:
-            src = ref_p[name.replace(".mlp.moe.deepspeed_moe.gate.wg.", ".mlp.gate.")]
+            key = name.replace(".mlp.moe.deepspeed_moe.gate.wg.", ".mlp.gate.")
+            pairs.append((p, ref_p[key], min_grad[key]))
         else:
-            src = ref_p[name]
-        w = max(w, (p.detach() - src.detach()).abs().max().item())
-    worst["weight"] = w
+            pairs.append((p, ref_p[name], min_grad[name]))
+    worst["weight"], worst["weight_compared"] = weight_diff_on_signal(pairs)
     if save_dir is not None:  # written in HF's layout: the original HF class loads the trained weights
         from zerospeed.integrations.transformers import save_pretrained
 
@@ -391,10 +425,12 @@ def tp_autoep_parity(stage: int, steps: int = 2) -> dict[str, Any]:
     dp, dp_rank = comm.get_mesh().dp_size, comm.get_mesh().dp_rank
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
     worst: dict[str, Any] = {"loss": 0.0}
+    min_grad: dict[str, torch.Tensor] = {}  # see GRAD_FLOOR
     for _ in range(steps):
         ref_opt.zero_grad()
         total = sum(ref(mixtral_tokens(r), labels=mixtral_tokens(r)).loss for r in range(dp)) / dp
         total.backward()
+        track_min_grad(ref, min_grad)
         ref_opt.step()
         x = mixtral_tokens(dp_rank)
         loss = engine(x, labels=x).loss
@@ -407,7 +443,9 @@ def tp_autoep_parity(stage: int, steps: int = 2) -> dict[str, Any]:
     if rank == 0:
         ref_state = ref.state_dict()
         worst["keys"] = sorted(full) == sorted(ref_state)
-        worst["weight"] = max((full[k].float() - ref_state[k]).abs().max().item() for k in ref_state)
+        # over all elements, 8 model seeds gave up to 2.8e-5 (2.9e-6 for this one): see GRAD_FLOOR
+        worst["weight"], worst["weight_compared"] = weight_diff_on_signal(
+            (full[k], ref_state[k], min_grad.get(k)) for k in ref_state)
     comm.reset_mesh()
     return worst
 
