@@ -55,7 +55,7 @@ def test_greedy_matches_hf(family_models, family):
 
 def test_ragged_logits_match_per_sequence(family_models):
     """One ragged forward mixing decodes and prompt chunks gives each sequence's last-token logits
-    as HF's full forward of that sequence does (fp32, atol 2e-5)."""
+    as HF's full forward of that sequence does (fp32, atol 2e-5 of the logits' scale)."""
     model, path, ps, _ = family_models["llama"]
     engine = build_engine(path, block_size=4, num_blocks=64, max_num_batched_tokens=512)
     seqs = [ps[0], ps[1], ps[2]]
@@ -72,7 +72,11 @@ def test_ragged_logits_match_per_sequence(family_models):
     with torch.no_grad():
         for i, s in enumerate(seqs):
             ref = model(torch.tensor([s])).logits[0, -1]
-            torch.testing.assert_close(logits[i], ref, atol=2e-5, rtol=1e-5)
+            # to 2e-5 of the logits' scale (~10 here), as in test_inference_v1: an absolute 2e-5 used
+            # 0.23 of the tolerance here, and the same comparison of kernel-injected llama logits with
+            # HF's up to 0.67 over 16 seeds (1.44 for gpt2): another CPU's rounding could cross it
+            atol = 2e-5 * max(1.0, ref.abs().max().item())
+            torch.testing.assert_close(logits[i], ref, atol=atol, rtol=1e-5)
 
 
 def test_flood_more_requests_than_cache(family_models):

@@ -28,7 +28,11 @@ def test_kernel_inject_matches_hf(family):
     with torch.no_grad():
         for r, p in enumerate(ps):
             ref = model(torch.tensor([p])).logits[0]
-            torch.testing.assert_close(out[r, 11 - len(p):], ref, atol=2e-5, rtol=1e-5)
+            # to 2e-5 of the logits' scale (up to ~22 for these models): an absolute 2e-5 used 0.35 of
+            # the tolerance on this model and up to 1.44 over 16 model/prompt seeds (so another CPU's
+            # rounding could fail it); scaled, at most 0.09 over the same 16
+            atol = 2e-5 * max(1.0, ref.abs().max().item())
+            torch.testing.assert_close(out[r, 11 - len(p):], ref, atol=atol, rtol=1e-5)
     gen = engine.module.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
     assert gen.shape == (2, 19)
     assert gen[:, 11:].tolist() == [hf_greedy(model, p, 8) for p in ps]
