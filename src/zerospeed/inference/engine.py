@@ -16,6 +16,10 @@ Attention: decodes read the paged cache through a C kernel on CPU in float32
 (:mod:`~zerospeed.inference.cpu_kernel`, ``attention_backend="auto"``), else through torch
 (:mod:`~zerospeed.inference.attention`); ``attention_backend="torch"`` forces the latter.
 
+Decode batch: ``max_decode_kv_bytes`` (default ``"auto"``, see ``DECODE_KV_RATIO``) bounds the K/V
+the running sequences hold at their longest, so the K/V any decode step reads; the scheduler admits
+requests first-in first-out within it (and within ``max_num_seqs``).
+
 Failure isolation: bad requests are refused by ``add_request`` with :class:`RequestError` (nothing
 changes); an exception inside a forward fails only the requests of that forward (each gets a
 finished output with ``error``), and the engine keeps serving the rest.
