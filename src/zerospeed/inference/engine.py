@@ -80,10 +80,10 @@ DEFAULT_PREFILL_WITH_DECODES: int | None = 16
 # much again as its K/V read (bench model, one thread, 2026-11-24: a step costs ~2.0 ms, about the
 # time to read its 19 MiB of weights, plus ~0.3 ms per sequence of ~200 tokens, whose K/V read is
 # ~0.16 ms). So the fraction sets the step time relative to a weights-only step, about 1 + 2 x ratio,
-# and the cost per token. Measured frontier (bench/inference_bench.py offline, tokens per CPU-second
-# vs HF static batches of 8 / p95 inter-token latency vs HF batch 1, CPU time): 0.5: 3.5x / 0.59x,
-# 0.62: 4.0x / 0.69x, 0.75: 4.4x / 0.74x, 1.0: 4.6x / 0.93x. 0.75 is the knee: past it throughput
-# grows ~5% while the gaps between tokens grow ~25%.
+# and the cost per token. Measured frontier (bench/results/inference_bench-20261124-053840.md,
+# offline, tokens per CPU-second vs HF static batches of 8 / p95 inter-token latency vs HF batch 1):
+# 0.5: 3.13x / 0.64x, 0.75: 4.28x / 0.70x, 1.0: 4.54x / 0.87x, no bound: 4.94x / 2.21x. 0.75 is the
+# knee: from 0.5 throughput grows 37% for 9% longer gaps, past it 6% for 24%.
 DECODE_KV_RATIO = 0.75
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel")
