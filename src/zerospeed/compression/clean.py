@@ -39,7 +39,11 @@ re-split).  A head-pruned layer that would keep no head on some rank is an error
 Tolerance: cleaned outputs equal the simulated (fake-quantized, masked) outputs to float rounding
 (tests: 1e-5 relative) when quantization groups do not straddle removed units; stochastic rounding
 is replaced by nearest at cleaning.  Binary/ternary scales are means over the kept weights, so with
-structured pruning they are recomputed on what remains.
+structured pruning they are recomputed on what remains.  Channel pruning with BatchNorm is the
+exception (as in DeepSpeed): the simulated model masks a pruned channel's conv output, but its
+BatchNorm (and ReLU) still turn that zero into ``relu(beta - mean * gamma / std)``, which the next conv
+reads; the cleaned model removes the channel, so the two differ where that value is nonzero (a
+channel whose BatchNorm was trained before it was pruned).
 """
 
 from __future__ import annotations
