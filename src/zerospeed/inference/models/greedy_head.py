@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zerospeed.inference import cpu_kernel
+
 
 @functools.lru_cache(maxsize=None)
 def int8_matmul_fast() -> bool:
@@ -122,8 +124,6 @@ def approx_logits(head: Int8Head, hidden: torch.Tensor, use_c: bool = False) -> 
     rows = hidden.shape[0]
     consts = (head.max_residual, head.max_residual_l2, head.max_scaled_l1, head.max_scaled_l2)
     if use_c:
-        from zerospeed.inference import cpu_kernel
-
         p, _, err = cpu_kernel.int8_rows(hidden.contiguous(), consts)
         return _qlinear(p, head.packed, head.scales, head.zero_points)[:rows], err
     m = hidden.abs().amax(dim=1)

@@ -231,16 +231,12 @@ class CausalLM(nn.Module):
             if head is not None:
                 return self._greedy_tokens_int8(hidden, w, head)
         if mode in ("auto", "bf16") and _bf16_matmul_fast():
-            from zerospeed.inference import cpu_kernel
-
             if cpu_kernel.available()[0]:
                 return self._greedy_tokens_bf16(hidden, w)
         return None
 
     def _greedy_tokens_int8(self, hidden: torch.Tensor, w: torch.Tensor, head: "greedy_head.Int8Head"
                             ) -> torch.Tensor:
-        from zerospeed.inference import cpu_kernel
-
         c = cpu_kernel.available()[0]
         approx, err = greedy_head.approx_logits(head, hidden, use_c=c)
         if c:
@@ -253,8 +249,6 @@ class CausalLM(nn.Module):
         return tokens
 
     def _greedy_tokens_bf16(self, hidden: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        from zerospeed.inference import cpu_kernel
-
         mat, packed, wmax = self._lm_head_bf16(w)
         xb = hidden.to(torch.bfloat16)
         approx = torch.ops.mkldnn._linear_pointwise(xb, mat, None, "none", [], "") if packed else torch.mm(xb, mat)
