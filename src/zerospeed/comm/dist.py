@@ -140,9 +140,16 @@ def get_local_rank() -> int:
 
 
 def device_for_backend() -> torch.device:
-    """The device this rank computes on: its CUDA device under NCCL, else the CPU."""
+    """The device this rank computes on: its CUDA device under NCCL, else the CPU.
+
+    ``DS_ACCELERATOR=cuda`` (DeepSpeed's switch) asks for CUDA explicitly: then a rank computes on CUDA
+    device ``LOCAL_RANK % device_count`` under any backend, e.g. CUDA tensors over gloo (gloo carries them
+    for all-reduce and broadcast, all zerospeed's gloo path needs), which lets several ranks share one GPU.
+    Without it, gloo means the CPU, so CPU runs stay on the CPU on a machine that has a GPU."""
     if is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
+    if os.environ.get("DS_ACCELERATOR", "").strip().lower() == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
     return torch.device("cpu")
 
 

@@ -254,9 +254,10 @@ class QuantizedLinear(_Packed):
         return forced if forced is not None else self.available_kernels()[0]
 
     def available_kernels(self) -> tuple[str, ...]:
-        """The kernels this layer's layout can take, fastest first (``dequant`` always)."""
+        """The kernels this layer's layout can take, fastest first (``dequant`` always). ``onednn`` and
+        ``int_mm`` were probed on the CPU at import and run the CPU's int8 ops: only for a layer on the CPU."""
         int8_act = (self.act_bits == 8 and self.act_symmetric and self.symmetric and self.bits <= 8
-                    and bool(self.rows_per_group))
+                    and bool(self.rows_per_group) and self.qweight.device.type == "cpu")
         found = []
         if int8_act and ONEDNN:
             found.append("onednn")
