@@ -41,6 +41,8 @@ log = logging.getLogger("zerospeed.fast_paths")
 PATHS: dict[str, tuple[str, ...]] = {
     "greedy_head": ("auto", "float32", "bf16", "int8"),
     "cpu_kernels": ("auto", "off", "on"),
+    "adam_kernel": ("auto", "forloop", "foreach", "fused"),  # torch's three Adam implementations
+    "direct_io": ("auto", "off", "on"),  # O_DIRECT file I/O (aio engine, NVMe offload)
 }
 
 ENV_VAR = "ZEROSPEED_FAST_PATHS"
