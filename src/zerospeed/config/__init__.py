@@ -7,6 +7,7 @@ of the library should use; every problem is a one-line :class:`ConfigError` nami
 from __future__ import annotations
 
 from .errors import ConfigError
+from .fast_paths import FastPathsConfig
 from .loader import load_config
 from .names import OPTIMIZER_NAMES, SCHEDULER_NAMES
 from .schema import ZeroSpeedConfig
@@ -36,6 +37,7 @@ __all__ = [
     "ConfigError",
     "DataTypesConfig",
     "FP16Config",
+    "FastPathsConfig",
     "OPTIMIZER_NAMES",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",

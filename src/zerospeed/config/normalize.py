@@ -20,7 +20,8 @@ Decisions:
   keys that change the numerics (``AUTO_MATH_KEYS``, anything under optimizer/scheduler params)
   -> ConfigError, because only the HF Trainer can fill them in;
   anything else -> ConfigError saying ``"auto"`` is not accepted for that key.
-  ``pipeline.stages`` is exempt: ``"auto"`` is one of its ordinary values.
+  ``pipeline.stages`` and the ``fast_paths`` switches are exempt: ``"auto"`` is one of their
+  ordinary values.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def resolve_auto(raw: dict[str, Any]) -> tuple[str, ...]:
                 continue
             if not (isinstance(value, str) and value.lower() == "auto"):
                 continue
-            if path in _AUTO_VALUE_ALLOWED:
+            if path in _AUTO_VALUE_ALLOWED or path.startswith("fast_paths."):
                 continue
             if path in BATCH_KEYS:
                 auto_batch.append(path)

@@ -12,7 +12,8 @@ Decisions:
   ``load_config(cfg, dp_world_size=n)`` can re-resolve for another world size.
 * Cross-section rules DeepSpeed enforces are enforced here: fp16 and bf16 are exclusive; bf16/fp16
   master-weight options need ZeRO stage 1-3.
-* ``seed`` and ``checkpoint.async_save`` are zerospeed additions (DeepSpeed has no such keys).
+* ``seed``, ``checkpoint.async_save`` and ``fast_paths`` are zerospeed additions (DeepSpeed has no
+  such keys).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from .zero import AioConfig, ZeroConfig
 from .flops_profiler import FlopsProfilerConfig
 from .torch_autocast import TorchAutocastConfig
 from .compile import CompileConfig
+from .fast_paths import FastPathsConfig
 
 Precision = Literal["fp32", "fp16", "bf16"]
 
@@ -125,6 +127,8 @@ class ZeroSpeedConfig(Section):
     compression_training: CompressionConfig | None = None
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
+    fast_paths: FastPathsConfig = Field(default_factory=FastPathsConfig)
+    """zerospeed addition: switches of the hardware-specific fast paths (see config/fast_paths.py)."""
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
     _dp_world_size: int = PrivateAttr(default=1)
