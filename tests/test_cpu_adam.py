@@ -20,6 +20,13 @@ from zerospeed.ops.adam import (
 )
 
 SHAPES = [(300, 257), (4099,), (7, 3), (1,)]
+
+
+@pytest.fixture(autouse=True)
+def _fused_family(monkeypatch):
+    """These tests pin the fused family (they check bit-identity with torch's fused kernel); the
+    measured choice and the other families are tested in test_fast_paths_training.py."""
+    monkeypatch.setenv("ZEROSPEED_FAST_PATHS", "adam_kernel=fused")
 TOL = dict(rtol=1e-6, atol=1e-6)  # fp32 rounding: a few ulps after several steps of lr 1e-2
 
 

@@ -37,11 +37,18 @@ steps then the median of 15 ``step()`` calls, machine load ~1.8)::
         Adagrad     14.7       32.1      5.7
 
 Fused is 1.7-5x faster than both, and foreach is *slower* than the for-loop on CPU (a rerun under
-heavy load from other jobs kept the order for Adam, AdamW and Adagrad, fused 3-9x ahead). So when
-every parameter is a floating tensor on CPU or CUDA the factory passes ``fused=True`` (on CUDA that
-follows torch's own guidance that fused is fastest; not measured here, this box has no GPU);
-otherwise it leaves the choice to torch (foreach on CUDA-like devices, the for-loop elsewhere). An
-explicit ``fused`` or ``foreach`` in the params wins.
+heavy load from other jobs kept the order for Adam, AdamW and Adagrad, fused 3-9x ahead). So for SGD
+and Adagrad, when every parameter is a floating tensor on CPU or CUDA the factory passes
+``fused=True``; otherwise it leaves the choice to torch. An explicit ``fused`` or ``foreach`` in the
+params wins.
+
+Adam and AdamW: which implementation runs is the ``adam_kernel`` fast path (issue #25), taken from
+the config's ``fast_paths`` section: a forced family (``forloop``, ``foreach``, ``fused``) is passed
+as torch's flags (checked first: one that cannot run on the parameters' device is an error naming
+``fast_paths.adam_kernel``; one that contradicts an explicit ``optimizer.params.fused``/``foreach``
+is an error naming both); ``auto`` attaches an :class:`~zerospeed.ops.adam.kernel_choice.AdamKernelSwitch`
+that times the three on the tensors the optimizer updates - at the first step, or at engine start-up
+(the engine settles it once ZeRO has put its shards in the groups). Explicit flags with ``auto`` win.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ from typing import Any
 import torch
 
 from zerospeed.config.errors import ConfigError
+from zerospeed.ops.adam.kernel_choice import attach_switch, check_forced, kernel_of_flags, resolve_kernel_setting
+from zerospeed.ops.fast_paths import FastPathError
 from zerospeed.ops.lamb import Lamb
 
 __all__ = ["build_optimizer", "resolve_client_optimizer", "OPTIMIZERS"]
@@ -187,10 +196,39 @@ def _materialise(param_groups: Iterable[Any]) -> list[Any]:
     return groups
 
 
+_KERNEL_KEY = "fast_paths.adam_kernel"
+
+
+def _adam_with_kernel(cls: type[torch.optim.Optimizer], groups: list[Any], kwargs: dict[str, Any],
+                      fast_paths: Any) -> torch.optim.Optimizer:
+    """torch's Adam/AdamW with the ``adam_kernel`` switch applied (see the module docstring)."""
+    try:
+        setting = resolve_kernel_setting(getattr(fast_paths, "adam_kernel", "auto"), _KERNEL_KEY)
+        explicit = kernel_of_flags(kwargs.get("foreach"), kwargs.get("fused"))
+        if setting == "auto":
+            opt = cls(groups, **kwargs)
+            if explicit is None and not kwargs.get("differentiable"):
+                attach_switch(opt, "auto", _KERNEL_KEY)
+            return opt
+        if explicit is not None and explicit != setting:
+            flag = "fused" if kwargs.get("fused") else "foreach"
+            raise ConfigError(_KERNEL_KEY, f"{setting!r} conflicts with optimizer.params.{flag}: "
+                              f"{str(kwargs.get(flag)).lower()}; set one")
+        check_forced(setting, _tensors(groups), _KERNEL_KEY)
+        opt = cls(groups, **{**kwargs, "fused": setting == "fused" or None, "foreach": setting == "foreach"})
+        attach_switch(opt, setting, _KERNEL_KEY)
+        return opt
+    except FastPathError as exc:
+        raise ConfigError(_KERNEL_KEY, str(exc).removeprefix(_KERNEL_KEY + ": ")) from None
+
+
 def build_optimizer(
-    type_name: str, params: Mapping[str, Any], param_groups: Iterable[Any]
+    type_name: str, params: Mapping[str, Any], param_groups: Iterable[Any], fast_paths: Any = None
 ) -> torch.optim.Optimizer:
     """Build ``optimizer.type`` with ``optimizer.params`` over ``param_groups`` (torch convention).
+
+    ``fast_paths`` is the config's :class:`~zerospeed.config.FastPathsConfig` (``adam_kernel``);
+    None means ``auto``.
 
     Raises:
         ConfigError: ``optimizer.type`` for an unknown type (with the nearest name),
@@ -220,8 +258,7 @@ def build_optimizer(
         cls: type[torch.optim.Optimizer] = (
             torch.optim.AdamW if spec.name == "AdamW" or adam_w_mode else torch.optim.Adam
         )
-        _pick_implementation(kwargs, groups)
-        return cls(groups, **kwargs)
+        return _adam_with_kernel(cls, groups, kwargs, fast_paths)
     if spec.name == "Lamb":
         if "betas" in kwargs:
             kwargs["betas"] = tuple(kwargs["betas"])

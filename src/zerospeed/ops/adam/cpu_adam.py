@@ -20,6 +20,12 @@ Three ways to drive it:
   **the CUDA path is unmeasured: the project's machine has no GPU**). On CPU-only machines the
   same code runs with inline copies.
 
+``adam_kernel`` (``auto``, ``forloop``, ``foreach``, ``fused``) picks the arithmetic: torch's fused
+kernel, or torch's for-loop / multi-tensor implementation on the same chunks; ``auto`` (the default)
+times them on the first step's shapes (:mod:`zerospeed.ops.adam.kernel_choice`) and keeps the
+choice for the optimizer's life. The bit-identity with ``AdamW(fused=True)`` above holds for
+``fused``; the other two equal ``AdamW()`` / ``AdamW(foreach=True)``.
+
 ``sub_group_size`` bounds how many elements one pipeline stage updates when ``step()`` cuts its
 parameters into sub-groups; on CPU it only sets the granularity (results do not depend on it).
 
@@ -47,6 +53,7 @@ from zerospeed.ops.adam.kernel import (
     Item,
     adam_update,
 )
+from zerospeed.ops.adam.kernel_choice import attach_switch, choose_adam_kernel, resolve_kernel_setting, shape_of
 from zerospeed.ops.adam.subgroup_pipeline import (
     CudaStreamCopies,
     SubGroup,
@@ -79,7 +86,9 @@ class CPUAdam(torch.optim.Optimizer):
         sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
         num_threads: int | None = None,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        adam_kernel: str = "auto",
     ) -> None:
+        setting = resolve_kernel_setting(adam_kernel, "CPUAdam(adam_kernel=...)")
         if not lr >= 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not eps >= 0.0:
@@ -102,6 +111,9 @@ class CPUAdam(torch.optim.Optimizer):
         self.sub_group_size = sub_group_size
         self.chunk_numel = chunk_numel
         self.num_threads = num_threads
+        #: the adam_kernel choice (settled at the first step unless forced, or by the engine)
+        self.kernel_switch = attach_switch(self, setting, "CPUAdam(adam_kernel=...)", pooled=True,
+                                           chunk_numel=chunk_numel)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # load_state_dict() installs the saved groups; one saved by torch's Adam/AdamW or by
@@ -138,6 +150,17 @@ class CPUAdam(torch.optim.Optimizer):
     def _pool(self) -> AdamThreadPool:
         return AdamThreadPool.shared(self.num_threads or max(1, torch.get_num_threads()))
 
+    def _kernel(self, items: Sequence[Item], amsgrad: bool) -> str:
+        """The Adam family in use: settled on the first update's shapes (then kept)."""
+        switch = self.kernel_switch
+        if switch.kernel is None:
+            p, m = items[0][0], items[0][2]
+            shape = shape_of([it[0].numel() for it in items], p.device, p.dtype, m.dtype, pooled=True,
+                             chunk_numel=self.chunk_numel)
+            switch.settle(self, choose_adam_kernel(switch.setting, shape, amsgrad=amsgrad, source=switch.source,
+                                                   pool=self._pool(), chunk_numel=self.chunk_numel), "measured")
+        return switch.kernel  # type: ignore[return-value]
+
     def _state_for(self, key: Any, p: torch.Tensor, amsgrad: bool) -> dict[str, Any]:
         state = self.state[key]
         if len(state) == 0:
@@ -172,16 +195,19 @@ class CPUAdam(torch.optim.Optimizer):
 
     def _run(self, items: Sequence[Item], hp: AdamHyperParams) -> None:
         # Cut into sub-groups of <= sub_group_size elements; each is one pipeline stage.
+        if not items:
+            return
+        kernel = self._kernel(items, hp.amsgrad)
         stage: list[Item] = []
         numel = 0
         for item in items:
             if stage and numel + item[0].numel() > self.sub_group_size:
-                adam_update(stage, hp, pool=self._pool(), chunk_numel=self.chunk_numel)
+                adam_update(stage, hp, pool=self._pool(), chunk_numel=self.chunk_numel, kernel=kernel)
                 stage, numel = [], 0
             stage.append(item)
             numel += item[0].numel()
         if stage:
-            adam_update(stage, hp, pool=self._pool(), chunk_numel=self.chunk_numel)
+            adam_update(stage, hp, pool=self._pool(), chunk_numel=self.chunk_numel, kernel=kernel)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -227,11 +253,15 @@ class CPUAdam(torch.optim.Optimizer):
         if hp.amsgrad and any(sg.max_exp_avg_sq is None for sg in subgroups):
             raise ValueError("amsgrad needs max_exp_avg_sq in every sub-group")
         pool = self._pool()
+        if not subgroups:
+            return
+        kernel = self._kernel([(sg.param, sg.grad, sg.exp_avg, sg.exp_avg_sq, sg.max_exp_avg_sq, sg.step)
+                               for sg in subgroups], hp.amsgrad)
 
         def update(sg: SubGroup) -> None:
             sg.step += 1
             adam_update([(sg.param, sg.grad, sg.exp_avg, sg.exp_avg_sq, sg.max_exp_avg_sq, sg.step)],
-                        hp, pool=pool, chunk_numel=self.chunk_numel)
+                        hp, pool=pool, chunk_numel=self.chunk_numel, kernel=kernel)
 
         run_subgroup_pipeline(subgroups, update, copies)
 

@@ -37,6 +37,15 @@ chunk is upcast to the state dtype, updated, and the parameter chunk is written 
 
 Bias correction off (DeepSpeed's ``bias_correction=False``): the kernel always bias-corrects
 with ``1 - beta**step``; feeding it ``step = +inf`` makes both corrections exactly 1.
+
+Kernel families (``kernel=``, the ``adam_kernel`` fast path, chosen by measurement in
+:mod:`zerospeed.ops.adam.kernel_choice`): ``"fused"`` is the kernel above; ``"forloop"`` and
+``"foreach"`` are torch's own single-tensor and multi-tensor implementations
+(``torch.optim.adam.adam(foreach=False/True)``, the code behind ``torch.optim.AdamW()`` /
+``AdamW(foreach=True)``), run on the same chunks, so each family gives what torch's optimizer of that
+family gives. For-loop and foreach do the same operations in the same order (bit-identical on
+CPU, where foreach ops loop over the tensors); fused evaluates the same formula in one pass with a
+different rounding order (measured: up to 1 ulp of the parameter after 3 steps).
 """
 
 from __future__ import annotations
@@ -48,9 +57,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from torch.optim.adam import adam as _torch_adam  # torch's functional Adam (for-loop and foreach families)
 
 __all__ = ["AdamHyperParams", "AdamThreadPool", "adam_update", "plan_chunks", "CHUNK_ALIGN",
-           "DEFAULT_CHUNK_NUMEL"]
+           "DEFAULT_CHUNK_NUMEL", "KERNELS"]
 
 #: elements per kernel call (4 Mi fp32 = 16 MiB per stream; see the measurements above).
 DEFAULT_CHUNK_NUMEL = 4 << 20
@@ -116,7 +126,11 @@ def plan_chunks(items: Sequence[Item], chunk_numel: int) -> list[list[Item]]:
     return tasks
 
 
-def _run_task(task: list[Item], hp: AdamHyperParams) -> None:
+#: the kernel families ``adam_update`` runs (see the module docstring)
+KERNELS = ("forloop", "foreach", "fused")
+
+
+def _run_task(task: list[Item], hp: AdamHyperParams, kernel: str = "fused") -> None:
     """One kernel call over the items of ``task`` (all on one device)."""
     params, grads, avgs, sqs, maxs, steps = [], [], [], [], [], []
     write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -134,11 +148,20 @@ def _run_task(task: list[Item], hp: AdamHyperParams) -> None:
         if hp.amsgrad:
             maxs.append(mx)
         steps.append(step if hp.bias_correction else _INF_STEP)
-    if params[0].device.type != "cpu":  # the kernel wants steps on the params' device
-        steps = [s.to(params[0].device) for s in steps]
-    kernel = torch._fused_adamw_ if hp.adamw_mode else torch._fused_adam_
-    kernel(params, grads, avgs, sqs, maxs, steps, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
-           weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=hp.amsgrad, maximize=hp.maximize)
+    if kernel == "fused":
+        if params[0].device.type != "cpu":  # the kernel wants steps on the params' device
+            steps = [s.to(params[0].device) for s in steps]
+        fused = torch._fused_adamw_ if hp.adamw_mode else torch._fused_adam_
+        fused(params, grads, avgs, sqs, maxs, steps, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
+              weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=hp.amsgrad, maximize=hp.maximize)
+    elif kernel in ("forloop", "foreach"):
+        # torch's implementation increments the step tensors it is given: it gets fresh ones holding
+        # step - 1 (the caller's step, shared by the chunks of one tensor, stays as it is)
+        _torch_adam(params, grads, avgs, sqs, maxs, [s - 1 for s in steps], foreach=kernel == "foreach", fused=False,
+                    decoupled_weight_decay=hp.adamw_mode, amsgrad=hp.amsgrad, beta1=hp.beta1, beta2=hp.beta2, lr=hp.lr,
+                    weight_decay=hp.weight_decay, eps=hp.eps, maximize=hp.maximize)
+    else:
+        raise ValueError(f"unknown Adam kernel {kernel!r} (known: {', '.join(KERNELS)})")
     for p, p32 in write_back:
         p.copy_(p32)
 
@@ -195,13 +218,13 @@ class AdamThreadPool:
             self._executor.shutdown(wait=True)
             self._executor = None
 
-    def run(self, tasks: Sequence[list[Item]], hp: AdamHyperParams) -> None:
+    def run(self, tasks: Sequence[list[Item]], hp: AdamHyperParams, kernel: str = "fused") -> None:
         """Run every task; workers pull the next task index from a shared counter."""
         if not tasks:
             return
         if self._executor is None or len(tasks) == 1:
             for task in tasks:
-                _run_task(task, hp)
+                _run_task(task, hp, kernel)
             return
         lock = threading.Lock()
         cursor = [0]
@@ -213,7 +236,7 @@ class AdamThreadPool:
                     cursor[0] += 1
                 if i >= len(tasks):
                     return
-                _run_task(tasks[i], hp)
+                _run_task(tasks[i], hp, kernel)
 
         futures = [self._executor.submit(worker) for _ in range(min(self.num_workers, len(tasks)))]
         for f in futures:
@@ -226,6 +249,7 @@ def adam_update(
     *,
     pool: AdamThreadPool | None = None,
     chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+    kernel: str = "fused",
 ) -> None:
     """Apply one Adam/AdamW update in place to every ``(param, grad, exp_avg, exp_avg_sq,
     max_exp_avg_sq, step)`` item; ``step`` is a float32 scalar tensor already incremented.
@@ -233,15 +257,18 @@ def adam_update(
     States must share a dtype per item; params and grads may differ (see the module docstring).
     CPU items are chunked over ``pool`` (default: the shared pool of ``torch.get_num_threads()``
     workers); items on another device go to that device's fused kernel, one call per
-    (device, dtype) (not exercised here: no GPU on the development machine).
+    (device, dtype) (not exercised here: no GPU on the development machine). ``kernel`` is one of
+    :data:`KERNELS` (the caller's choice; see :mod:`zerospeed.ops.adam.kernel_choice`).
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown Adam kernel {kernel!r} (known: {', '.join(KERNELS)})")
     cpu_items = [it for it in items if it[0].device.type == "cpu"]
     other = [it for it in items if it[0].device.type != "cpu"]
     if cpu_items:
         pool = pool or AdamThreadPool.shared(max(1, torch.get_num_threads()))
-        pool.run(plan_chunks(cpu_items, chunk_numel), hp)
+        pool.run(plan_chunks(cpu_items, chunk_numel), hp, kernel)
     by_kind: dict[tuple[torch.device, torch.dtype, torch.dtype], list[Item]] = {}
     for it in other:  # device kernels want one device and dtype per call
         by_kind.setdefault((it[0].device, it[0].dtype, it[2].dtype), []).append(it)
     for dev_items in by_kind.values():
-        _run_task(dev_items, hp)
+        _run_task(dev_items, hp, kernel)
