@@ -55,6 +55,8 @@ class IOEngine:
         self.lock = threading.Lock()
         #: st_dev -> (first path seen on it, reason) for file systems that refused O_DIRECT.
         self.no_direct: dict[int, tuple[str, str]] = {}
+        #: the switch's name when O_DIRECT is forced (``direct_io: on``): a refusal is then an error
+        self.require_direct: str | None = None
         self.stats = {"bytes_read": 0, "bytes_written": 0, DIRECT: 0, BOUNCE: 0, BUFFERED: 0}
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -114,6 +116,10 @@ class IOEngine:
                 self._count(request.op, block.mode, moved)
                 return moved
             except DirectIOUnsupported as exc:
+                if self.require_direct:
+                    raise AIOError(request.op, request.path, _errno.EINVAL, file_offset=request.file_offset,
+                                   num_bytes=request.num_bytes,
+                                   detail=f"{self.require_direct} is 'on' but {exc}") from exc
                 st_dev = os.fstat(request.fds["direct"]).st_dev
                 with self.lock:
                     self.no_direct.setdefault(st_dev, (request.path, str(exc)))

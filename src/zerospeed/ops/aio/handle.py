@@ -29,13 +29,19 @@ The ``aio`` config block, mapped onto a thread pool (DeepSpeed's meanings are fo
 * ``single_submit`` - libaio batches iocbs into one ``io_submit`` unless this is set; a thread pool
   issues every block with its own system call anyway, so the flag is recorded and has no effect.
 
-O_DIRECT (``use_direct_io=True``, the default, as DeepSpeed's aio always opens with O_DIRECT)
-keeps offloaded tensors out of the page cache. It is used per block when the file offset, length
-and buffer address are aligned to ``alignment`` (4096); an unaligned buffer goes through an
-aligned per-thread bounce buffer; unaligned heads/tails of a request go through the page cache.
-When the file system refuses O_DIRECT (EINVAL at ``open`` or at the first direct ``pread``/
-``pwrite``; e.g. tmpfs before Linux 6.6, some FUSE/network file systems) the handle falls back to
-buffered I/O for that file system and records the reason in :attr:`direct_io_fallbacks`.
+O_DIRECT keeps offloaded tensors out of the page cache. Whether a handle uses it is the
+``direct_io`` fast path (``auto``, ``off``, ``on``; :mod:`zerospeed.ops.aio.direct_choice`): ``auto``
+(the default) probes each file system at its first file there and times one block each way,
+keeping buffered I/O unless direct I/O is measurably faster; ``on`` always uses it (a file system
+that refuses it is an error naming the switch - ``direct_io_source``, e.g. ``fast_paths.direct_io``
+- and the folder); ``off``, or ``use_direct_io=False``, never does. Direct I/O is used per block
+when the file offset, length and buffer address are aligned to ``alignment`` (4096); an unaligned
+buffer goes through an aligned per-thread bounce buffer; unaligned heads/tails of a request (and
+requests shorter than one unit) go through the page cache. Under ``auto``, a file system that
+refuses O_DIRECT (EINVAL at the probe, at ``open`` or at the first direct ``pread``/``pwrite``;
+e.g. tmpfs before Linux 6.6, some FUSE/network file systems) gets buffered I/O, and the reason is
+recorded in :attr:`direct_io_fallbacks`. :meth:`stats` counts the blocks of each mode, so which path
+ran is observable.
 
 Errors: anything detectable at submission (CPU/contiguity of the tensor, a missing directory or
 file, a parent that is not a directory, a read-only file system) raises :class:`AIOError` naming
@@ -56,8 +62,10 @@ import torch
 
 from zerospeed.ops.aio import engine as _engine
 from zerospeed.ops.aio.aligned import DEFAULT_ALIGNMENT, byte_view, new_aligned_tensor
+from zerospeed.ops.aio.direct_choice import decide_direct_io
 from zerospeed.ops.aio.errors import AIOError
 from zerospeed.ops.aio.request import AIORequest, plan_blocks
+from zerospeed.ops.fast_paths import FastPathError, resolve_setting
 
 __all__ = ["AsyncIOHandle", "aio_handle"]
 
@@ -81,7 +89,17 @@ class AsyncIOHandle:
         overlap_events: bool = True,
         use_direct_io: bool = True,
         alignment: int = DEFAULT_ALIGNMENT,
+        direct_io: str = "auto",
+        direct_io_source: str | None = None,
     ) -> None:
+        source = direct_io_source or "AsyncIOHandle(direct_io=...)"
+        setting = resolve_setting("direct_io", direct_io, source)
+        if not use_direct_io:
+            if setting == "on":
+                raise FastPathError(f"{source}: 'on' conflicts with use_direct_io=False; set one")
+            setting = "off"
+        if setting == "on" and _engine.O_DIRECT == 0:
+            raise FastPathError(f"{source}: 'on' cannot run on this machine: this OS has no O_DIRECT")
         for name, value in (("block_size", block_size), ("queue_depth", queue_depth),
                             ("thread_count", thread_count), ("alignment", alignment)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -94,9 +112,14 @@ class AsyncIOHandle:
         self.single_submit = bool(single_submit)
         self.overlap_events = bool(overlap_events)
         self.alignment = alignment
-        self.use_direct_io = bool(use_direct_io) and _engine.O_DIRECT != 0
+        #: the ``direct_io`` setting in force (after ``ZEROSPEED_FAST_PATHS``) and the name errors give it
+        self.direct_io = setting
+        self.direct_io_source = source
+        self.use_direct_io = setting != "off" and _engine.O_DIRECT != 0
         self.num_workers = min(_MAX_WORKERS, queue_depth * thread_count)
         self._engine = _engine.IOEngine(self.num_workers, block_size, alignment)
+        self._engine.require_direct = source if setting == "on" else None
+        self._direct_ok: dict[int, bool] = {}  # st_dev -> use O_DIRECT there (decided at the first file)
         self._lock = threading.Lock()
         self._pending: list[AIORequest] = []
         self._closed = False
@@ -108,7 +131,8 @@ class AsyncIOHandle:
         """Build from a :class:`zerospeed.config.AioConfig` (the ``aio`` block).
 
         ``use_gds`` must be off (GPUDirect Storage is not supported; the config layer already
-        refuses it). ``overrides`` (e.g. ``use_direct_io=False``) win over the config.
+        refuses it). ``overrides`` (e.g. ``direct_io="off"``, ``direct_io_source="fast_paths.direct_io"``)
+        win over the config.
         """
         if getattr(aio_config, "use_gds", False):
             raise ValueError("aio.use_gds: GPUDirect Storage is not supported by zerospeed")
@@ -197,20 +221,56 @@ class AsyncIOHandle:
         if not self.use_direct_io or num_bytes < self.alignment:
             return fds
         st_dev = os.fstat(fd).st_dev
-        if st_dev in self._engine.no_direct:
+        try:
+            direct = self._direct_on(st_dev, os.path.dirname(os.path.abspath(path)), path)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not direct or st_dev in self._engine.no_direct:
             return fds
         try:
             fds["direct"] = _engine.sys_open(path, flags | _engine.O_DIRECT)
         except OSError as exc:
-            if exc.errno != _errno.EINVAL:
+            if exc.errno != _errno.EINVAL or self.direct_io == "on":
                 os.close(fd)
-                raise AIOError("open (O_DIRECT) for " + op, path, exc.errno,
+                detail = f"{self.direct_io_source} is 'on'" if exc.errno == _errno.EINVAL else ""
+                raise AIOError("open (O_DIRECT) for " + op, path, exc.errno, detail=detail,
                                file_offset=file_offset, num_bytes=num_bytes) from exc
             with self._engine.lock:
                 self._engine.no_direct.setdefault(st_dev, (path, f"open(O_DIRECT) failed: {exc.strerror}"))
         return fds
 
+    def _direct_on(self, st_dev: int, folder: str, path: str) -> bool:
+        """Whether files on ``st_dev`` get O_DIRECT: decided at the first one (probe, then the
+        setting or a measurement; see :mod:`~zerospeed.ops.aio.direct_choice`)."""
+        with self._lock:
+            known = self._direct_ok.get(st_dev)
+        if known is not None:
+            return known
+        use, refused = decide_direct_io(self.direct_io, folder, st_dev, self.block_size, self.alignment,
+                                        self.direct_io_source)
+        with self._lock:
+            self._direct_ok.setdefault(st_dev, use)
+        if refused:
+            with self._engine.lock:
+                self._engine.no_direct.setdefault(st_dev, (path, refused))
+        return use
+
+    def prepare(self, folder: str | os.PathLike[str]) -> bool:
+        """Decide now whether files in ``folder`` get O_DIRECT (else at the first request there), so
+        a forced ``direct_io: on`` that the file system refuses fails here, naming the switch and the
+        folder. Returns the decision."""
+        folder = os.path.abspath(os.fspath(folder))
+        if not self.use_direct_io:
+            return False
+        return self._direct_on(os.stat(folder).st_dev, folder, folder)
+
     # ------------------------------------------------------------------ facts, buffers, lifecycle
+
+    def direct_io_choices(self) -> dict[str, bool]:
+        """``{"major:minor": uses O_DIRECT}`` for each file system this handle has decided on."""
+        with self._lock:
+            return {f"{os.major(d)}:{os.minor(d)}": use for d, use in self._direct_ok.items()}
 
     @property
     def direct_io_fallbacks(self) -> dict[str, str]:
@@ -306,7 +366,7 @@ class AsyncIOHandle:
     def __repr__(self) -> str:
         return (f"AsyncIOHandle(block_size={self.block_size}, queue_depth={self.queue_depth}, "
                 f"thread_count={self.thread_count}, single_submit={self.single_submit}, "
-                f"overlap_events={self.overlap_events}, use_direct_io={self.use_direct_io})")
+                f"overlap_events={self.overlap_events}, direct_io={self.direct_io!r})")
 
 
 def aio_handle(block_size: int = 1 << 20, queue_depth: int = 128, single_submit: bool = False,
