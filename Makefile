@@ -58,3 +58,17 @@ bench-env: $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
 	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(BENCH_EXT) OMP_NUM_THREADS=1 $(BENCH_BIN)/python bench/ddp_vs_zerospeed.py $(BENCH_ARGS)
+
+# GPU readiness (issue #25): the device-parametrized parity tests on CUDA plus a short GPU benchmark
+# (ZeRO-Offload vs DeepSpeed, inference vs HF/vLLM), report in bench/results/gpu-<date>.md; see
+# bench/gpu_check.py. Offline: the steps run on the interpreter whose torch sees CUDA (python3 on a GPU
+# image) with src/ on PYTHONPATH; what it lacks comes from WHEELS=DIR (no index). Without CUDA: one line,
+# exit 0. `make gpu-check --dry-run` (or -n) runs the script's own --dry-run: it lists the steps.
+WHEELS ?=
+GPU_CHECK_ARGS ?=
+GPU_CHECK_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+
+.PHONY: gpu-check
+
+gpu-check:
+	@+$(GPU_CHECK_PY) bench/gpu_check.py $(if $(findstring n,$(firstword -$(MAKEFLAGS))),--dry-run) $(if $(WHEELS),--wheels $(WHEELS)) $(GPU_CHECK_ARGS)
