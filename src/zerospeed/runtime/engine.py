@@ -31,6 +31,8 @@ from zerospeed.config import ConfigError, ZeroSpeedConfig
 from zerospeed.monitor import Monitor, StepEvents
 from zerospeed.profiling.engine_hook import EngineFlopsProfiler
 from zerospeed.runtime.engine_api import DeepSpeedEngineAPI
+from zerospeed.runtime.fast_paths import settle_adam_kernel, startup_line
+from zerospeed.utils.logging import log_dist
 from zerospeed.checkpointing.settings import configure_from as configure_checkpointing_from
 from zerospeed.runtime.loss_scaler import build_loss_scaler
 from zerospeed.runtime.precision_cast import cast_to_compute_dtype
@@ -112,10 +114,12 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
                                overlap_comm=bool(zcfg.overlap_comm), comm_dtype=comm_dtype, prescale=prescale,
                                offload_optimizer=_enabled(zcfg.offload_optimizer),
                                offload_param=_enabled(zcfg.offload_param), aio=config.aio,
-                               sub_group_size=int(zcfg.sub_group_size), master_dtype=master_dtype(config))
+                               sub_group_size=int(zcfg.sub_group_size), master_dtype=master_dtype(config),
+                               fast_paths=config.fast_paths)
         options = _with_expert_groups(options, model)
         check_offload(options, optimizer)
         self.strategy = build_strategy(model, optimizer, options, zcfg, dp_group, self.dp_rank, self.dp_world_size)
+        self._report_fast_paths(stage)
         self.loss_scaler = build_loss_scaler(config.precision, config.fp16)
         self.compression_scheduler = compression_scheduler_for(model, config)  # None without compression_training
         self.micro_steps = 0
@@ -141,6 +145,18 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
 
         self._autotuning = AutotuningProbe.attach(self)  # None unless run as an autotuning experiment
         configure_checkpointing_from(config)  # the activation_checkpointing section, unless configure() was called
+
+    def _report_fast_paths(self, stage: int) -> None:
+        """Settle the optimizer's Adam kernel on the shapes the strategy serves (replicas agree at
+        stage 0) and log the fast paths once (see :mod:`zerospeed.runtime.fast_paths`)."""
+        state = getattr(self.strategy, "state", None)
+        tier = getattr(state, "offload", None)
+        exclude = {id(s.master) for s in getattr(tier, "slots", [])}
+        settle_adam_kernel(self.optimizer, self.config.fast_paths, exclude=exclude, dp_group=self.dp_group,
+                           replicated=stage == 0)
+        handles = [h for h in (getattr(getattr(tier, "swapper", None), "handle", None),
+                               getattr(getattr(self.strategy, "swapper", None), "handle", None)) if h is not None]
+        log_dist(startup_line(self.config.fast_paths, self.optimizer, tier, handles), ranks=[0])
 
     def __getattr__(self, name: str) -> Any:
         """Unknown attributes come from the wrapped module (``engine.generate``, ``engine.device``...),

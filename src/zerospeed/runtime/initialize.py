@@ -50,7 +50,7 @@ def optimizer_from_config(cfg: ZeroSpeedConfig, optimizer: Any, groups: list[dic
         return resolve_client_optimizer(optimizer, groups)
     if cfg.optimizer is None:
         raise ConfigError("optimizer", "no optimizer: set 'optimizer' in the config or pass initialize(optimizer=...)")
-    return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
+    return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups, cfg.fast_paths)
 
 
 def scheduler_from_config(cfg: ZeroSpeedConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:

@@ -134,7 +134,8 @@ class ShardedOptimizerState:
             self.offload = OffloadTier(optimizer, offload_cfg, getattr(options, "aio", None), rank,
                                        [buckets[i] for i in sorted(offloaded)],
                                        [self.masters[i] for i in sorted(offloaded)],
-                                       sub_group_size=int(getattr(options, "sub_group_size", 1_000_000_000)))
+                                       sub_group_size=int(getattr(options, "sub_group_size", 1_000_000_000)),
+                                       fast_paths=getattr(options, "fast_paths", None))
 
     # ------------------------------------------------------------------------------------------
     def grad_norm_sq_local(self) -> torch.Tensor:

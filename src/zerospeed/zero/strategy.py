@@ -48,6 +48,7 @@ class StageOptions:
     offload_optimizer: Any = None  # config.zero.OffloadOptimizerConfig, enabled, or None
     offload_param: Any = None  # config.zero.OffloadParamConfig, enabled, or None (stage 3 only)
     aio: Any = None  # config.zero.AioConfig: the NVMe I/O engine's settings
+    fast_paths: Any = None  # config.FastPathsConfig: adam_kernel (offloaded step), direct_io (NVMe files)
     sub_group_size: int = 1_000_000_000
     master_dtype: torch.dtype = torch.float32  # bf16 with bf16.bf16_master_weights_and_grads
     #: parameter -> (process group, rank in it, its size) for parameters not reduced over the dp group

@@ -32,6 +32,8 @@ import torch
 from zerospeed.ops.aio import AIOError, AsyncIOHandle
 from zerospeed.zero.offload.swapfiles import SwapFile, SwapFolder
 
+#: the switch that decides O_DIRECT for the swap files (named in its errors)
+DIRECT_IO_KEY = "fast_paths.direct_io"
 #: every sub-group region starts on a 4096-byte boundary of the file (O_DIRECT alignment)
 ALIGN_BYTES = 4096
 _FP32 = 4
@@ -66,7 +68,8 @@ class NvmeStateSwapper:
     """
 
     def __init__(self, nvme_path: str, keys: Sequence[str], numels: Sequence[int], aio_config: Any,
-                 buffer_count: int, rank: int, pin_memory: bool = False, group_numel: int = 1_000_000_000) -> None:
+                 buffer_count: int, rank: int, pin_memory: bool = False, group_numel: int = 1_000_000_000,
+                 direct_io: str = "auto") -> None:
         if buffer_count < 1:
             raise ValueError("zero_optimization.offload_optimizer.buffer_count must be >= 1 for NVMe offload "
                              f"(one swap buffer per sub-group in flight), got {buffer_count}")
@@ -79,12 +82,13 @@ class NvmeStateSwapper:
             self.offsets[i] = total
             total += n
         self.file_numel = total
-        self.handle = AsyncIOHandle.from_config(aio_config)
+        self.handle = AsyncIOHandle.from_config(aio_config, direct_io=direct_io, direct_io_source=DIRECT_IO_KEY)
         self._folder = SwapFolder(nvme_path, "optimizer", rank, "zero_optimization.offload_optimizer.nvme_path",
                                   on_close=self.handle.close)
         self.folder = self._folder.path
         self.files: dict[str, SwapFile] = {}
         try:
+            self.handle.prepare(self.folder)  # direct_io decided (or refused, when forced) before any file
             for key in self.keys:
                 self.files[key] = self._folder.create_file(f"{key}.swp", self.file_numel * _FP32,
                                                            f"optimizer state {key!r}")

@@ -23,8 +23,12 @@ Per offloaded bucket, on this rank:
   reach it through :meth:`OffloadTier.overwrite_master`. When the model is fp32 on the CPU the
   master *is* the parameter shard (the model itself) and stays.
 
-The step (:meth:`OffloadTier.step`) runs :mod:`zerospeed.ops.adam`'s fused CPU Adam kernel
-(torch's arithmetic, chunked over worker threads):
+The step (:meth:`OffloadTier.step`) runs :mod:`zerospeed.ops.adam`'s CPU Adam update (torch's
+arithmetic, chunked over worker threads) with the kernel family of the ``fast_paths.adam_kernel``
+switch: forced, else the optimizer's own forced ``adam_kernel`` (CPU Adam), else timed once on this
+tier's shard sizes at construction (:mod:`zerospeed.ops.adam.kernel_choice`; each rank updates its
+own shard, so ranks need not agree). ``fast_paths.direct_io`` goes to the NVMe swap files' I/O
+handle, decided for the swap folder at construction.
 
 * states in host memory: one sub-group per bucket through
   :func:`~zerospeed.ops.adam.run_subgroup_pipeline`, so on a GPU the gradient of the next
@@ -50,6 +54,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from zerospeed.ops.adam import AdamHyperParams, AdamThreadPool, SubGroup, adam_update, run_subgroup_pipeline
+from zerospeed.ops.adam.kernel_choice import choose_adam_kernel, resolve_kernel_setting, shape_of, switch_of
 from zerospeed.ops.adam.cpu_adam import CPUAdam
 from zerospeed.zero.offload.swap import NvmeStateSwapper
 
@@ -122,7 +127,8 @@ class OffloadTier:
     """Optimizer state and update of the offloaded buckets of one :class:`ShardedOptimizerState`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: Any, aio_config: Any, rank: int,
-                 buckets: Sequence[Any], masters: Sequence[torch.Tensor], sub_group_size: int = 1_000_000_000) -> None:
+                 buckets: Sequence[Any], masters: Sequence[torch.Tensor], sub_group_size: int = 1_000_000_000,
+                 fast_paths: Any = None) -> None:
         self.optimizer = optimizer
         self.config = config
         self.slots = [_Slot(b, m, i) for i, (b, m) in enumerate(zip(buckets, masters))]
@@ -139,7 +145,8 @@ class OffloadTier:
             keys = (["master"] if self.swap_master else []) + self.keys
             self.swapper = NvmeStateSwapper(config.nvme_path, keys, [s.master.numel() for s in self.slots],
                                             aio_config, int(config.buffer_count), rank, pin_memory=self.pin,
-                                            group_numel=int(sub_group_size))
+                                            group_numel=int(sub_group_size),
+                                            direct_io=getattr(fast_paths, "direct_io", "auto"))
             self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.slots]
             if self.swap_master:
                 for slot in self.slots:
@@ -147,6 +154,19 @@ class OffloadTier:
                     _free(slot.master)
         self._grad_buffers: list[torch.Tensor] = []  # host fp32 staging for gradients that need a copy
         self._pool = AdamThreadPool.shared(max(1, torch.get_num_threads()))
+        #: the Adam kernel family of the offloaded update (see the module docstring)
+        self.kernel = self._choose_kernel(fast_paths)
+
+    def _choose_kernel(self, fast_paths: Any) -> str:
+        setting, source = resolve_kernel_setting(getattr(fast_paths, "adam_kernel", "auto"),
+                                                 "fast_paths.adam_kernel"), "fast_paths.adam_kernel"
+        own = switch_of(self.optimizer)
+        if setting == "auto" and own is not None and own.pooled and own.setting != "auto":
+            setting, source = own.setting, own.source  # a CPU Adam built with a forced adam_kernel
+        if not self.slots:
+            return "fused"
+        shape = shape_of([s.master.numel() for s in self.slots], "cpu", torch.float32, torch.float32, pooled=True)
+        return choose_adam_kernel(setting, shape, amsgrad=self.amsgrad, source=source, pool=self._pool)
 
     # -- state ------------------------------------------------------------------------------------
     def _cpu_state(self, slot: _Slot) -> dict[str, Any]:
@@ -231,7 +251,8 @@ class OffloadTier:
                 (self._master_of(i, states), host_grad, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"),
                  step))
         for gi, items in by_group.items():
-            adam_update(items, hyper_params_of(self.optimizer, self.optimizer.param_groups[gi]), pool=self._pool)
+            adam_update(items, hyper_params_of(self.optimizer, self.optimizer.param_groups[gi]), pool=self._pool,
+                        kernel=self.kernel)
         for i in members:
             shard = self.slots[i].bucket.param_shard()
             if not same_memory(shard, self.slots[i].master):
@@ -273,7 +294,7 @@ class OffloadTier:
                 sg.grad.mul_(factor)
             sg.step += 1
             adam_update([(sg.param, sg.grad, sg.exp_avg, sg.exp_avg_sq, sg.max_exp_avg_sq, sg.step)],
-                        hyper_params_of(self.optimizer, group), pool=self._pool)
+                        hyper_params_of(self.optimizer, group), pool=self._pool, kernel=self.kernel)
 
         run_subgroup_pipeline(subgroups, update)  # device copies overlap the updates (CUDA streams)
 

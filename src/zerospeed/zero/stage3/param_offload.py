@@ -9,7 +9,8 @@ optimizer step, ``write_back_shard`` after a ``GatheredParameters`` edit, a chec
 
 * ``device: "nvme"`` - every managed shard has a 4096-byte aligned region in one per-rank swap file
   ``<nvme_path>/zerospeed_swap/param_rank<r>_<pid>_<random>/params.swp``, written and read through
-  :class:`~zerospeed.ops.aio.AsyncIOHandle` (the ``aio`` block). The file is preallocated with
+  :class:`~zerospeed.ops.aio.AsyncIOHandle` (the ``aio`` block; O_DIRECT or not by the
+  ``fast_paths.direct_io`` switch, decided for the swap folder at start-up). The file is preallocated with
   ``posix_fallocate`` so a full disk fails at start-up, naming the path and the bytes needed.
 * ``device: "cpu"`` - the shard lives in host memory (pinned when ``pin_memory`` and CUDA are
   available). When the model runs on an accelerator, the host copy is the backing store and the
@@ -115,10 +116,12 @@ class ParamSwapper:
 
     ``offload`` is the :class:`~zerospeed.config.zero.OffloadParamConfig` (device ``cpu`` or
     ``nvme``), ``aio`` the ``aio`` block, ``rank`` this process's data-parallel rank (names the
-    swap folder). Construction writes every managed shard to its backing store and frees it.
+    swap folder), ``direct_io`` the ``fast_paths.direct_io`` switch. Construction writes every
+    managed shard to its backing store and frees it.
     """
 
-    def __init__(self, buckets: Iterable[Any], offload: Any, aio: Any, rank: int) -> None:
+    def __init__(self, buckets: Iterable[Any], offload: Any, aio: Any, rank: int, direct_io: str = "auto") -> None:
+        self.direct_io = direct_io
         self.device_kind = str(offload.device)
         if self.device_kind not in ("cpu", "nvme"):
             raise ValueError(f"ParamSwapper: offload_param.device must be 'cpu' or 'nvme', got {self.device_kind!r}")
@@ -178,10 +181,12 @@ class ParamSwapper:
             e.file_offset = offset
             offset += round_up(e.nbytes, DEFAULT_ALIGNMENT)
         total = offset
-        self.handle = AsyncIOHandle.from_config(aio) if aio is not None else AsyncIOHandle()
+        switch = {"direct_io": self.direct_io, "direct_io_source": "fast_paths.direct_io"}
+        self.handle = AsyncIOHandle.from_config(aio, **switch) if aio is not None else AsyncIOHandle(**switch)
         self._folder = SwapFolder(nvme_path, "param", self.rank, f"{KEY}.nvme_path", on_close=self.handle.close)
         self.swap_dir = self._folder.path
         try:
+            self.handle.prepare(self.swap_dir)  # direct_io decided (or refused, when forced) before any file
             self._file = self._folder.create_file("params.swp", total, "ZeRO-3 parameter")
         except BaseException:
             self.close()
@@ -468,13 +473,14 @@ class ParamSwapper:
         self.resident_peak_bytes = max(self.resident_peak_bytes, self.resident_bytes())
 
 
-def build_param_swapper(buckets: Iterable[Any], offload: Any, aio: Any, rank: int) -> ParamSwapper | None:
+def build_param_swapper(buckets: Iterable[Any], offload: Any, aio: Any, rank: int,
+                        direct_io: str = "auto") -> ParamSwapper | None:
     """A :class:`ParamSwapper` for ``offload`` (an enabled OffloadParamConfig), or None when off or
     when there is nothing to move (``cpu`` offload of a model that is on the CPU already, or only
     persistent buckets)."""
     if offload is None or not getattr(offload, "enabled", True):
         return None
-    swapper = ParamSwapper(buckets, offload, aio, rank)
+    swapper = ParamSwapper(buckets, offload, aio, rank, direct_io)
     return swapper if swapper.entries else None
 
 

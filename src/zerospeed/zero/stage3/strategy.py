@@ -90,7 +90,8 @@ class Stage3Strategy:
         self.state = Stage3OptimizerState(self.trainable, optimizer, dp_group, dp_world_size, options)
         # after the optimizer state: it reads the shards to build its masters (mixed precision)
         self.swapper: ParamSwapper | None = build_param_swapper(
-            self.buckets, getattr(options, "offload_param", None), getattr(options, "aio", None), dp_rank)
+            self.buckets, getattr(options, "offload_param", None), getattr(options, "aio", None), dp_rank,
+            getattr(getattr(options, "fast_paths", None), "direct_io", "auto"))
         self.state.residency = self.swapper  # the step swaps shards in one bucket at a time
         self._resident_depth = 0  # open resident_params() blocks
         self.graph_owned = False  # DeepCompile's graphs own gathers and reductions (hand_over_to_graph)
