@@ -36,7 +36,12 @@ computed in the first forward), the same collectives per step, losses equal to e
 
 ZeRO: tp2 x dp2 (world 4) at ZeRO stages 1, 2 and 3 (static activation ranges reduced over dp and
 tp, snip_momentum scores averaged over dp, topk row scores) equals one process (every rank is fed
-the same batch, so the data-parallel mean is the one-process gradient): 1e-5 (measured <= 6.1e-7).
+the same batch, so the data-parallel mean is the one-process gradient): 1e-5 (measured <= 6.1e-7); the static
+activation-range case to the activation-quantization tolerances above (losses 1e-4, tensors 1e-3): the tp shards'
+partial sums round in another order here too, so an input on a grid boundary may flip (6-bit static grid, 1/63 of
+the range). Measured: its losses agree to 6e-7 at AVX512 and to 1.09e-5 under ATEN_CPU_CAPABILITY=default
+ONEDNN_MAX_CPU_ISA=SSE41 (make test-isa), where the earlier 1e-5 for every loss failed (issue #25). A range left
+per shard gives 8e-4 in the losses (above), still caught.
 
 Checkpoints: a tp2 run saved after 2 of 4 steps (QAT bit schedule, static ranges, snip_momentum
 scores, topk scores, head masks) and resumed at tp2, or at tp1 x dp2 (the checkpoint is in full
@@ -119,9 +124,10 @@ def test_tp2_x_dp2_under_zero_stages_equals_one_process():
     four = run_distributed(train_cases, 4, cases, 2, timeout=150)
     for i, ((name, mode), ref, run) in enumerate(zip(cases, one, four[0])):
         assert run["sharded"] and all(r[i]["losses"] == run["losses"] for r in four), name
-        assert max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref["losses"])) < 1e-5, name
+        loss_tol, tensor_tol = (1e-4, 1e-3) if name in ACT else (1e-5, 1e-5)  # the module docstring
+        assert max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref["losses"])) < loss_tol, name
         for key, want in ref["state"].items():
-            assert _rel(run["state"][key], want) < (1e-3 if name in ACT else 1e-5), f"{name} {mode}: {key}"
+            assert _rel(run["state"][key], want) < tensor_tol, f"{name} {mode}: {key}"
 
 
 @pytest.mark.timeout(150)
