@@ -27,9 +27,11 @@ Make that folder on a machine with network, with the GPU machine's Python versio
     .venv/bin/python bench/gpu_check.py --download-wheels .whl --wheel-python 3.12
 
 (DeepSpeed 0.19.8 is built there as a pure-Python wheel, ``DS_BUILD_OPS=0``: its CPU Adam compiles on the
-GPU machine on first use.) A device tool limits one command to 10 minutes: run the parts separately
-(``--only tests``, then ``--only bench``; each writes its own report) or start ``make gpu-check`` detached
-(``setsid``) and read its report when it is done.
+GPU machine on first use.) Where one command may run 10 minutes at most (this workplace's device tool), split the check: e.g.
+``GPU_CHECK_ARGS="--only tests --budget-s 540"``, then ``--steps offload-zerospeed,offload-deepspeed``, then
+``--steps make-llama,inference-zerospeed,inference-hf`` (each run writes its own report; ``--budget-s`` below
+the command's limit leaves time to write it), or start ``make gpu-check`` detached (``setsid``) and read
+its report when it is done.
 """
 
 from __future__ import annotations
@@ -508,6 +510,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="list the steps, run nothing")
     p.add_argument("--only", choices=("tests", "bench"), help="run only the test steps or only the benchmark")
+    p.add_argument("--steps", help="comma-separated step names to run (see --dry-run), e.g. to split the check over "
+                                   "several commands of at most 10 minutes; inference-* need make-llama in the same run")
     p.add_argument("--python", help="interpreter of the steps (default: the first whose torch sees CUDA)")
     p.add_argument("--wheels", help="folder of wheels to install (no index) before the steps; WHEELS= in make")
     p.add_argument("--site", default=str(DEFAULT_SITE), help="where --wheels are installed (on PYTHONPATH)")
@@ -521,10 +525,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def select(steps: list[Step], names: str | None) -> list[Step]:
+    """The steps named in ``--steps`` (all without it); an unknown name ends the program with the choices."""
+    if not names:
+        return steps
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in {s.name for s in steps}]
+    if unknown or not wanted:
+        sys.exit(f"gpu-check: --steps: unknown {', '.join(unknown) or '(none given)'}; choose from "
+                 f"{', '.join(s.name for s in steps)}")
+    return [s for s in steps if s.name in wanted]
+
+
 def dry_run(args: argparse.Namespace) -> int:
     python = args.python or "PYTHON"
     work = Path(tempfile.gettempdir()) / "gpu-check-WORK"
-    steps = plan(python, work, args.offload_size, args.only)
+    steps = select(plan(python, work, args.offload_size, args.only), args.steps)
     print(f"gpu-check --dry-run: would run {len(steps)} steps within {args.budget_s:.0f} s, where PYTHON is "
           f"{args.python or 'the first of ' + ', '.join(candidates(None)) + ' whose torch sees CUDA'}:")
     if args.wheels:
@@ -543,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         return download_wheels(Path(args.download_wheels), args.wheel_python)
     if args.dry_run:
         return dry_run(args)
+    select(plan("PYTHON", Path("WORK"), "auto", args.only), args.steps)  # a bad --steps fails before any probe
     found = find_cuda_python(args.python)
     if found is None:
         print(NO_CUDA_LINE)
@@ -568,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     logs = Path(args.logs_dir) if args.logs_dir else work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    steps = plan(python, work, size, args.only)
+    steps = select(plan(python, work, size, args.only), args.steps)
     print(f"gpu-check: {info.get('gpu')} with torch {info.get('torch')} (CUDA {info.get('cuda_version')}) through "
           f"{python}; logs in {logs}", flush=True)
     deadline = started + args.budget_s

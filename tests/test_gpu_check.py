@@ -67,6 +67,10 @@ def test_dry_run_lists_the_steps_and_runs_none(tmp_path):
     assert list(tmp_path.iterdir()) == []
     only = _script("--dry-run", "--only", "tests").stdout
     assert "would run 2 steps" in only and "gpu_bench" not in only
+    picked = _script("--dry-run", "--steps", "make-llama,inference-hf").stdout.splitlines()
+    assert "would run 2 steps" in picked[0] and "make-llama" in picked[1] and "inference --system hf" in picked[2]
+    bad = _script("--steps", "offload,make-llama")
+    assert bad.returncode == 1 and "--steps: unknown offload; choose from device_parity," in bad.stderr
     # make's own dry run (-n / --dry-run) runs the script's instead of printing the recipe only
     for flag in ("-n", "--dry-run"):
         m = _make(flag, "gpu-check")
