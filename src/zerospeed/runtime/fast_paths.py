@@ -84,7 +84,9 @@ def settle_adam_kernel(optimizer: torch.optim.Optimizer, fast_paths: Any, *, exc
         comm.broadcast(index, src=comm.get_global_rank(dp_group, 0) if dp_group is not None else 0, group=dp_group)
         if int(index[0]) < 0:
             return None
-        return switch.settle(optimizer, KERNELS[int(index[0])], "data-parallel rank 0's choice")
+        own = "forced" if switch.setting != "auto" else "measured"
+        reason = own if comm.get_rank(dp_group) == 0 else "data-parallel rank 0's choice"
+        return switch.settle(optimizer, KERNELS[int(index[0])], reason)
     except FastPathError as exc:
         raise ConfigError(KEY, str(exc).removeprefix(KEY + ": ")) from None
 

@@ -211,6 +211,15 @@ class AsyncIOHandle:
 
     def _open_files(self, op: str, path: str, file_offset: int, num_bytes: int) -> dict[str, int]:
         flags = os.O_RDONLY if op == "read" else (os.O_WRONLY | os.O_CREAT)
+        direct, st_dev = False, None
+        if self.use_direct_io and num_bytes >= self.alignment:
+            folder = os.path.dirname(os.path.abspath(path))
+            try:
+                st_dev = os.stat(folder).st_dev
+            except OSError:  # a missing folder: the open below names it
+                pass
+            if st_dev is not None:  # decided before the file is created (a forced 'on' may refuse)
+                direct = self._direct_on(st_dev, folder, path)
         try:
             fd = _engine.sys_open(path, flags)
         except OSError as exc:
@@ -218,14 +227,6 @@ class AsyncIOHandle:
             raise AIOError("open for " + op, path, exc.errno, detail=detail,
                            file_offset=file_offset, num_bytes=num_bytes) from exc
         fds = {"buffered": fd}
-        if not self.use_direct_io or num_bytes < self.alignment:
-            return fds
-        st_dev = os.fstat(fd).st_dev
-        try:
-            direct = self._direct_on(st_dev, os.path.dirname(os.path.abspath(path)), path)
-        except BaseException:
-            os.close(fd)
-            raise
         if not direct or st_dev in self._engine.no_direct:
             return fds
         try:
