@@ -12,7 +12,6 @@ from inference_cases import hf_greedy, make_model, prompts, save_model
 from zerospeed.inference import SamplingParams, build_engine
 from zerospeed.inference.engine import DECODE_KV_RATIO
 from zerospeed.inference.kv_cache import kv_cache_bytes
-from zerospeed.inference.models import greedy_head, layers
 
 NEW = 6
 
@@ -34,7 +33,7 @@ def test_auto_budget_is_a_fraction_of_the_weights_a_step_reads(llama):
     engine = build_engine(llama[1], num_blocks=16)
     model = engine.model
     head = model.lm_head.weight
-    per = 1 if greedy_head.int8_matmul_fast() else 2 if layers._bf16_matmul_fast() else 4
+    per = {"int8": 1, "bf16": 2}.get(model._greedy_choice(model.decode_rows_hint).head, 4)  # the chosen head
     want = sum(p.numel() * 4 for n, p in model.named_parameters() if n not in ("embed.weight", "lm_head.weight"))
     want += head.numel() * per
     assert model.decode_weight_bytes() == want

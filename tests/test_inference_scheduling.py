@@ -179,20 +179,20 @@ def test_greedy_head_equals_float32_argmax_on_near_ties():
 
 
 def test_greedy_head_is_used_by_the_engine_and_keeps_hf_tokens(llama):
-    """A batch of 10 greedy requests decodes through the greedy head (where the CPU has bfloat16
-    matmul units), with HF's tokens; a batch that asks for logprobs goes through the logits."""
+    """A batch of 10 greedy requests decodes through the greedy head (bfloat16, forced: auto may time
+    float32 faster), with HF's tokens; a batch that asks for logprobs goes through the logits."""
     from zerospeed.inference.models import layers
 
     path, _, _ = llama
     model = make_model("llama", seed=3)
     ps = prompts([5 + 3 * i for i in range(10)], seed=9)
     ref = [hf_greedy(model, p, NEW) for p in ps]
-    engine = build_engine(path, block_size=4, num_blocks=128, max_num_batched_tokens=256)
+    engine = build_engine(path, block_size=4, num_blocks=128, max_num_batched_tokens=256, greedy_head="bf16")
     used = []
     greedy_tokens = engine.model.greedy_tokens
     engine.model.greedy_tokens = lambda h: used.append(greedy_tokens(h)) or used[-1]
     assert engine.generate(ps, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) == ref
-    assert any(u is not None for u in used) == layers._bf16_matmul_fast()
+    assert any(u is not None for u in used)
     used.clear()
     outs = engine.generate(ps, SamplingParams(max_new_tokens=2, ignore_eos=True, logprobs=1))
     assert outs == [r[:2] for r in ref] and not used

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from zerospeed.inference import cpu_kernel
+from zerospeed.inference.fast_path_choice import OFF, KernelPlan, legacy_plan
 
 GROUP_RATIO = 0.75  # a decode whose context is under this fraction of its group's longest starts a new group
 
@@ -96,17 +97,25 @@ class AttentionMetadata:
     kernel_tables: torch.Tensor | None = None
     kernel_lens: torch.Tensor | None = None
     kernel_max_ctx: int = 0
-    # float32 on CPU with the C kernels: layers may use attend_qkv and the fused norms (see the models)
+    # float32 on CPU with the C attention kernels: layers may use attend_qkv (see the models)
     cpu_fused: bool = False
+    # which C kernels this forward's layers use (the norms, SwiGLU's gate, the skinny GEMM; see
+    # fast_path_choice): chosen per forward by the engine
+    kernels: KernelPlan = OFF
     _masks: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, seq_tokens: list[tuple[int, int, list[int]]], num_decodes: int, block_size: int,
               device: torch.device, workspace: Workspace | None = None,
-              decode_kernel: bool = False) -> "AttentionMetadata":
+              decode_kernel: bool = False, kernels: KernelPlan | None = None) -> "AttentionMetadata":
         """``seq_tokens``: per sequence in batch order ``(num_cached, num_new, block_table)``; the
         first ``num_decodes`` have ``num_new == 1`` (best ordered longest context first).
-        ``decode_kernel``: decodes go through :func:`cpu_kernel.decode_attention` (float32 CPU)."""
+        ``kernels``: the C kernels of this forward (its ``attention``: decodes go through
+        :func:`cpu_kernel.decode_attention` / :func:`cpu_kernel.attention_layer`, float32 CPU); without
+        it, ``decode_kernel`` turns every kernel on or off (``fast_path_choice.legacy_plan``)."""
+        if kernels is None:
+            kernels = legacy_plan(decode_kernel)
+        decode_kernel = kernels.attention
         bs = block_size
         positions: list[int] = []
         slots: list[int] = []
@@ -160,7 +169,8 @@ class AttentionMetadata:
         return cls(torch.tensor(slots, dtype=torch.int64, device=device),
                    torch.tensor(positions, dtype=torch.int64, device=device), num_decodes, groups,
                    prefills, block_size=block_size, workspace=workspace if workspace is not None else Workspace(),
-                   kernel_tables=k_tables, kernel_lens=k_lens, kernel_max_ctx=k_max, cpu_fused=decode_kernel)
+                   kernel_tables=k_tables, kernel_lens=k_lens, kernel_max_ctx=k_max, cpu_fused=decode_kernel,
+                   kernels=kernels)
 
     @property
     def num_tokens(self) -> int:

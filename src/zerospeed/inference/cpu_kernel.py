@@ -55,11 +55,53 @@ from zerospeed.inference.cpu_kernel_source import C_SOURCE
 log = logging.getLogger(__name__)
 
 
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math", "-pthread"]
+#: Flags of every build; the instruction set comes from :data:`ISA_FLAGS`.
+BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+              "-fno-trapping-math", "-pthread"]
+
+#: ``ZEROSPEED_KERNEL_ISA`` -> the compiler's instruction-set flags. ``native``: whatever the CPU that
+#: builds has (``-march=native``; the default). ``avx2``: x86-64-v3 (AVX2, FMA, no AVX-512), as on a
+#: CPU without AVX-512. ``scalar``: the architecture's baseline (x86-64: SSE2) with the
+#: auto-vectoriser off, a build that runs on any CPU of the architecture (the kernels' vector-extension
+#: loops are then lowered to SSE2 on x86, to scalar code or the baseline's SIMD elsewhere).
+ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"],
+             "scalar": ["-march=x86-64", "-mtune=generic", "-fno-tree-vectorize", "-fno-tree-slp-vectorize"]}
+_SCALAR_OTHER = ["-fno-tree-vectorize", "-fno-tree-slp-vectorize"]  # non-x86: the baseline, no -march
+ISA_ENV = "ZEROSPEED_KERNEL_ISA"
+
+# kept for readers of the old name: the flags of the default (native) build
+FLAGS = BASE_FLAGS[:1] + ISA_FLAGS["native"] + BASE_FLAGS[1:]
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+def kernel_isa(environ=None) -> str:
+    """The instruction-set level of the process's kernels (``$ZEROSPEED_KERNEL_ISA``, default ``native``);
+    a ValueError naming the variable for an unknown value, or for ``avx2`` on a CPU that is not x86."""
+    value = (os.environ if environ is None else environ).get(ISA_ENV, "").strip() or "native"
+    if value not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}: {value!r} is not one of {', '.join(ISA_FLAGS)}")
+    if value == "avx2" and not _is_x86():
+        raise ValueError(f"{ISA_ENV}: 'avx2' applies to x86-64 CPUs only (this one is {platform.machine()}); "
+                         "use native or scalar")
+    return value
+
+
+def isa_flags(isa: str) -> list[str]:
+    """The compiler flags of the ``isa`` build (see :data:`ISA_FLAGS`)."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}: {isa!r} is not one of {', '.join(ISA_FLAGS)}")
+    if isa == "avx2" and not _is_x86():
+        raise ValueError(f"{ISA_ENV}: 'avx2' applies to x86-64 CPUs only (this one is {platform.machine()})")
+    extra = _SCALAR_OTHER if isa == "scalar" and not _is_x86() else ISA_FLAGS[isa]
+    return BASE_FLAGS[:1] + extra + BASE_FLAGS[1:]
+
 
 _lock = threading.Lock()
 _state: dict = {}
+_loaded: dict[str, "Kernels"] = {}
 
 
 def _cpu_tag() -> str:
@@ -71,9 +113,11 @@ def _cpu_tag() -> str:
     return platform.machine() + flags
 
 
-def _build() -> ctypes.CDLL:
+def _build(flags: list[str]) -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256((C_SOURCE + " ".join(FLAGS) + cc + _cpu_tag()).encode()).hexdigest()[:16]
+    # the CPU's flags are part of the key even for a fixed -march: a cache shared by machines (NFS home)
+    # never hands one CPU a build made for another
+    key = hashlib.sha256((C_SOURCE + " ".join(flags) + cc + _cpu_tag()).encode()).hexdigest()[:16]
     cache = os.environ.get("ZEROSPEED_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "zerospeed",
                                                                        "kernels")
     os.makedirs(cache, exist_ok=True)
@@ -84,52 +128,156 @@ def _build() -> ctypes.CDLL:
             with open(src, "w") as f:
                 f.write(C_SOURCE)
             out = os.path.join(tmp, "k.so")
-            proc = subprocess.run([cc, *FLAGS, src, "-o", out, "-lm"], capture_output=True, text=True, timeout=120)
+            proc = subprocess.run([cc, *flags, src, "-o", out, "-lm"], capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+                raise RuntimeError(f"{cc} {' '.join(flags)} failed: {proc.stderr.strip()[-500:]}")
             os.replace(out, lib)  # atomic: concurrent builders (TP ranks) never see half a file
     dll = ctypes.CDLL(lib)
-    fn = dll.zs_paged_decode_attention
-    P, I = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [P, P, P, P, P, P, I, I, I, I, I, I, I, I, ctypes.c_float, I]
-    fn.restype = ctypes.c_int
-    g = dll.zs_greedy_refine
-    g.argtypes = [P, P, P, P, I, I, I, I, P]
-    g.restype = None
-    a = dll.zs_attention_layer
-    a.argtypes = [P, I, I, I, I, I, I, I, P, P, P, P, P, P, P, P, P, I, I, I, I, ctypes.c_float, I, P]
-    a.restype = ctypes.c_int
-    n = dll.zs_rms_norm
-    n.argtypes = [P, P, P, I, I, ctypes.c_float]
-    n.restype = None
-    k = dll.zs_skinny_gemm
-    k.argtypes = [P, I, I, P, I, P, P, P]
-    k.restype = None
-    sm = dll.zs_silu_mul
-    sm.argtypes = [P, I, I, P]
-    sm.restype = None
-    q = dll.zs_int8_rows
-    D = ctypes.c_double
-    q.argtypes = [P, I, I, D, D, D, D, P, P, P]
-    q.restype = None
-    g = dll.zs_greedy_refine_f32
-    g.argtypes = [P, P, P, P, I, I, I, I, P]
-    g.restype = None
+    P, I, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+    signatures = {
+        "zs_paged_decode_attention": ([P, P, P, P, P, P, I, I, I, I, I, I, I, I, ctypes.c_float, I], ctypes.c_int),
+        "zs_attention_layer": ([P, I, I, I, I, I, I, I, P, P, P, P, P, P, P, P, P, I, I, I, I, ctypes.c_float, I, P],
+                               ctypes.c_int),
+        "zs_rms_norm": ([P, P, P, I, I, ctypes.c_float], None),
+        "zs_skinny_gemm": ([P, I, I, P, I, P, P, P], None),
+        "zs_silu_mul": ([P, I, I, P], None),
+        "zs_int8_rows": ([P, I, I, D, D, D, D, P, P, P], None),
+        "zs_greedy_refine": ([P, P, P, P, I, I, I, I, P], None),
+        "zs_greedy_refine_f32": ([P, P, P, P, I, I, I, I, P], None),
+    }
+    for name, (args, res) in signatures.items():
+        fn = getattr(dll, name)
+        fn.argtypes, fn.restype = args, res
     return dll
 
 
-def available() -> tuple[bool, str]:
-    """Whether the kernel is built (compiling it on the first call); the reason when not."""
+class Kernels:
+    """One build of the kernels (one instruction-set level, :func:`load`), with a torch-tensor wrapper
+    per entry point. The module-level functions of the same names call the process's build."""
+
+    def __init__(self, isa: str, flags: list[str], dll: ctypes.CDLL) -> None:
+        self.isa, self.flags, self.dll = isa, flags, dll
+
+    def describe(self) -> str:
+        return f"C kernels built, {' '.join(f for f in self.flags if f.startswith('-march') or 'vectorize' in f)}"
+
+    def decode_attention(self, q, k_cache, v_cache, tables, lens, block_size, max_ctx, scale, window, out=None):
+        B, hq, d = q.shape
+        hkv = k_cache.shape[1]
+        if out is None:
+            out = torch.empty_like(q)
+        q = q.contiguous()
+        rc = self.dll.zs_paged_decode_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+            B, tables.shape[1], block_size, hq, hkv, d, window or 0, max_ctx,
+            d ** -0.5 if scale is None else float(scale), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("CPU decode-attention kernel: out of memory for its score buffer")
+        return out
+
+    def greedy_refine(self, approx, hidden, weight, err, max_candidates):
+        rows, vocab = approx.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        approx, hidden, weight, err = approx.contiguous(), hidden.contiguous(), weight.contiguous(), err.contiguous()
+        if approx.dtype == torch.float32:
+            fn = self.dll.zs_greedy_refine_f32
+        elif approx.dtype == torch.bfloat16:
+            fn = self.dll.zs_greedy_refine
+        else:
+            raise TypeError(f"greedy_refine: approximate logits must be bfloat16 or float32, not {approx.dtype}")
+        fn(approx.data_ptr(), hidden.data_ptr(), weight.data_ptr(), err.data_ptr(), rows, vocab, hidden.shape[1],
+           max_candidates, out.data_ptr())
+        return out
+
+    def attention_layer(self, qkv, num_decodes, hq, hkv, d, cos_rows, sin_rows, slots, k_cache, v_cache, tables,
+                        lens, block_size, max_ctx, scale, window, want_k):
+        T = qkv.shape[0]
+        rot = cos_rows.shape[-1]
+        q_out = torch.empty(T, hq, d)
+        k_out = torch.empty(T, hkv, d) if want_k else None
+        out = torch.empty(T, hq, d)
+        rc = self.dll.zs_attention_layer(
+            qkv.data_ptr(), qkv.stride(0), T, num_decodes, hq, hkv, d, rot, cos_rows.data_ptr(), sin_rows.data_ptr(),
+            slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q_out.data_ptr(),
+            None if k_out is None else k_out.data_ptr(), None if tables is None else tables.data_ptr(),
+            None if lens is None else lens.data_ptr(), 0 if tables is None else tables.shape[1], block_size,
+            window or 0, max_ctx, d ** -0.5 if scale is None else float(scale), torch.get_num_threads(),
+            out.data_ptr())
+        if rc != 0:
+            raise MemoryError("CPU decode-attention kernel: out of memory for its score buffer")
+        return out, q_out, k_out
+
+    def rms_norm(self, x, weight, eps):
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        n = x.shape[-1]
+        self.dll.zs_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+        return y
+
+    def skinny_linear(self, x, packed, bias=None, residual=None):
+        m, k = x.shape
+        n = packed.shape[0] * 16
+        y = torch.empty(m, n)
+        self.dll.zs_skinny_gemm(x.data_ptr(), m, k, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
+                                None if residual is None else residual.data_ptr(), y.data_ptr())
+        return y
+
+    def int8_rows(self, hidden, consts):
+        rows, h = hidden.shape
+        p = torch.empty(max(rows, 2), h, dtype=torch.int8)
+        a = torch.empty(rows)
+        err = torch.empty(rows)
+        self.dll.zs_int8_rows(hidden.data_ptr(), rows, h, *consts, p.data_ptr(), a.data_ptr(), err.data_ptr())
+        if rows == 1:
+            p[1] = p[0]
+        return p, a, err
+
+    def silu_mul(self, gate_up, inter):
+        out = torch.empty(gate_up.shape[0], inter)
+        self.dll.zs_silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter, out.data_ptr())
+        return out
+
+
+def load(isa: str | None = None) -> Kernels:
+    """The kernels built for ``isa`` (``native``, ``avx2`` or ``scalar``; default: ``$ZEROSPEED_KERNEL_ISA``),
+    compiled on first use and cached on disk per source, flags and compiler; raises when the build fails.
+    Each level is its own library, so tests can compare several in one process."""
+    isa = kernel_isa() if isa is None else isa
+    flags = isa_flags(isa)
     with _lock:
-        if "ok" not in _state:
-            try:
-                _state["dll"] = _build()
+        if isa not in _loaded:
+            _loaded[isa] = Kernels(isa, flags, _build(flags))
+        return _loaded[isa]
+
+
+def available() -> tuple[bool, str]:
+    """Whether the process's kernels (:func:`load` at ``$ZEROSPEED_KERNEL_ISA``) are built, compiling
+    them on the first call; the reason when not (no compiler, read-only cache, a bad
+    ``ZEROSPEED_KERNEL_ISA``...)."""
+    if "ok" not in _state:
+        try:
+            kernels = load()
+            with _lock:
+                _state["kernels"], _state["dll"] = kernels, kernels.dll
                 _state["ok"], _state["why"] = True, ""
-            except Exception as exc:  # no compiler, read-only home, ...
+        except Exception as exc:  # no compiler, read-only home, ...
+            with _lock:
                 _state["ok"], _state["why"] = False, f"{type(exc).__name__}: {exc}"
-                log.warning("zerospeed: the CPU decode-attention kernel is unavailable (%s); using the torch path",
-                            _state["why"])
-        return _state["ok"], _state["why"]
+            log.warning("zerospeed: the CPU kernels are unavailable (%s); using the torch path", _state["why"])
+    return _state["ok"], _state["why"]
+
+
+def describe() -> str:
+    """One phrase for start-up reports: which build runs (``C kernels built, -march=native``) or why none."""
+    ok, why = available()
+    return _state["kernels"].describe() if ok else f"C kernels unavailable: {why}"
+
+
+def _kernels() -> Kernels:
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(f"CPU kernels unavailable: {why}")
+    return _state["kernels"]
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -137,21 +285,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``q [B, Hq, D]``; caches ``[slots, Hkv, D]``; ``tables [B, max_blocks]`` and ``lens [B]`` int64
     (``max_ctx >= lens.max()``). Returns ``[B, Hq, D]``. All float32 contiguous CPU tensors."""
-    ok, why = available()
-    if not ok:
-        raise RuntimeError(f"CPU decode-attention kernel unavailable: {why}")
-    B, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    if out is None:
-        out = torch.empty_like(q)
-    q = q.contiguous()
-    rc = _state["dll"].zs_paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        B, tables.shape[1], block_size, hq, hkv, d, window or 0, max_ctx,
-        d ** -0.5 if scale is None else float(scale), torch.get_num_threads())
-    if rc != 0:
-        raise MemoryError("CPU decode-attention kernel: out of memory for its score buffer")
-    return out
+    return _kernels().decode_attention(q, k_cache, v_cache, tables, lens, block_size, max_ctx, scale, window, out)
 
 
 def greedy_refine(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, err: torch.Tensor,
@@ -160,22 +294,7 @@ def greedy_refine(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tens
     ``err [R]`` float32 bounds on ``|approx - exact|``: the exact argmax token of each row among the
     candidates within ``2 * err`` of its best approximate logit, or -1 where a row has more than
     ``max_candidates`` of them. All contiguous CPU tensors."""
-    ok, why = available()
-    if not ok:
-        raise RuntimeError(f"CPU kernels unavailable: {why}")
-    rows, vocab = approx.shape
-    out = torch.empty(rows, dtype=torch.int64)
-    approx, hidden, weight, err = approx.contiguous(), hidden.contiguous(), weight.contiguous(), err.contiguous()
-    if approx.dtype == torch.float32:
-        fn = _state["dll"].zs_greedy_refine_f32
-    elif approx.dtype == torch.bfloat16:
-        fn = _state["dll"].zs_greedy_refine
-    else:
-        raise TypeError(f"greedy_refine: approximate logits must be bfloat16 or float32, not {approx.dtype}")
-    fn(approx.data_ptr(), hidden.data_ptr(), weight.data_ptr(), err.data_ptr(), rows, vocab, hidden.shape[1],
-       max_candidates, out.data_ptr())
-    return out
-
+    return _kernels().greedy_refine(approx, hidden, weight, err, max_candidates)
 
 
 def attention_layer(qkv: torch.Tensor, num_decodes: int, hq: int, hkv: int, d: int, cos_rows: torch.Tensor,
@@ -188,30 +307,13 @@ def attention_layer(qkv: torch.Tensor, num_decodes: int, hq: int, hkv: int, d: i
     attention ``[T, hq, d]`` (rows ``num_decodes:`` left for the caller), the rotated q ``[T, hq, d]``
     and, with ``want_k``, the rotated k ``[T, hkv, d]``. Caller guarantees float32 CPU tensors with
     contiguous rows, and that :func:`available` is true."""
-    T = qkv.shape[0]
-    rot = cos_rows.shape[-1]
-    q_out = torch.empty(T, hq, d)
-    k_out = torch.empty(T, hkv, d) if want_k else None
-    out = torch.empty(T, hq, d)
-    rc = _state["dll"].zs_attention_layer(
-        qkv.data_ptr(), qkv.stride(0), T, num_decodes, hq, hkv, d, rot, cos_rows.data_ptr(), sin_rows.data_ptr(),
-        slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q_out.data_ptr(),
-        None if k_out is None else k_out.data_ptr(), None if tables is None else tables.data_ptr(),
-        None if lens is None else lens.data_ptr(), 0 if tables is None else tables.shape[1], block_size,
-        window or 0, max_ctx, d ** -0.5 if scale is None else float(scale), torch.get_num_threads(),
-        out.data_ptr())
-    if rc != 0:
-        raise MemoryError("CPU decode-attention kernel: out of memory for its score buffer")
-    return out, q_out, k_out
+    return _state["kernels"].attention_layer(qkv, num_decodes, hq, hkv, d, cos_rows, sin_rows, slots, k_cache,
+                                             v_cache, tables, lens, block_size, max_ctx, scale, window, want_k)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim of a contiguous float32 CPU ``x``."""
-    x = x.contiguous()
-    y = torch.empty_like(x)
-    n = x.shape[-1]
-    _state["dll"].zs_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
-    return y
+    return _state["kernels"].rms_norm(x, weight, eps)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -225,13 +327,7 @@ def skinny_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias) (+ residual)`` with ``W`` given by :func:`pack_weight`; contiguous float32
     CPU tensors, :func:`available` true."""
-    m, k = x.shape
-    n = packed.shape[0] * 16
-    y = torch.empty(m, n)
-    _state["dll"].zs_skinny_gemm(x.data_ptr(), m, k, packed.data_ptr(), n,
-                                 None if bias is None else bias.data_ptr(),
-                                 None if residual is None else residual.data_ptr(), y.data_ptr())
-    return y
+    return _state["kernels"].skinny_linear(x, packed, bias, residual)
 
 
 def int8_rows(hidden: torch.Tensor, consts: tuple[float, float, float, float]
@@ -239,18 +335,9 @@ def int8_rows(hidden: torch.Tensor, consts: tuple[float, float, float, float]
     """``hidden [R, H]`` contiguous float32 -> int8 rows ``p [max(R, 2), H]`` (a single row written
     twice), scales ``a [R]`` and bounds ``err [R]`` (see ``zs_int8_rows`` and models/greedy_head.py);
     ``consts`` are the head's ``(E, E2, G, G2)``."""
-    rows, h = hidden.shape
-    p = torch.empty(max(rows, 2), h, dtype=torch.int8)
-    a = torch.empty(rows)
-    err = torch.empty(rows)
-    _state["dll"].zs_int8_rows(hidden.data_ptr(), rows, h, *consts, p.data_ptr(), a.data_ptr(), err.data_ptr())
-    if rows == 1:
-        p[1] = p[0]
-    return p, a, err
+    return _state["kernels"].int8_rows(hidden, consts)
 
 
 def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     """``silu(gate_up[:, :inter]) * gate_up[:, inter:]`` for a contiguous float32 CPU ``[T, 2 * inter]``."""
-    out = torch.empty(gate_up.shape[0], inter)
-    _state["dll"].zs_silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter, out.data_ptr())
-    return out
+    return _state["kernels"].silu_mul(gate_up, inter)

@@ -12,9 +12,16 @@ tokens are now all in the cache (decodes, last prompt chunks); the sampler picks
 LM head instead, :meth:`CausalLM.greedy_tokens`); stop conditions are checked and finished
 sequences free their blocks at once.
 
-Attention: decodes read the paged cache through a C kernel on CPU in float32
-(:mod:`~zerospeed.inference.cpu_kernel`, ``attention_backend="auto"``), else through torch
-(:mod:`~zerospeed.inference.attention`); ``attention_backend="torch"`` forces the latter.
+Fast paths (issue #25; :mod:`~zerospeed.inference.fast_path_choice`): on CPU in float32, each kernel
+family (decode attention and its glue, RMSNorm, SwiGLU's gate, the skinny GEMM, the greedy head's C
+passes) runs zerospeed's C kernel (:mod:`~zerospeed.inference.cpu_kernel`) or its torch twin, and
+greedy rows take their tokens from a float32, bfloat16 or int8 LM head. ``cpu_kernels`` (auto|on|off)
+and ``greedy_head`` (auto|float32|bf16|int8) choose: ``auto`` times the candidates once per shape class
+(a few eagerly at build, the rest when first served) and keeps the fastest, a forced value is used or
+is an error naming the switch. The choice is logged once at build (logger ``zerospeed``; also
+``InferenceEngine.fast_path_report``). ``attention_backend`` (auto|torch|cpu_kernel, older) sets the
+attention family alone: ``torch`` keeps attention in torch, ``cpu_kernel`` forces the C attention,
+``auto`` follows ``cpu_kernels``. The tokens are HF's whichever path runs.
 
 Decode batch: ``max_decode_kv_bytes`` (default ``"auto"``, see ``DECODE_KV_RATIO``) bounds the K/V
 the running sequences hold at their longest, so the K/V any decode step reads; the scheduler admits
@@ -39,6 +46,7 @@ ragged batch (see :mod:`zerospeed.inference.tp_runtime`); the other ranks run
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from typing import Any
@@ -47,12 +55,16 @@ import torch
 
 from zerospeed.inference.api import EngineStats, RequestError, RequestOutput, SamplingParams
 from zerospeed.inference.attention import AttentionMetadata, Workspace
+from zerospeed.inference.fast_path_choice import CpuKernels, ForwardPlanner, set_model_kernels
 from zerospeed.inference.kv_cache import BlockAllocator, KVCache, kv_cache_bytes
 from zerospeed.inference.models import CausalLM, ModelSpec, TPInfo, load_model
 from zerospeed.inference.sampling import is_greedy, make_generator, sample, validate
 from zerospeed.inference.scheduler import ScheduledBatch, Scheduler
 from zerospeed.inference.sequence import Sequence, Status
 from zerospeed.inference.tokenizer import Tokenizer, load_tokenizer
+from zerospeed.ops.fast_paths import resolve_setting, size_class
+
+log = logging.getLogger("zerospeed")
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -88,26 +100,25 @@ DECODE_KV_RATIO = 0.75
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel")
 
+# The shape classes measured at build (the rest when first served): the greedy head and the C kernels
+# of decode steps of every batch class up to this many sequences (capped by max_num_seqs; the K/V
+# budget's default lets about 12 run on the bench model; this class's head sizes that budget,
+# decode_weight_bytes), the kernels at EAGER_CONTEXT tokens of context.
+EAGER_DECODE_ROWS = 16
+# the context length (tokens) of the eager attention measurements (capped by max_model_len)
+EAGER_CONTEXT = 256
+
 
 def resolve_attention_backend(backend: str, dtype: torch.dtype, device: torch.device) -> str:
-    """``auto``: the C decode kernel (:mod:`~zerospeed.inference.cpu_kernel`) for float32 on CPU when it
-    builds (a logged warning and the torch path when it does not), else torch; ``cpu_kernel``: that
-    kernel or an error saying why not; ``torch``: SDPA over gathered blocks everywhere."""
+    """Validates ``attention_backend``: ``auto`` (attention follows ``cpu_kernels``), ``torch`` (SDPA over
+    gathered blocks whatever ``cpu_kernels`` says) or ``cpu_kernel`` (the C attention, float32 on CPU
+    only; an error at build when the kernels do not build). Returns it."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: {backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     fits = torch.device(device).type == "cpu" and dtype == torch.float32
-    if backend == "torch" or (backend == "auto" and not fits):
-        return "torch"
-    if not fits:
+    if backend == "cpu_kernel" and not fits:
         raise ValueError(f"attention_backend: 'cpu_kernel' needs float32 on CPU, not {dtype} on {device}")
-    from zerospeed.inference import cpu_kernel
-
-    ok, why = cpu_kernel.available()
-    if ok:
-        return "cpu_kernel"
-    if backend == "cpu_kernel":
-        raise ValueError(f"attention_backend: 'cpu_kernel' could not be built: {why}")
-    return "torch"
+    return backend
 
 
 def resolve_dtype(dtype: Any, spec: ModelSpec | None = None) -> torch.dtype:
@@ -128,7 +139,8 @@ class InferenceEngine:
                  max_num_batched_tokens: int, model_name: str = "", enable_prefix_caching: bool = True,
                  tp: TPInfo = TPInfo(), kv_cache_memory: int | None = None,
                  max_prefill_tokens_with_decodes: int | None = None, attention_backend: str = "auto",
-                 prefill_first: bool = True, max_decode_kv_bytes: int | str | None = None) -> None:
+                 prefill_first: bool = True, max_decode_kv_bytes: int | str | None = None,
+                 greedy_head: str = "auto", cpu_kernels: str = "auto") -> None:
         self.model = model
         self.spec = spec
         self.tokenizer = tokenizer
@@ -143,8 +155,7 @@ class InferenceEngine:
                                                      spec.head_dim, dtype)
         self.kv_cache_memory = kv_cache_memory
         self.workspace = Workspace()  # attention's gather buffers, reused by every forward
-        self.attention_backend = resolve_attention_backend(attention_backend, dtype, device)
-        self._decode_kernel = self.attention_backend == "cpu_kernel"
+        self._setup_fast_paths(attention_backend, greedy_head, cpu_kernels, max_num_seqs, max_model_len)
         self.allocator = BlockAllocator(num_blocks, block_size)
         kv_token_bytes = kv_cache_bytes(spec.num_layers, 1, 1, kv_heads, spec.head_dim, dtype)
         if max_decode_kv_bytes == "auto":
@@ -163,6 +174,40 @@ class InferenceEngine:
         self._forward_s = 0.0
         self._worker_hook = None  # set by tp_runtime on rank 0: broadcasts each batch
         self.spmd = False  # every rank schedules and samples the same (init_inference); no broadcast
+
+    def _setup_fast_paths(self, attention_backend: str, greedy_head: str, cpu_kernels: str, max_num_seqs: int,
+                          max_model_len: int) -> None:
+        """Resolve ``cpu_kernels`` / ``greedy_head`` (config value > ``ZEROSPEED_FAST_PATHS`` > auto), measure
+        the eager shape classes, log the choice once."""
+        start = time.perf_counter()
+        resolve_attention_backend(attention_backend, self.dtype, self.device)
+        head = resolve_setting("greedy_head", greedy_head, "greedy_head")
+        fits = self.device.type == "cpu" and self.dtype == torch.float32
+        kernels = CpuKernels(cpu_kernels, source="cpu_kernels", applies=fits,
+                             why_not_applies=f"{str(self.dtype).replace('torch.', '')} on {self.device.type}")
+        self.planner = ForwardPlanner(self.model, self.spec, self.tp.size, kernels, attention_backend, self.block_size)
+        self.attention_backend = "cpu_kernel" if self.planner.live and self.planner.attention_forced is not False \
+            else "torch"
+        set_model_kernels(self.model, kernels)
+        model = self.model
+        model.greedy_head = head
+        top = size_class(min(max_num_seqs, EAGER_DECODE_ROWS))
+        model.decode_rows_hint = top
+        heads = []
+        w = getattr(model.lm_head, "weight", None)
+        if model._greedy_applies(w) and (self.tp.rank == 0 or self.tp.size == 1):
+            # every decode class up to `top`: measured (or checked, when forced) now, not mid-serving
+            heads = [(r, model._greedy_choice(r).head) for r in (1 << i for i in range(top.bit_length()))]
+        self.planner.prepare(tuple(1 << i for i in range(top.bit_length())), min(max_model_len, EAGER_CONTEXT))
+        self.fast_path_setup_s = time.perf_counter() - start
+        if heads:
+            greedy = f"greedy_head={head} -> " + ", ".join(f"rows {r}: {h}" for r, h in heads)
+        else:
+            greedy = f"greedy_head={head} (float32 logits: the head is not a float32 CPU head without bias)"
+        self.fast_path_report = (f"zerospeed inference fast paths: {self.planner.report()}; {greedy} "
+                                 f"(chosen in {self.fast_path_setup_s * 1e3:.0f} ms; other shape classes are "
+                                 "measured when first served, logged by zerospeed.fast_paths)")
+        log.info("%s", self.fast_path_report)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
@@ -307,8 +352,10 @@ class InferenceEngine:
         start = time.perf_counter()
         for src, dst in copies:
             self.kv.copy_block(src, dst)
+        plan = self.planner.plan(len(ids), num_decodes, max(c for c, _, _ in items[:num_decodes]) + 1
+                                 if num_decodes else 0)
         meta = AttentionMetadata.build(items, num_decodes, self.block_size, self.device, self.workspace,
-                                       self._decode_kernel)
+                                       kernels=plan)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, meta, self.kv)
         logits = None
@@ -393,8 +440,12 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                  enable_prefix_caching: bool = True, tp_group: Any = None,
                  max_prefill_tokens_with_decodes: int | None = DEFAULT_PREFILL_WITH_DECODES,
                  attention_backend: str = "auto", prefill_first: bool = True,
-                 max_decode_kv_bytes: int | str | None = "auto") -> InferenceEngine:
+                 max_decode_kv_bytes: int | str | None = "auto", greedy_head: str = "auto",
+                 cpu_kernels: str = "auto") -> InferenceEngine:
     """Load ``model_dir`` (an HF folder) into an :class:`InferenceEngine`. Errors name the argument.
+
+    ``greedy_head`` (auto|float32|bf16|int8) and ``cpu_kernels`` (auto|on|off): the fast-path switches
+    (see the module docstring); ``auto`` measures, and ``ZEROSPEED_FAST_PATHS`` may set them per process.
 
     ``max_decode_kv_bytes``: admission bound on the K/V the running sequences hold at their longest
     (``prompt + max_new_tokens`` tokens each), i.e. on the K/V bytes any decode step reads: ``"auto"``
@@ -418,6 +469,10 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                          f"{max_decode_kv_bytes!r}")
     if not isinstance(prefill_first, bool):
         raise ValueError(f"prefill_first: must be True or False, got {prefill_first!r}")
+    resolve_setting("greedy_head", greedy_head, "greedy_head")  # bad values fail before the model loads
+    resolve_setting("cpu_kernels", cpu_kernels, "cpu_kernels")
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: {attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
         raise ValueError(f"num_blocks: must be an integer >= 1, got {num_blocks!r}")
     if kv_cache_memory is not None and (not isinstance(kv_cache_memory, (int, float)) or kv_cache_memory <= 0):
@@ -454,7 +509,8 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                              kv_cache_memory=None if kv_cache_memory is None else int(kv_cache_memory),
                              max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
                              attention_backend=attention_backend, prefill_first=prefill_first,
-                             max_decode_kv_bytes=max_decode_kv_bytes)
+                             max_decode_kv_bytes=max_decode_kv_bytes, greedy_head=greedy_head,
+                             cpu_kernels=cpu_kernels)
     if tp.size > 1 and tp.rank == 0:
         from zerospeed.inference.tp_runtime import attach_rank0
 

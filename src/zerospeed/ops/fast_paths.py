@@ -55,10 +55,13 @@ class FastPathError(ValueError):
 @dataclass(frozen=True)
 class Candidate:
     """One implementation: ``run`` executes it once on representative inputs (None when it cannot run
-    here, with ``why_not`` saying why)."""
+    here, with ``why_not`` saying why). ``setup``, if given, runs before each measured call and is not
+    timed (e.g. evicting the caches, so that a kernel that streams its weight from memory in a real
+    step is not timed on a weight the previous call left in L2)."""
 
     run: Callable[[], object] | None
     why_not: str = ""
+    setup: Callable[[], object] | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,14 @@ def _wall_clock(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def thread_cpu_clock(name: str, fn: Callable[[], object]) -> float:
+    """A ``measure`` for single-threaded candidates: the CPU time of the calling thread, which time
+    slices lost to other processes on a shared machine do not inflate (a wall clock does)."""
+    t0 = time.thread_time()
+    fn()
+    return time.thread_time() - t0
+
+
 class FastPathChooser:
     """Chooses among candidates by timing them, once per ``(path, shape_class, setting)``.
 
@@ -139,26 +150,36 @@ class FastPathChooser:
         self._lock = threading.Lock()
 
     def choose(self, path: str, shape_class: Hashable, candidates: Mapping[str, Candidate],
-               setting: str = "auto", source: str | None = None) -> str:
+               setting: str = "auto", source: str | None = None, *,
+               measure: Callable[[str, Callable[[], object]], float] | None = None,
+               budget_s: float | None = None) -> str:
         """The name of the candidate to run. ``candidates`` in preference order, the reference first;
-        ``setting`` is the switch's value (see :func:`resolve_setting`)."""
-        return self.choice(path, shape_class, candidates, setting, source).chosen
+        ``setting`` is the switch's value (see :func:`resolve_setting`). ``measure`` / ``budget_s``
+        replace the chooser's for this decision (e.g. :func:`thread_cpu_clock` for single-threaded
+        candidates)."""
+        return self.choice(path, shape_class, candidates, setting, source, measure=measure, budget_s=budget_s).chosen
 
     def choice(self, path: str, shape_class: Hashable, candidates: Mapping[str, Candidate],
-               setting: str = "auto", source: str | None = None) -> Choice:
+               setting: str = "auto", source: str | None = None, *,
+               measure: Callable[[str, Callable[[], object]], float] | None = None,
+               budget_s: float | None = None) -> Choice:
         setting = validate_setting(path, setting, source)
         key = (path, shape_class, setting)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 return hit
-            made = self._decide(path, shape_class, candidates, setting, source)
+            made = self._decide(path, shape_class, candidates, setting, source, measure or self._measure,
+                                self.budget_s if budget_s is None else budget_s)
             self._cache[key] = made
         log.info("zerospeed fast path %s", made.describe())
         return made
 
     def _decide(self, path: str, shape_class: Hashable, candidates: Mapping[str, Candidate], setting: str,
-                source: str | None) -> Choice:
+                source: str | None, measure: Callable[[str, Callable[[], object]], float] | None = None,
+                budget_s: float | None = None) -> Choice:
+        measure = measure or self._measure
+        budget_s = self.budget_s if budget_s is None else budget_s
         if not candidates:
             raise FastPathError(f"{path}: no candidates given")
         names = list(candidates)
@@ -180,16 +201,20 @@ class FastPathChooser:
         spent: dict[str, float] = {n: 0.0 for n in live}
         for n in list(live):  # warm-up: one-time costs (packing, page faults) are not the steady state
             try:
-                spent[n] += self._measure(n, candidates[n].run)
+                if candidates[n].setup is not None:
+                    candidates[n].setup()
+                spent[n] += measure(n, candidates[n].run)
             except Exception as exc:  # a candidate that fails here is never chosen
                 excluded[n] = f"failed when measured: {type(exc).__name__}: {exc}"
                 live.remove(n)
         for _ in range(self.repeats):
             for n in list(live):
-                if best.get(n) is not None and spent[n] >= self.budget_s:
+                if best.get(n) is not None and spent[n] >= budget_s:
                     continue
                 try:
-                    t = self._measure(n, candidates[n].run)
+                    if candidates[n].setup is not None:
+                        candidates[n].setup()
+                    t = measure(n, candidates[n].run)
                 except Exception as exc:
                     excluded[n] = f"failed when measured: {type(exc).__name__}: {exc}"
                     live.remove(n)

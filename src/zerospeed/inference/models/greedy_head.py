@@ -3,10 +3,14 @@ proven error bound, exact float32 logits of the candidates pick the token.
 
 Why: a decode step on CPU is bound by the bytes it reads, and the LM head is the largest single
 read (vocab x hidden: 33 MB in float32 for the bench's 32000 x 256 head, 16 MB in bfloat16, 8 MB in
-int8). oneDNN's int8 matmul (AMX / VNNI) reads the int8 copy at memory speed. Measured on the bench's
-head, one thread, caches flushed as in a step (CPU ms, 2 / 8 / 12 / 16 rows): bfloat16 1.93 / 1.90 /
-2.04 / 2.05, int8 1.17 / 1.28 / 1.29 / 1.30 (2026-11-24, loaded 2-core Xeon). With one row
-oneDNN's int8 kernel took 230 ms, so a single row is sent twice.
+int8). Where oneDNN's int8 matmul runs on int8 matrix units it reads the int8 copy at memory speed:
+on the bench's head, one thread, caches flushed as in a step (CPU ms, 2 / 8 / 12 / 16 rows),
+bfloat16 1.93 / 1.90 / 2.04 / 2.05, int8 1.17 / 1.28 / 1.29 / 1.30 (2026-11-24, 2-core Xeon with
+AMX). Elsewhere it can be far slower than float32 (35.7 ms against 0.26 ms a call on an AMD EPYC with
+VNNI, issue #25), so this head is one candidate among three, chosen by timing them
+(:func:`zerospeed.inference.fast_path_choice.choose_greedy_head`), never by a CPU flag; this module
+only says whether it runs correctly here (:func:`int8_available`). With one row oneDNN's int8 kernel
+took 230 ms, so a single row is sent twice.
 
 Quantisation: each vocabulary row ``w_j`` gets a scale ``s_j = max_i |w_ji| / 127`` and int8 values
 ``q_j = round(w_j / s_j)``; each hidden row ``h`` (one per sequence) gets ``a = max_i |h_i| / 127``
@@ -26,7 +30,7 @@ with ``E = max_ji |e_ji|``, ``E2 = max_j ||e_j||_2``, ``G = max_j s_j ||q_j||_1`
 ``2^-20 127 G`` covers them (and the int32 -> float32 conversion when ``H > 1040``). With ``err`` that sum, rounded up to a float32: if ``t`` is
 the exact argmax and ``k`` the approximate one, ``A_t >= exact_t / a - err >= exact_k / a - err >=
 A_k - 2 err``, so every token within ``2 err`` of the best approximate logit is a candidate
-(:func:`cpu_kernel.greedy_refine`, or :func:`refine_torch` without the C kernels), and the
+(:func:`cpu_kernel.greedy_refine`, or :func:`refine_torch` where ``cpu_kernels`` keeps torch), and the
 candidates' float32 dot products ``h . w_j`` choose (lowest id on ties). The token is therefore the
 float32 argmax, up to the float32 rounding of the candidates' dot products (as any change of
 summation order). A row with more than ``max_candidates`` candidates gets its logits in full (the
@@ -45,17 +49,26 @@ from zerospeed.inference import cpu_kernel
 
 
 @functools.lru_cache(maxsize=None)
-def int8_matmul_fast() -> bool:
-    """oneDNN's int8 linear op exists and the CPU has int8 matrix units (AMX) or VNNI."""
-    cpu = getattr(torch, "cpu", None)
+def int8_available() -> tuple[bool, str]:
+    """Whether oneDNN's int8 linear runs here and does what this module assumes (the exact integer
+    products, checked on a small probe head), and why not. Not whether it is *fast*: that is measured
+    (:func:`zerospeed.inference.fast_path_choice.choose_greedy_head`); on an AMD EPYC with VNNI it ran
+    at 35.7 ms a call where float32 took 0.26 ms (issue #25)."""
     onednn = getattr(torch.ops, "onednn", None)
     try:
         if onednn is None or not hasattr(onednn, "qlinear_pointwise") or not hasattr(onednn, "qlinear_prepack"):
-            return False
-        probes = [getattr(cpu, n, None) for n in ("_is_amx_tile_supported", "_is_vnni_supported")]
-        return any(p is not None and p() for p in probes)
-    except Exception:  # pragma: no cover - a torch without these ops or probes
-        return False
+            return False, "this torch has no oneDNN int8 linear (torch.ops.onednn.qlinear_pointwise)"
+        w = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
+        if build_int8_head(w) is None:
+            return False, "oneDNN's int8 linear did not give the exact integer products on a probe"
+        return True, ""
+    except Exception as exc:  # pragma: no cover - an op that exists but fails
+        return False, f"oneDNN's int8 linear failed on a probe: {type(exc).__name__}: {exc}"
+
+
+def int8_matmul_available() -> bool:
+    """:func:`int8_available` as a bool."""
+    return int8_available()[0]
 
 
 @dataclass(frozen=True)
@@ -125,20 +138,30 @@ def approx_logits(head: Int8Head, hidden: torch.Tensor, use_c: bool = False) -> 
     consts = (head.max_residual, head.max_residual_l2, head.max_scaled_l1, head.max_scaled_l2)
     if use_c:
         p, _, err = cpu_kernel.int8_rows(hidden.contiguous(), consts)
-        return _qlinear(p, head.packed, head.scales, head.zero_points)[:rows], err
+    else:
+        p, _, err = activation_rows(hidden, consts)
+    return _qlinear(p, head.packed, head.scales, head.zero_points)[:rows], err
+
+
+def activation_rows(hidden: torch.Tensor, consts: tuple[float, float, float, float]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch twin of :func:`cpu_kernel.int8_rows`: ``hidden [R, H]`` float32 -> int8 rows
+    ``p [max(R, 2), H]`` (a single row sent twice: oneDNN's int8 kernel for one row is ~500x slower
+    than for two), scales ``a [R]`` and bounds ``err [R]`` for the head's ``consts = (E, E2, G, G2)``."""
+    rows = hidden.shape[0]
+    e, e2, g, g2 = consts
     m = hidden.abs().amax(dim=1)
     a = torch.where(m > 0, m / 127, torch.ones_like(m))
     p = torch.round(hidden / a.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
-    if rows == 1:  # oneDNN's int8 kernel for one row is ~500x slower than for two
+    if rows == 1:
         p = p.expand(2, -1).contiguous()
-    approx = _qlinear(p, head.packed, head.scales, head.zero_points)[:rows]
     h64, a64 = hidden.double(), a.double()
     d = h64 - a64.unsqueeze(1) * p[:rows].double()
-    t1 = torch.minimum(h64.abs().sum(dim=1) * head.max_residual, h64.norm(dim=1) * head.max_residual_l2)
-    t2 = torch.minimum(d.abs().amax(dim=1) * head.max_scaled_l1, d.norm(dim=1) * head.max_scaled_l2)
-    bound = (t1 + t2) / a64 * (1 + 2.0 ** -10) + 2.0 ** -20 * 127 * head.max_scaled_l1  # |A_j| <= 127 G
+    t1 = torch.minimum(h64.abs().sum(dim=1) * e, h64.norm(dim=1) * e2)
+    t2 = torch.minimum(d.abs().amax(dim=1) * g, d.norm(dim=1) * g2)
+    bound = (t1 + t2) / a64 * (1 + 2.0 ** -10) + 2.0 ** -20 * 127 * g  # |A_j| <= 127 G
     err = bound.float()
-    return approx, torch.nextafter(err, torch.full_like(err, float("inf")))
+    return p, a, torch.nextafter(err, torch.full_like(err, float("inf")))
 
 
 def refine_torch(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, err: torch.Tensor,

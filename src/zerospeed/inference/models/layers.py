@@ -17,9 +17,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zerospeed.inference import cpu_kernel
-from zerospeed.inference.models import greedy_head
+from zerospeed.inference import cpu_kernel, fast_path_choice
+from zerospeed.inference.models import greedy_head as int8_head
 from zerospeed.inference.models.spec import ModelLoadError, ModelSpec
+from zerospeed.ops.fast_paths import FastPathError, size_class
 
 
 @dataclass(frozen=True)
@@ -132,39 +133,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_d
 LOGITS_TRANSPOSED_MIN_ROWS = 3
 
 
-# Greedy rows on CPU (float32, a CPU with bfloat16 matmul units) skip the float32 logits: a
-# bfloat16 copy of the LM head gives approximate logits, every token whose approximate logit is
-# within twice the error bound of the row's best is a candidate, and the candidates' exact float32
-# logits pick the token (lowest id on ties, as argmax). The bound: inputs and weights rounded to
-# bfloat16 (unit roundoff u = 2^-8), products accumulated in float32 (H * 2^-24), the result rounded
-# to bfloat16 (u): |approx - exact| <= (3u + H 2^-24) * sum_i |h_i w_ji| <= that times ||h|| *
-# max_j ||w_j||, used with a factor 2 to spare. So the token is the float32 argmax (up to float32
-# rounding of the candidates' dot products, as any change of summation order). A row with more than
-# GREEDY_MAX_CANDIDATES candidates (flat logits) gets its exact logits in full. The selection and
-# the candidates' dot products run in C (cpu_kernel.greedy_refine: one pass over each row's
-# bfloat16 logits for the maximum, one for the candidates; in torch those passes cost more than
-# the matmul saved). The bfloat16 weight is packed by oneDNN once (torch.mm re-packed it at every
-# call: 3.0 ms for one row, against 1.6 packed). Measured on the bench's 32000 x 256 head, one
-# thread, caches flushed as in a step, LM head plus argmax: 1 row 3.1 -> 2.5 ms, 4 rows 6.1 -> 2.7,
-# 8 rows 9.0 -> 2.9, 32 rows 9.8 -> 4.2; over the whole bench workload (32 prompts, 64 greedy tokens
-# each) 1195 -> 1623-1698 tokens per CPU-second, the same tokens, a median of 21 candidates a row
-# (at most 74). Where oneDNN's int8 matmul runs on int8 units (AMX / VNNI), an int8 copy of the head
-# (8 MB) replaces the bfloat16 one, with its own proven bound (models/greedy_head.py): engine decode
-# steps of 12 sequences on the bench model, interleaved A/B on the loaded 2-core machine, 7.83 ->
-# 7.44 CPU ms (median), the same tokens.
+# Greedy rows on CPU (float32) may skip the float32 logits (``greedy_head``, see
+# fast_path_choice.choose_greedy_head, which times the three ways on the served shape class and keeps
+# the fastest; or forced): a bfloat16 copy of the LM head gives approximate logits, every token whose
+# approximate logit is within twice the error bound of the row's best is a candidate, and the
+# candidates' exact float32 logits pick the token (lowest id on ties, as argmax). The bound: inputs and
+# weights rounded to bfloat16 (unit roundoff u = 2^-8), products accumulated in float32 (H * 2^-24),
+# the result rounded to bfloat16 (u): |approx - exact| <= (3u + H 2^-24) * sum_i |h_i w_ji| <= that
+# times ||h|| * max_j ||w_j||, used with a factor 2 to spare. So the token is the float32 argmax (up
+# to float32 rounding of the candidates' dot products, as any change of summation order). A row with
+# more than GREEDY_MAX_CANDIDATES candidates (flat logits) gets its exact logits in full. The
+# selection and the candidates' dot products run in C where ``cpu_kernels`` lets them
+# (cpu_kernel.greedy_refine: one pass over each row's bfloat16 logits for the maximum, one for the
+# candidates; in torch, greedy_head.refine_torch, those passes cost more than the matmul saved). The
+# bfloat16 weight is packed by oneDNN once (torch.mm re-packed it at every call: 3.0 ms for one row,
+# against 1.6 packed). Measured on a Xeon with AMX (bench's 32000 x 256 head, one thread, caches
+# flushed as in a step, LM head plus argmax): 1 row 3.1 -> 2.5 ms, 4 rows 6.1 -> 2.7, 8 rows 9.0 ->
+# 2.9, 32 rows 9.8 -> 4.2. An int8 copy of the head (8 MB, models/greedy_head.py, its own proven
+# bound) read by oneDNN's int8 matmul was faster still there (engine decode steps of 12 sequences
+# 7.83 -> 7.44 CPU ms), and 137x slower than float32 on an AMD EPYC with VNNI (issue #25): which CPU
+# feature makes a path fast is not something a flag tells, hence the measurement.
 GREEDY_APPROX_MIN_ROWS = 1
-GREEDY_APPROX_MODES = ("auto", "int8", "bf16", "off")
 GREEDY_MAX_CANDIDATES = 2048
-
-
-@functools.lru_cache(maxsize=None)
-def _bf16_matmul_fast() -> bool:
-    cpu = getattr(torch, "cpu", None)
-    probes = [getattr(cpu, n, None) for n in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    try:
-        return any(p is not None and p() for p in probes)
-    except Exception:  # pragma: no cover - a torch without these probes
-        return False
+#: the decode batch (rows) whose greedy head ``decode_weight_bytes`` counts, unless the engine sets it
+DECODE_ROWS_HINT = 16
 
 
 class CausalLM(nn.Module):
@@ -188,18 +180,16 @@ class CausalLM(nn.Module):
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every parameter as stored except the input embedding
-        (a few rows of it are read), the LM head as the greedy path reads it (its int8 or bfloat16
-        copy where :meth:`greedy_tokens` uses one, see ``greedy_approx``)."""
+        (a few rows of it are read), the LM head as the greedy path of a decode batch of
+        ``decode_rows_hint`` rows reads it (its int8 or bfloat16 copy where :meth:`greedy_tokens`
+        chose one for that shape class, which this call may measure)."""
         emb = self.input_embedding().weight
         head = getattr(self.lm_head, "weight", None)
         total = sum(p.numel() * p.element_size() for p in self.parameters() if p is not emb and p is not head)
         if head is not None:
             per = head.element_size()
-            cpu32 = head.device.type == "cpu" and head.dtype == torch.float32 and self.lm_head.bias is None
-            if cpu32 and self.greedy_approx in ("auto", "int8") and greedy_head.int8_matmul_fast():
-                per = 1
-            elif cpu32 and self.greedy_approx in ("auto", "bf16") and _bf16_matmul_fast():
-                per = 2
+            if self._greedy_applies(head):
+                per = {"int8": 1, "bf16": 2}.get(self._greedy_choice(self.decode_rows_hint).head, per)
             total += head.numel() * per
         return total
 
@@ -210,52 +200,85 @@ class CausalLM(nn.Module):
             return torch.mm(hidden, self._lm_head_transposed(w))
         return self.lm_head(hidden).float()
 
-    #: the approximate LM head for greedy rows on CPU: "auto" (int8 where oneDNN's int8 matmul runs
-    #: on int8 matrix units, else bfloat16 where the CPU has bfloat16 units, else none), "int8",
-    #: "bf16" or "off" (float32 logits always); "int8" / "bf16" still need their hardware
-    greedy_approx: str = "auto"
+    #: the greedy LM head on CPU in float32 (``greedy_head`` of the engine): "auto" (measured per
+    #: shape class, see fast_path_choice), "float32" (logits and argmax), "bf16" or "int8" (an
+    #: approximate head refined to the float32 argmax; an error where its op cannot run)
+    greedy_head: str = "auto"
+    _greedy_source: str = "greedy_head"  # the name the user set it by, for errors
+    #: the decode batch whose head :meth:`decode_weight_bytes` counts (the engine's decode class)
+    decode_rows_hint: int = DECODE_ROWS_HINT
+
+    @property
+    def greedy_approx(self) -> str:
+        """The older name of :attr:`greedy_head`, with "off" for "float32"."""
+        return "off" if self.greedy_head == "float32" else self.greedy_head
+
+    @greedy_approx.setter
+    def greedy_approx(self, value: str) -> None:
+        self.greedy_head = "float32" if value == "off" else value
+        self._greedy_source = "greedy_approx"
+
+    def _greedy_applies(self, w: torch.Tensor | None) -> bool:
+        return (w is not None and w.device.type == "cpu" and w.dtype == torch.float32
+                and getattr(self.lm_head, "bias", None) is None)
+
+    def _greedy_choice(self, rows: int) -> "fast_path_choice.GreedyChoice":
+        """The head for ``rows`` greedy rows: cached per setting, row class and thread count (one dict
+        lookup a step), chosen on a miss by :func:`fast_path_choice.choose_greedy_head`."""
+        key = (self.greedy_head, size_class(rows), torch.get_num_threads())
+        cache = self.__dict__.get("_greedy_choices")
+        if cache is None:
+            cache = self.__dict__["_greedy_choices"] = {}
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = fast_path_choice.choose_greedy_head(self, key[1], self.greedy_head,
+                                                                   self._greedy_source)
+        return hit
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The argmax token of each row of ``compute_logits(hidden)`` without computing every float32
-        logit (see ``GREEDY_APPROX_MIN_ROWS`` and :mod:`~zerospeed.inference.models.greedy_head`);
-        None where that path does not apply (the caller then computes the logits)."""
+        """The argmax token of each row of ``compute_logits(hidden)``, through the greedy head chosen
+        for this shape class (see :attr:`greedy_head`); None where the float32 logits are the way
+        (chosen, or the head is not a float32 CPU head: the caller then computes the logits)."""
         w, rows = getattr(self.lm_head, "weight", None), hidden.shape[0]
-        mode = self.greedy_approx
-        if mode not in GREEDY_APPROX_MODES:
-            raise ValueError(f"greedy_approx: {mode!r} is not one of {', '.join(GREEDY_APPROX_MODES)}")
-        if (w is None or w.device.type != "cpu" or w.dtype != torch.float32 or hidden.dtype != torch.float32
-                or rows < GREEDY_APPROX_MIN_ROWS or self.lm_head.bias is not None or mode == "off"):
+        if rows < GREEDY_APPROX_MIN_ROWS or hidden.dtype != torch.float32 or not self._greedy_applies(w):
             return None
-        if mode in ("auto", "int8") and greedy_head.int8_matmul_fast():
-            head = self._derived("_lm_head_int8", w, greedy_head.build_int8_head)
-            if head is not None:
-                return self._greedy_tokens_int8(hidden, w, head)
-        if mode in ("auto", "bf16") and _bf16_matmul_fast():
-            if cpu_kernel.available()[0]:
-                return self._greedy_tokens_bf16(hidden, w)
+        choice = self._greedy_choice(rows)
+        if choice.head == "int8":
+            head = self._derived("_lm_head_int8", w, int8_head.build_int8_head)
+            if head is None:
+                raise FastPathError(f"{self._greedy_source}: 'int8' cannot run on this head: oneDNN's int8 linear "
+                                    "did not give the exact integer products")
+            return self._greedy_tokens_int8(hidden, w, head, choice.c_int8_rows, choice.c_refine)
+        if choice.head == "bf16":
+            return self._greedy_tokens_bf16(hidden, w, choice.c_refine)
         return None
 
-    def _greedy_tokens_int8(self, hidden: torch.Tensor, w: torch.Tensor, head: "greedy_head.Int8Head"
-                            ) -> torch.Tensor:
-        c = cpu_kernel.available()[0]
-        approx, err = greedy_head.approx_logits(head, hidden, use_c=c)
-        if c:
-            tokens = cpu_kernel.greedy_refine(approx, hidden, w, err, GREEDY_MAX_CANDIDATES)
-        else:
-            tokens = greedy_head.refine_torch(approx, hidden, w, err, GREEDY_MAX_CANDIDATES)
+    def _greedy_tokens_int8(self, hidden: torch.Tensor, w: torch.Tensor, head: "int8_head.Int8Head",
+                            c_rows: bool | None = None, c_refine: bool | None = None) -> torch.Tensor:
+        """``c_rows`` / ``c_refine``: the activation side / the candidates' pass in C (None: wherever
+        the kernels are built)."""
+        if c_rows is None or c_refine is None:
+            c_rows = c_refine = cpu_kernel.available()[0]
+        approx, err = int8_head.approx_logits(head, hidden, use_c=c_rows)
+        refine = cpu_kernel.greedy_refine if c_refine else int8_head.refine_torch
+        tokens = refine(approx, hidden, w, err, GREEDY_MAX_CANDIDATES)
         flat = (tokens < 0).nonzero(as_tuple=True)[0]
         if flat.numel():  # too many near-ties for the candidate path: these rows in full
             tokens[flat] = F.linear(hidden.index_select(0, flat), w).max(dim=1).indices
         return tokens
 
-    def _greedy_tokens_bf16(self, hidden: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _greedy_tokens_bf16(self, hidden: torch.Tensor, w: torch.Tensor, c_refine: bool | None = None
+                            ) -> torch.Tensor:
         mat, packed, wmax = self._lm_head_bf16(w)
         xb = hidden.to(torch.bfloat16)
         approx = torch.ops.mkldnn._linear_pointwise(xb, mat, None, "none", [], "") if packed else torch.mm(xb, mat)
         u = 2.0 ** -8
         # the bound of |approx - exact|, times 2 to spare (the kernel rounds the threshold down)
         err = (2.0 * (3 * u + w.shape[1] * 2.0 ** -24) * (1 + 4 * u) * hidden.norm(dim=1) * wmax).float()
-        tokens = cpu_kernel.greedy_refine(approx, hidden, w, err, GREEDY_MAX_CANDIDATES)
+        if c_refine is None:
+            c_refine = cpu_kernel.available()[0]
+        refine = cpu_kernel.greedy_refine if c_refine else int8_head.refine_torch
+        tokens = refine(approx, hidden, w, err, GREEDY_MAX_CANDIDATES)
         flat = (tokens < 0).nonzero(as_tuple=True)[0]
         if flat.numel():  # too many near-ties for the candidate path: these rows in full
             tokens[flat] = F.linear(hidden.index_select(0, flat), w).max(dim=1).indices
@@ -317,32 +340,39 @@ class RotaryDecoderLM(CausalLM):
         cos, sin = self.rotary.lookup(meta.positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, meta, cos, sin, kv.k[i], kv.v[i])
-        if getattr(meta, "cpu_fused", False) and type(self.norm) is RMSNorm:
+        if meta.kernels.rms_norm and type(self.norm) is RMSNorm:
             return cpu_kernel.rms_norm(h, self.norm.weight, self.norm.eps)
         return self.norm(h)
 
 
-# Linear layers in CPU float32 decode steps (the C kernels built): up to this many rows, a C GEMM that
-# streams a packed copy of the weight once (cpu_kernel.skinny_linear) instead of MKL's sgemm. Measured
-# (bench model's 4 layers of QKV / O / gate-up / down, one thread, after streaming 160 MB as a step's
-# K/V reads do; CPU ms, MKL -> C): 1 row 1.10 -> 1.19, 2: 1.41 -> 1.14, 4: 1.62 -> 1.25, 8: 1.99 ->
-# 1.38, 12: 2.26 -> 1.67, 16: 2.35 -> 1.82, 24: 2.58 -> 2.24, 32: 2.83 -> 2.71. One row keeps MKL's
-# (its gemv streams as well), and so does every call when torch has more than one thread (the kernel
-# is single-threaded). The packed copies cost the blocks' weight bytes once more in memory.
-SKINNY_ROWS = (2, 24)
+# Linear layers in CPU float32 decode steps (the C kernels built): for few rows, a C GEMM that streams
+# a packed copy of the weight once (cpu_kernel.skinny_linear) instead of MKL's sgemm, where the
+# forward's KernelPlan says so (cpu_kernels=auto: measured per rows class and weight shape;
+# cpu_kernels=on: 2-24 rows with one torch thread, fast_path_choice.ON_SKINNY_ROWS). Measured when it
+# was written (Xeon with AMX; bench model's 4 layers of QKV / O / gate-up / down, one thread, after
+# streaming 160 MB as a step's K/V reads do; CPU ms, MKL -> C): 1 row 1.10 -> 1.19, 2: 1.41 -> 1.14,
+# 4: 1.62 -> 1.25, 8: 1.99 -> 1.38, 12: 2.26 -> 1.67, 16: 2.35 -> 1.82, 24: 2.58 -> 2.24, 32: 2.83 ->
+# 2.71. The kernel is single-threaded. The packed copies cost the blocks' weight bytes once more.
+SKINNY_ROWS = fast_path_choice.ON_SKINNY_ROWS
 
 
-def cpu_linear(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None = None) -> torch.Tensor:
+def cpu_linear(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None = None,
+               plan: "fast_path_choice.KernelPlan | None" = None) -> torch.Tensor:
     """``residual + layer(x)`` (or ``layer(x)``) for a float32 CPU ``nn.Linear`` / single-rank
-    :class:`RowLinear`, through :func:`cpu_kernel.skinny_linear` for few rows, else ``addmm`` (the
-    residual folded in) or the layer itself. Only with the C kernels available (``meta.cpu_fused``)."""
+    :class:`RowLinear`, through :func:`cpu_kernel.skinny_linear` where ``plan`` (the forward's
+    :class:`~zerospeed.inference.fast_path_choice.KernelPlan`; None: ``cpu_kernels=on``'s rules) puts
+    this weight's shape on it, else ``addmm`` (the residual folded in) or the layer itself. Only with
+    the C kernels available."""
     if type(layer) not in (nn.Linear, RowLinear):  # e.g. a quantized replacement (compression): its own forward
         y = layer(x)
         return y if residual is None else residual + y
     w, bias = layer.weight, layer.bias
     plain = not isinstance(layer, RowLinear) or layer.tp.size == 1
-    if (plain and SKINNY_ROWS[0] <= x.shape[0] <= SKINNY_ROWS[1] and w.shape[0] % 16 == 0
-            and torch.get_num_threads() == 1):  # single-threaded: with more threads MKL uses them all
+    if plan is None:
+        plan = fast_path_choice.legacy_plan(True)
+    rows = x.shape[0]
+    if (plain and w.shape[0] % 16 == 0 and plan.use_skinny(w)
+            and (not plan.skinny_all or SKINNY_ROWS[0] <= rows <= SKINNY_ROWS[1])):
         packed = _derived_on(layer, "_packed_weight", w, cpu_kernel.pack_weight)
         return cpu_kernel.skinny_linear(x.contiguous(), packed, bias, residual)
     if residual is None:

@@ -63,28 +63,39 @@ class LlamaBlock(nn.Module):
         self.mlp = LlamaMLP(spec, tp)
 
     def forward(self, h, meta, cos, sin, k_cache, v_cache):
-        if meta.cpu_fused:
+        if meta.kernels.any:
             return self._forward_cpu(h, meta, cos, sin, k_cache, v_cache)
         h = h + self.attn(self.input_norm(h), meta, cos, sin, k_cache, v_cache)
         return h + self.mlp(self.post_norm(h))
 
     def _forward_cpu(self, h, meta, cos, sin, k_cache, v_cache):
-        """The same on CPU in float32 with the C kernels (``meta.cpu_fused``), in fewer ops: the norms
-        and SwiGLU's gate in C, the linears through :func:`cpu_linear` (a C GEMM for few rows, each
-        residual add folded into its output projection), the attention glue in one call."""
-        a, m = self.attn, self.mlp
-        x = cpu_kernel.rms_norm(h, self.input_norm.weight, self.input_norm.eps)
-        qkv = cpu_linear(x, a.qkv)
-        o = meta.attend_qkv(qkv, a.hq, a.hkv, a.d, cos, sin, k_cache, v_cache, None, a.window)
-        h = cpu_linear(o, a.o, residual=h)
-        x = cpu_kernel.rms_norm(h, self.post_norm.weight, self.post_norm.eps)
-        gu = cpu_linear(x, m.gate_up)
-        if m.act is F.silu and gu.is_contiguous() and torch.get_num_threads() == 1:  # SwiGLU's gate, one C pass
+        """The same on CPU in float32 with the C kernels the forward's plan (``meta.kernels``, chosen by
+        the engine per kernel family and shape class, see fast_path_choice) puts on, in fewer ops: the
+        norms and SwiGLU's gate in C, the linears through :func:`cpu_linear` (a C GEMM for few rows, each
+        residual add folded into its output projection), the attention glue in one call; each family
+        the plan leaves off runs its torch twin."""
+        a, m, plan = self.attn, self.mlp, meta.kernels
+        x = cpu_kernel.rms_norm(h, self.input_norm.weight, self.input_norm.eps) if plan.rms_norm \
+            else self.input_norm(h)
+        qkv = cpu_linear(x, a.qkv, plan=plan)
+        if meta.cpu_fused:
+            o = meta.attend_qkv(qkv, a.hq, a.hkv, a.d, cos, sin, k_cache, v_cache, None, a.window)
+        else:
+            T = qkv.shape[0]
+            q, k, v = qkv.split([a.hq * a.d, a.hkv * a.d, a.hkv * a.d], dim=-1)
+            q = apply_rotary(q.view(T, a.hq, a.d), cos, sin, a.rotary_dim)
+            k = apply_rotary(k.view(T, a.hkv, a.d), cos, sin, a.rotary_dim)
+            o = meta.attend(q, k, v.view(T, a.hkv, a.d), k_cache, v_cache, None, a.window)
+        h = cpu_linear(o, a.o, residual=h, plan=plan)
+        x = cpu_kernel.rms_norm(h, self.post_norm.weight, self.post_norm.eps) if plan.rms_norm \
+            else self.post_norm(h)
+        gu = cpu_linear(x, m.gate_up, plan=plan)
+        if plan.silu_mul and m.act is F.silu and gu.is_contiguous():  # SwiGLU's gate, one C pass
             act = cpu_kernel.silu_mul(gu, m.inter)
         else:
             gate, up = gu.split(m.inter, dim=-1)
             act = m.act(gate) * up
-        return cpu_linear(act, m.down, residual=h)
+        return cpu_linear(act, m.down, residual=h, plan=plan)
 
 
 class LlamaForCausalLM(RotaryDecoderLM):

@@ -1,0 +1,501 @@
+"""Which hardware-specific fast paths an inference model runs, chosen by measurement (issue #25).
+
+Two switches, each ``auto`` (measure), or a forced value (see :data:`zerospeed.ops.fast_paths.PATHS`):
+
+* ``cpu_kernels`` ``auto|on|off``: zerospeed's C kernels (:mod:`~zerospeed.inference.cpu_kernel`) against
+  their torch twins, per *kernel family* and shape class: ``attention`` (decode attention from the
+  paged cache, with the rotary and cache writes of a layer, against gather + SDPA), ``rms_norm``,
+  ``silu_mul`` (SwiGLU's gate), ``skinny_gemm`` (the packed GEMM of few-row linears, against MKL),
+  ``greedy_refine`` and ``int8_rows`` (the approximate greedy heads' candidate pass and int8
+  activation side). ``off``: plain torch everywhere. ``on``: the C kernels wherever they apply by the
+  fixed rules measured when they were written (the skinny GEMM for 2-24 rows and the single-threaded
+  kernels only with one torch thread), or an error naming the switch when they do not build.
+  ``auto``: a family runs in C where the kernels build *and* the C kernel was measured faster than its
+  twin on the shape class it serves (below). The C kernels apply to float32 on CPU only.
+* ``greedy_head`` ``auto|float32|bf16|int8``: how greedy rows get their tokens from the LM head:
+  ``float32`` logits and argmax (the reference, what sampling computes), or a bfloat16 / int8 copy of
+  the head whose approximate logits select candidates within a proven bound, refined in float32
+  (:meth:`CausalLM.greedy_tokens`; the same tokens whichever runs). A head is *available* when its op
+  runs here (bfloat16 ``torch.mm`` / oneDNN; oneDNN's int8 linear exists and its probe gives the exact
+  integer products); whether it is *fast* is measured: the whole greedy-token computation of each
+  candidate on representative rows of the served shape class.
+
+Shape classes: rows rounded up to a power of two (:func:`~zerospeed.ops.fast_paths.size_class`), with
+the weight shapes and the torch thread count; attention by decode count and longest context (or, with
+no decodes, the token count). A choice is made once per process and class by
+:func:`zerospeed.ops.fast_paths.default_chooser` (timed, cached, logged by ``zerospeed.fast_paths``)
+and cached again per model in a plain dict, so a forward pays one dict lookup for its
+:class:`KernelPlan` (measured: see :meth:`ForwardPlanner.plan`) and a greedy step one for its head.
+The engine measures a few classes eagerly at build (1 row and the decode batch class) and reports
+them in one log line (:meth:`ForwardPlanner.report`); other classes are measured when first served.
+
+With tensor parallelism in SPMD mode (``init_inference``, every rank samples) ranks must make the same
+choice, and timings differ per rank: there ``auto`` is not measured (the caller passes ``on`` or
+``off`` for the kernels and ``float32`` for the head; see :mod:`zerospeed.inference.v1`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from zerospeed.inference import cpu_kernel
+from zerospeed.ops.fast_paths import (Candidate, FastPathError, default_chooser, resolve_setting, size_class,
+                                      thread_cpu_clock)
+
+log = logging.getLogger("zerospeed")
+
+#: ``cpu_kernels=on``: the skinny GEMM for this many rows (inclusive; measured when it was written,
+#: see models/layers.py), and only with one torch thread, as SwiGLU's gate.
+ON_SKINNY_ROWS = (2, 24)
+#: ``cpu_kernels=auto`` measures the skinny GEMM up to this many rows (beyond, MKL's blocked GEMM is
+#: what the kernel was never meant to beat, and measuring big classes would cost start-up time)
+AUTO_SKINNY_MAX_ROWS = 64
+#: the synthetic K/V of an attention measurement is at most this many bytes per cache (sequences
+#: beyond share blocks): larger than the caches, as a step's K/V reads are, without allocating a
+#: whole batch's contexts for classes of hundreds of sequences
+ATTENTION_PROBE_BYTES = 8 << 20
+#: time one candidate may take to be measured (warm-up included; at least one timed run after it): the
+#: float32 head of 16 rows over a 32000 x 256 vocabulary takes ~5 ms a call, a kernel family's
+#: candidates from 0.01 to ~2.5 ms (attention of 16 sequences of 512 tokens in torch)
+BUDGET_S = {"greedy_head": 0.015, "cpu_kernels": 0.005}
+
+
+def choose(path: str, shape_class: tuple, candidates: dict[str, Candidate], setting: str, source: str) -> str:
+    """:meth:`FastPathChooser.choose` of the process's chooser, timed in this thread's CPU time when
+    torch runs one thread (every candidate then runs in this thread: time slices lost to other
+    processes on a shared machine do not count), else in wall time; within :data:`BUDGET_S`."""
+    measure = thread_cpu_clock if torch.get_num_threads() == 1 else None
+    return default_chooser().choose(path, shape_class, candidates, setting, source, measure=measure,
+                                    budget_s=BUDGET_S[path])
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The C kernels one forward uses; every False / absent family runs its torch twin."""
+
+    attention: bool = False
+    rms_norm: bool = False
+    silu_mul: bool = False
+    skinny: frozenset = frozenset()  # weight shapes (N, K) whose linears go through the skinny GEMM
+    skinny_all: bool = False  # every linear the skinny GEMM can take (cpu_kernels=on's rule)
+    any: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "any", bool(self.attention or self.rms_norm or self.silu_mul or self.skinny
+                                             or self.skinny_all))
+
+    def use_skinny(self, weight: torch.Tensor) -> bool:
+        return self.skinny_all or weight.shape in self.skinny
+
+    def describe(self) -> str:
+        fams = [f"attention {'C' if self.attention else 'torch'}", f"rms_norm {'C' if self.rms_norm else 'torch'}",
+                f"silu_mul {'C' if self.silu_mul else 'torch'}"]
+        if self.skinny_all:
+            fams.append("skinny_gemm C")
+        elif self.skinny:
+            fams.append("skinny_gemm C for " + ", ".join(f"{n}x{k}" for n, k in sorted(self.skinny)))
+        else:
+            fams.append("skinny_gemm torch")
+        return ", ".join(fams)
+
+
+OFF = KernelPlan()
+
+
+def legacy_plan(on: bool) -> KernelPlan:
+    """What ``AttentionMetadata.build(decode_kernel=on)`` meant before plans existed: every kernel by
+    ``cpu_kernels=on``'s rules for the current thread count (the skinny GEMM's row rule is applied by
+    :func:`~zerospeed.inference.models.layers.cpu_linear` then), or none."""
+    if not on:
+        return OFF
+    one = torch.get_num_threads() == 1
+    return KernelPlan(attention=True, rms_norm=True, silu_mul=one, skinny_all=one)
+
+
+class CpuKernels:
+    """The ``cpu_kernels`` switch of one model: its setting, whether the C kernels run here at all
+    (``live``), and per kernel family and shape class whether they run (:meth:`use`).
+
+    ``applies``: the model computes in float32 on CPU (else no C kernel can run: ``on`` is an error,
+    ``auto`` is torch). ``on`` with kernels that do not build is an error naming ``source``."""
+
+    def __init__(self, setting: str = "auto", *, source: str = "cpu_kernels", applies: bool = True,
+                 why_not_applies: str = "") -> None:
+        self.setting = resolve_setting("cpu_kernels", setting, source)
+        self.source = source
+        self.live, self.why = False, ""
+        self._cache: dict[tuple, bool] = {}
+        if self.setting == "off":
+            self.why = f"{source}=off"
+        elif not applies:
+            if self.setting == "on":
+                raise FastPathError(f"{source}: 'on' needs float32 on CPU ({why_not_applies})")
+            self.why = why_not_applies
+        else:
+            if self.setting == "on":
+                cpu_kernel.kernel_isa()  # a bad ZEROSPEED_KERNEL_ISA is an error naming it, not a fallback
+            ok, why = cpu_kernel.available()
+            if not ok and self.setting == "on":
+                raise FastPathError(f"{source}: 'on' but the C kernels could not be built: {why}")
+            self.live, self.why = ok, why
+
+    def describe(self) -> str:
+        state = cpu_kernel.describe() if self.live else (self.why or "not used")
+        return f"cpu_kernels={self.setting} ({state})"
+
+    def use(self, family: str, shape_class: tuple, candidates: Callable[[], dict[str, Candidate]]) -> bool:
+        """Whether ``family`` runs in C on ``shape_class``: never when not live, always with ``on``,
+        else measured once (``candidates()`` is called only then: ``{"off": torch twin, "on": C}``)."""
+        if not self.live:
+            return False
+        if self.setting == "on":
+            return True
+        key = (family, *shape_class)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = choose("cpu_kernels", key, candidates(), "auto", self.source) == "on"
+            self._cache[key] = hit
+        return hit
+
+
+def model_kernels(model: Any) -> CpuKernels:
+    """The model's :class:`CpuKernels` (set by the engine; for a bare model, ``auto`` made on first use)."""
+    k = model.__dict__.get("_cpu_kernels")
+    if k is None:
+        w = getattr(getattr(model, "lm_head", None), "weight", None)
+        applies = w is not None and w.device.type == "cpu" and w.dtype == torch.float32
+        k = CpuKernels("auto", applies=applies, why_not_applies="not float32 on CPU")
+        model.__dict__["_cpu_kernels"] = k
+    return k
+
+
+def set_model_kernels(model: Any, kernels: CpuKernels) -> None:
+    model.__dict__["_cpu_kernels"] = kernels
+    model.__dict__.pop("_greedy_choices", None)  # the heads' C parts follow the kernels: choose again
+
+
+def _pair(torch_fn: Callable[[], object], c_fn: Callable[[], object], evict: bool = False
+          ) -> dict[str, Candidate]:
+    setup = evict_caches if evict else None
+    return {"off": Candidate(torch_fn, setup=setup), "on": Candidate(c_fn, setup=setup)}
+
+
+_evict_buf: list[torch.Tensor] = []
+
+
+def evict_caches() -> None:
+    """Read a buffer of twice this core's L2 (at least 4 MiB), so that the next timed call finds its
+    weight where a decode step finds it (beyond L2: between two uses of a layer's weight a step reads
+    every other weight and the K/V). Costs ~0.2 ms, outside the timing (``Candidate.setup``)."""
+    if not _evict_buf:
+        try:
+            l2 = int(os.sysconf("SC_LEVEL2_CACHE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            l2 = 0
+        _evict_buf.append(torch.ones(max(2 * l2, 4 << 20) // 4))
+    _evict_buf[0].sum()
+
+
+# ----------------------------------------------------------------------------- the greedy head
+
+def representative_hidden(model: Any, rows: int) -> torch.Tensor:
+    """``[rows, H]`` float32 rows shaped like the LM head's input: a final norm's output (unit RMS
+    times the norm's weight, plus its bias) where the model has one, else standard normal."""
+    w = model.lm_head.weight
+    h = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+    norm = getattr(model, "norm", None) or getattr(model, "ln_f", None)
+    nw = getattr(norm, "weight", None)
+    if isinstance(nw, torch.Tensor) and nw.shape == (w.shape[1],) and nw.dtype == torch.float32:
+        h = h * nw.detach()
+        nb = getattr(norm, "bias", None)
+        if isinstance(nb, torch.Tensor):
+            h = h + nb.detach()
+    return h
+
+
+def _refine_candidates(rows: int, w: torch.Tensor, dtype: torch.dtype) -> Callable[[], dict[str, Candidate]]:
+    """C ``greedy_refine`` against :func:`refine_torch` over the head ``w`` on synthetic approximate
+    logits with ~24 candidates a row."""
+    def make() -> dict[str, Candidate]:
+        from zerospeed.inference.models import greedy_head
+
+        vocab, h = w.shape
+        g = torch.Generator().manual_seed(vocab)
+        x = torch.randn(rows, h, generator=g)
+        approx = torch.randn(rows, vocab, generator=g)
+        err = (approx.amax(dim=1) - approx.topk(min(24, vocab), dim=1).values[:, -1]) / 2
+        approx = approx.to(dtype)
+        return _pair(lambda: greedy_head.refine_torch(approx, x, w, err, 2048),
+                     lambda: cpu_kernel.greedy_refine(approx, x, w, err, 2048))
+    return make
+
+
+def _int8_rows_candidates(rows: int, h: int) -> Callable[[], dict[str, Candidate]]:
+    def make() -> dict[str, Candidate]:
+        from zerospeed.inference.models import greedy_head
+
+        x = torch.randn(rows, h, generator=torch.Generator().manual_seed(h))
+        consts = (1e-3, 1e-2, 1.0, 0.1)
+        return _pair(lambda: greedy_head.activation_rows(x, consts), lambda: cpu_kernel.int8_rows(x, consts))
+    return make
+
+
+@dataclass(frozen=True)
+class GreedyChoice:
+    head: str  # "float32", "bf16" or "int8"
+    c_int8_rows: bool  # the int8 head's activation side in C
+    c_refine: bool  # the candidates' pass of the chosen approximate head in C
+
+
+def choose_greedy_head(model: Any, rows_class: int, setting: str, source: str) -> GreedyChoice:
+    """The greedy head for ``rows_class`` rows of ``model`` (float32 CPU head without bias): forced by
+    ``setting``, or measured (:func:`zerospeed.ops.fast_paths.default_chooser`); a forced head that
+    cannot run here is a :class:`FastPathError` naming ``source``."""
+    from zerospeed.inference.models import greedy_head
+
+    setting = resolve_setting("greedy_head", setting, source)
+    w = model.lm_head.weight
+    vocab, h = w.shape
+    threads = torch.get_num_threads()
+    kernels = model_kernels(model)
+    cand_rows = max(rows_class, 1)
+    c_bf16 = kernels.use("greedy_refine", (rows_class, vocab, h, "bf16", threads),
+                         _refine_candidates(cand_rows, w.detach(), torch.bfloat16))
+    int8_ok, int8_why = greedy_head.int8_available()
+    c_f32 = c_rows = False
+    if int8_ok:
+        c_f32 = kernels.use("greedy_refine", (rows_class, vocab, h, "float32", threads),
+                            _refine_candidates(cand_rows, w.detach(), torch.float32))
+        c_rows = kernels.use("int8_rows", (rows_class, h, threads), _int8_rows_candidates(cand_rows, h))
+    hidden = representative_hidden(model, cand_rows)
+
+    def run_int8() -> object:
+        head = model._derived("_lm_head_int8", w, greedy_head.build_int8_head)
+        if head is None:
+            raise RuntimeError("oneDNN's int8 linear did not give the exact integer products on this head")
+        return model._greedy_tokens_int8(hidden, w, head, c_rows, c_f32)
+
+    candidates = {
+        "float32": Candidate(lambda: model.compute_logits(hidden).max(dim=1).indices),
+        "bf16": Candidate(lambda: model._greedy_tokens_bf16(hidden, w, c_bf16)),
+        "int8": Candidate(run_int8) if int8_ok else Candidate(None, int8_why),
+    }
+    shape_class = (rows_class, vocab, h, threads, c_bf16, c_f32, c_rows, int8_ok)
+    name = choose("greedy_head", shape_class, candidates, setting, source)
+    return GreedyChoice(name, c_rows, c_f32 if name == "int8" else c_bf16)
+
+
+# ----------------------------------------------------------------------------- the engine's forwards
+
+class ForwardPlanner:
+    """The :class:`KernelPlan` of each forward of one engine: cached per (token class, decode class,
+    context class, threads), built by measuring each kernel family once per shape class under
+    ``cpu_kernels=auto`` (by fixed rules under ``on``; none under ``off``).
+
+    ``attention_backend`` (a :func:`~zerospeed.inference.engine.build_engine` argument older than this
+    switch) sets the attention family alone: ``torch`` keeps attention in torch whatever
+    ``cpu_kernels`` says, ``cpu_kernel`` forces the C attention (an error if the kernels do not build
+    or ``cpu_kernels=off``), ``auto`` follows ``cpu_kernels``."""
+
+    def __init__(self, model: Any, spec: Any, tp_size: int, kernels: CpuKernels, attention_backend: str,
+                 block_size: int) -> None:
+        self.model, self.spec, self.kernels = model, spec, kernels
+        self.block_size = block_size
+        if attention_backend == "cpu_kernel":
+            if kernels.setting == "off":
+                raise FastPathError(f"attention_backend: 'cpu_kernel' contradicts {kernels.source}='off'")
+            if not kernels.live:
+                raise FastPathError(f"attention_backend: 'cpu_kernel' could not be built: {kernels.why}")
+        self.attention_forced = {"torch": False, "cpu_kernel": True}.get(attention_backend)
+        self.live = kernels.live
+        self.hq, self.hkv = spec.num_heads // tp_size, spec.num_kv_heads // tp_size
+        self.d = spec.head_dim
+        self.window = next((w for w in spec.sliding_windows if w), None) if spec.sliding_windows else None
+        block = model.layers[0] if len(getattr(model, "layers", ())) else None
+        self.fused_block = block is not None and hasattr(block, "_forward_cpu")
+        self.rot = spec.rotary_dim or spec.head_dim
+        self.linears: list[torch.nn.Module] = []
+        self.norm = None
+        self.inter = None
+        from zerospeed.inference.models.layers import RMSNorm, RowLinear
+
+        if self.fused_block:
+            for lin in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down):
+                if type(lin) in (torch.nn.Linear, RowLinear) and getattr(getattr(lin, "tp", None), "size", 1) == 1 \
+                        and lin.weight.shape[0] % 16 == 0:
+                    self.linears.append(lin)
+            self.norm = block.input_norm
+            if block.mlp.act is F.silu:
+                self.inter = block.mlp.inter
+        elif type(getattr(model, "norm", None)) is RMSNorm:
+            self.norm = model.norm
+        self._plans: dict[tuple, KernelPlan] = {}
+        self._on_plans: dict[tuple, KernelPlan] = {}
+        self.eager: list[tuple[str, KernelPlan]] = []
+
+    # -- per forward -----------------------------------------------------------------------------
+    def plan(self, num_tokens: int, num_decodes: int, max_ctx: int) -> KernelPlan:
+        """The plan of a forward of ``num_tokens`` tokens, ``num_decodes`` of them decodes whose longest
+        context is ``max_ctx``. A cache hit is a few size classes and a dict lookup."""
+        if not self.live:
+            return OFF
+        threads = torch.get_num_threads()
+        if self.kernels.setting == "on":
+            skinny = ON_SKINNY_ROWS[0] <= num_tokens <= ON_SKINNY_ROWS[1] and threads == 1
+            key = (skinny, threads == 1)
+            hit = self._on_plans.get(key)
+            if hit is None:
+                hit = self._on_plans[key] = KernelPlan(attention=self.attention_forced is not False, rms_norm=True,
+                                                       silu_mul=threads == 1, skinny_all=skinny)
+            return hit
+        key = (size_class(num_tokens), size_class(num_decodes) if num_decodes else 0,
+               size_class(max_ctx) if num_decodes else 0, threads)
+        hit = self._plans.get(key)
+        if hit is None:
+            hit = self._plans[key] = self._measure_plan(*key)
+        return hit
+
+    def _measure_plan(self, rows: int, decodes: int, ctx: int, threads: int) -> KernelPlan:
+        k = self.kernels
+        if self.attention_forced is not None:
+            attention = self.attention_forced
+        elif decodes:
+            attention = k.use("attention", (decodes, ctx, self.hq, self.hkv, self.d, self.fused_block, threads),
+                              lambda: self._attention_candidates(decodes, ctx))
+        elif self.fused_block:  # prompt chunks only: the C glue (rotary, cache writes) or torch's
+            attention = k.use("attention", (0, rows, self.hq, self.hkv, self.d, True, threads),
+                              lambda: self._glue_candidates(rows))
+        else:  # prompt chunks only, attention through `attend`: no C kernel runs either way
+            attention = False
+        rms = False
+        if self.norm is not None:
+            n = self.norm
+            rms = k.use("rms_norm", (rows, n.weight.shape[0], threads), lambda: self._norm_candidates(rows))
+        silu = False
+        if self.inter is not None:
+            silu = k.use("silu_mul", (rows, self.inter, threads), lambda: self._silu_candidates(rows))
+        skinny = set()
+        if rows <= AUTO_SKINNY_MAX_ROWS:
+            for lin in self.linears:
+                shape = tuple(lin.weight.shape)
+                if k.use("skinny_gemm", (rows, *shape, threads), lambda lin=lin: self._skinny_candidates(lin, rows)):
+                    skinny.add(shape)
+        return KernelPlan(attention=attention, rms_norm=rms, silu_mul=silu, skinny=frozenset(skinny))
+
+    # -- candidates ----------------------------------------------------------------------------------
+    def _norm_candidates(self, rows: int) -> dict[str, Candidate]:
+        norm = self.norm
+        x = torch.randn(rows, norm.weight.shape[0], generator=torch.Generator().manual_seed(rows))
+        return _pair(lambda: norm(x), lambda: cpu_kernel.rms_norm(x, norm.weight, norm.eps))
+
+    def _silu_candidates(self, rows: int) -> dict[str, Candidate]:
+        inter, act = self.inter, F.silu
+        gu = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows))
+
+        def twin() -> torch.Tensor:
+            gate, up = gu.split(inter, dim=-1)
+            return act(gate) * up
+        return _pair(twin, lambda: cpu_kernel.silu_mul(gu, inter))
+
+    def _skinny_candidates(self, lin: torch.nn.Module, rows: int) -> dict[str, Candidate]:
+        from zerospeed.inference.models.layers import _derived_on
+
+        w, b = lin.weight, lin.bias
+        x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+
+        def c() -> torch.Tensor:
+            packed = _derived_on(lin, "_packed_weight", w, cpu_kernel.pack_weight)
+            return cpu_kernel.skinny_linear(x, packed, b)
+        return _pair(lambda: F.linear(x, w, b), c, evict=True)
+
+    def _attention_candidates(self, decodes: int, ctx: int) -> dict[str, Candidate]:
+        """One layer's attention of ``decodes`` sequences of ``ctx`` tokens with C (the fused glue:
+        rotary, cache writes, decode attention; or the decode attention alone for families that
+        attend through ``attend``) or torch (rotary, ``index_copy_``, gathered SDPA), on a synthetic
+        cache (random rows repeated; at most :data:`ATTENTION_PROBE_BYTES` a cache, sequences
+        beyond share blocks)."""
+        from zerospeed.inference.attention import AttentionMetadata, Workspace
+        from zerospeed.inference.models.layers import apply_rotary
+
+        hq, hkv, d, bs, rot, window, fused = self.hq, self.hkv, self.d, self.block_size, self.rot, self.window, \
+            self.fused_block
+        g = torch.Generator().manual_seed(decodes * 131 + ctx)
+        per_seq = -(-ctx // bs)
+        num_blocks = max(per_seq, min(per_seq * decodes, ATTENTION_PROBE_BYTES // (bs * hkv * d * 4))) + 1
+        kc, vc = self._cache_pair(num_blocks, g)
+        usable = num_blocks - 1  # block 0 stays out of the tables (padding)
+        items = [(ctx - 1, 1, [1 + (s * per_seq + b) % usable for b in range(per_seq)]) for s in range(decodes)]
+        qkv, cos, sin = self._rows(decodes, g)
+        ws = Workspace()
+
+        def run(c: bool) -> torch.Tensor:
+            meta = AttentionMetadata.build(items, decodes, bs, torch.device("cpu"), ws, kernels=KernelPlan(attention=c))
+            if c and fused:
+                return meta.attend_qkv(qkv, hq, hkv, d, cos, sin, kc, vc, None, window)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q = apply_rotary(q.view(decodes, hq, d), cos, sin, rot)
+            k = apply_rotary(k.view(decodes, hkv, d), cos, sin, rot)
+            return meta.attend(q, k, v.view(decodes, hkv, d), kc, vc, None, window)
+        return _pair(lambda: run(False), lambda: run(True))
+
+    def _glue_candidates(self, rows: int) -> dict[str, Candidate]:
+        """A prompt chunk of ``rows`` tokens: what differs between the paths is the glue (rotary of q
+        and k, K/V written to the cache) in one C call or in torch; the chunk's SDPA is the same."""
+        from zerospeed.inference.models.layers import apply_rotary
+
+        hq, hkv, d, bs, rot = self.hq, self.hkv, self.d, self.block_size, self.rot
+        g = torch.Generator().manual_seed(rows)
+        kc, vc = self._cache_pair(-(-rows // bs) + 1, g)
+        slots = torch.arange(bs, bs + rows)
+        qkv, cos, sin = self._rows(rows, g)
+        cos_rows, sin_rows = cos.reshape(rows, -1), sin.reshape(rows, -1)
+
+        def twin() -> torch.Tensor:
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q = apply_rotary(q.view(rows, hq, d), cos, sin, rot)
+            k = apply_rotary(k.view(rows, hkv, d), cos, sin, rot)
+            kc.index_copy_(0, slots, k)
+            vc.index_copy_(0, slots, v.view(rows, hkv, d))
+            return q
+
+        def c() -> torch.Tensor:
+            return cpu_kernel.attention_layer(qkv, 0, hq, hkv, d, cos_rows, sin_rows, slots, kc, vc, None, None, bs,
+                                              0, None, self.window, want_k=True)[1]
+        return _pair(twin, c)
+
+    def _cache_pair(self, num_blocks: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        # random rows repeated: randn of a whole cache would cost more than the measurement
+        pattern = torch.randn(64, self.hkv, self.d, generator=g)
+        n = num_blocks * self.block_size
+        reps = -(-n // 64)
+        return (pattern.repeat(reps, 1, 1)[:n].contiguous(), pattern.flip(0).repeat(reps, 1, 1)[:n].contiguous())
+
+    def _rows(self, rows: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = torch.randn(rows, (self.hq + 2 * self.hkv) * self.d, generator=g)
+        emb = torch.rand(rows, self.rot, generator=g)
+        return qkv, emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+
+    # -- start-up --------------------------------------------------------------------------------
+    def prepare(self, rows_classes: tuple[int, ...], ctx: int) -> None:
+        """Measure the plans of decode-only forwards of ``rows_classes`` sequences of ``ctx`` tokens now
+        (reported at start-up; other classes are measured when first served)."""
+        if not self.live or self.kernels.setting == "on":
+            return
+        for rows in rows_classes:
+            self.eager.append((f"rows {rows}", self.plan(rows, rows, ctx)))
+
+    def report(self) -> str:
+        head = self.kernels.describe()
+        if self.attention_forced is not None and self.live:
+            head += f", attention_backend={'cpu_kernel' if self.attention_forced else 'torch'}"
+        if not self.live:
+            return head
+        if self.kernels.setting == "on":
+            return head + ": every kernel where it applies (skinny GEMM 2-24 rows, one thread)"
+        return head + ": " + "; ".join(f"{what}: {p.describe()}" for what, p in self.eager) + " (measured)"
