@@ -38,6 +38,7 @@ def _make(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: gpu-check would run")
 def test_without_cuda_one_line_and_exit_0(tmp_path):
     r = _script("--out-dir", str(tmp_path))
     assert (r.returncode, r.stdout, r.stderr) == (0, NO_CUDA_LINE + "\n", "")
