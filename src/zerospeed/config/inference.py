@@ -12,6 +12,10 @@ Decisions:
   only at their off value, so a config that needs them fails loudly instead of silently.
 * v2: ``state_manager.memory_config.mode`` is ``reserve`` (``size`` bytes kept free for everything
   but the KV cache) or ``allocate`` (``size`` KV blocks), as in DeepSpeed.
+* Both (zerospeed keys, not DeepSpeed's): the fast-path switches of the CPU inference engine (issue #25,
+  :mod:`zerospeed.inference.fast_path_choice`), ``greedy_head`` (``auto``, ``float32``, ``bf16``,
+  ``int8``) and ``cpu_kernels`` (``auto``, ``on``, ``off``); ``auto`` measures which is faster here.
+  They apply to the kernel-injected engine (v1 with ``replace_with_kernel_inject``) and to v2.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ def _off(name: str) -> Any:
                        "leave it false")
         return False
     return BeforeValidator(check)
+
+
+GreedyHead = Annotated[Literal["auto", "float32", "bf16", "int8"], one_of("auto", "float32", "bf16", "int8")]
+CpuKernels = Annotated[Literal["auto", "on", "off"], one_of("auto", "on", "off")]
 
 
 class InferenceTPConfig(Section):
@@ -74,6 +82,8 @@ class InferenceConfig(Section):
     zero: dict | None = None
     moe: Any = None
     quant: InferenceQuantConfig | None = None  # applied when given or with dtype int8 (inference_quant.py)
+    greedy_head: GreedyHead = "auto"  # zerospeed: the greedy LM head of the injected engine
+    cpu_kernels: CpuKernels = "auto"  # zerospeed: the C kernels of the injected engine
 
 
 class MemoryConfig(Section):
@@ -99,6 +109,8 @@ class RaggedInferenceEngineConfig(Section):
     state_manager: StateManagerConfig = Field(default_factory=StateManagerConfig)
     block_size: PosInt = 16  # zerospeed: KV block size in tokens (DeepSpeed fixes it per kernel)
     dtype: DType = "fp32"  # zerospeed: the model's compute dtype (DeepSpeed takes the checkpoint's)
+    greedy_head: GreedyHead = "auto"  # zerospeed: the greedy LM head (auto|float32|bf16|int8)
+    cpu_kernels: CpuKernels = "auto"  # zerospeed: the C kernels (auto|on|off)
 
 
 def _validate(model: type[Section], data: Any, prefix: str) -> Any:

@@ -24,6 +24,12 @@ Two paths, as in DeepSpeed:
 
 ``keep_module_on_host``: on a GPU machine the module moves to the GPU unless this is set; on CPU
 it changes nothing. ``return_tuple``: forward returns a tuple instead of an HF ModelOutput.
+
+``greedy_head`` / ``cpu_kernels`` (zerospeed keys): the injected engine's fast-path switches
+(:mod:`zerospeed.inference.fast_path_choice`). With ``tp_size > 1`` every rank samples (SPMD), so the
+ranks must make the same choice, and timings differ per rank: there ``auto`` is not measured but
+resolved to the rank-independent ``float32`` head and ``on`` for the kernels (``off`` where they do
+not build); a forced value is used as given.
 """
 
 from __future__ import annotations
@@ -243,9 +249,18 @@ def _inject(model: nn.Module, cfg: InferenceConfig, dtype: torch.dtype, device: 
         quantize_for_inference(ours, cfg.quant)
     block_size = 16
     num_blocks = 8 * -(-cfg.max_out_tokens // block_size)
+    greedy, kernels = cfg.greedy_head, cfg.cpu_kernels
+    if tp_size > 1:  # SPMD: every rank samples, so every rank must choose alike: nothing measured
+        from zerospeed.inference import cpu_kernel
+        from zerospeed.ops.fast_paths import resolve_setting
+
+        if resolve_setting("greedy_head", greedy, "greedy_head") == "auto":
+            greedy = "float32"
+        if resolve_setting("cpu_kernels", kernels, "cpu_kernels") == "auto":
+            kernels = "on" if cpu_kernel.available()[0] and dtype == torch.float32 and device.type == "cpu" else "off"
     engine = Ragged(ours, spec, None, dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks,
                     max_num_seqs=64, max_model_len=cfg.max_out_tokens, max_num_batched_tokens=512,
-                    enable_prefix_caching=False, tp=tp)
+                    enable_prefix_caching=False, tp=tp, greedy_head=greedy, cpu_kernels=kernels)
     engine.spmd = True
     return InjectedCausalLM(engine, model.config, getattr(model, "generation_config", None), cfg.max_out_tokens,
                             cfg.return_tuple)

@@ -147,7 +147,7 @@ def build_hf_engine(path: str, engine_config: RaggedInferenceEngineConfig | dict
     sm = cfg.state_manager
     kw: dict[str, Any] = dict(dtype=cfg.dtype, block_size=cfg.block_size, max_num_seqs=sm.max_ragged_sequence_count,
                               max_num_batched_tokens=sm.max_ragged_batch_size, tensor_parallel=cfg.tensor_parallel.tp_size,
-                              enable_prefix_caching=False)
+                              enable_prefix_caching=False, greedy_head=cfg.greedy_head, cpu_kernels=cfg.cpu_kernels)
     if sm.memory_config.mode == "allocate":
         kw["num_blocks"] = sm.memory_config.size
     else:  # reserve: what is free minus `size`, no more than the tracked sequences can fill

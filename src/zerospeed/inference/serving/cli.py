@@ -25,6 +25,10 @@ import threading
 from collections.abc import Sequence
 
 EXIT_USAGE = 2
+# the values of the fast-path switches (zerospeed.ops.fast_paths.PATHS, whose import would load torch
+# before a usage error could be printed; a test keeps the two equal)
+GREEDY_HEADS = ("auto", "float32", "bf16", "int8")
+CPU_KERNELS = ("auto", "off", "on")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV-cache bytes (e.g. 2GiB)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="weights and activations dtype (default fp32)")
+    p.add_argument("--greedy-head", choices=GREEDY_HEADS, default=None,
+                   help="how greedy rows get their tokens on CPU in fp32: float32 logits, or a bf16 / int8 copy "
+                        "of the LM head refined to the same tokens; auto (default) times them here")
+    p.add_argument("--cpu-kernels", choices=CPU_KERNELS, default=None,
+                   help="zerospeed's C kernels on CPU in fp32: on, off (plain torch), or auto (default: each "
+                        "kernel where it builds and was timed faster than torch)")
     p.add_argument("--api-key", default=os.environ.get("ZEROSPEED_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default $ZEROSPEED_API_KEY)")
     p.add_argument("--served-model-name", default=None,
@@ -145,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("dtype", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs",
             "max_model_len", "max_num_batched_tokens", "max_prefill_tokens_with_decodes", "prefill_first",
-            "max_decode_kv_bytes")
+            "max_decode_kv_bytes", "greedy_head", "cpu_kernels")
     kwargs = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     for key in ("max_prefill_tokens_with_decodes", "max_decode_kv_bytes"):
         if kwargs.get(key) == "none":
@@ -180,6 +190,9 @@ def run_server(args: argparse.Namespace, engine: object | None = None) -> int:
     # keep it out of the collector's generations, so GC pauses stay short while serving and the
     # interpreter does not spend seconds collecting it at exit
     gc.freeze()
+    report = getattr(handle.engine, "fast_path_report", None)
+    if report:  # which fast paths run (issue #25): the user sees it whatever the log level
+        print(f"zerospeed serve: {report}", flush=True)
     print(f"zerospeed serve: listening on {handle.url} (model {handle.model_name})", flush=True)
     try:
         while not stop.wait(0.2):
