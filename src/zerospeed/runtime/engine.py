@@ -31,7 +31,7 @@ from zerospeed.config import ConfigError, ZeroSpeedConfig
 from zerospeed.monitor import Monitor, StepEvents
 from zerospeed.profiling.engine_hook import EngineFlopsProfiler
 from zerospeed.runtime.engine_api import DeepSpeedEngineAPI
-from zerospeed.runtime.fast_paths import settle_adam_kernel, startup_line
+from zerospeed.runtime.fast_paths import quiet_choices, settle_adam_kernel, startup_line
 from zerospeed.utils.logging import log_dist
 from zerospeed.checkpointing.settings import configure_from as configure_checkpointing_from
 from zerospeed.runtime.loss_scaler import build_loss_scaler
@@ -118,8 +118,11 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
                                fast_paths=config.fast_paths)
         options = _with_expert_groups(options, model)
         check_offload(options, optimizer)
-        self.strategy = build_strategy(model, optimizer, options, zcfg, dp_group, self.dp_rank, self.dp_world_size)
-        self._report_fast_paths(stage)
+        with quiet_choices():  # the start-up line reports the choices made here
+            self.strategy = build_strategy(model, optimizer, options, zcfg, dp_group, self.dp_rank,
+                                           self.dp_world_size)
+            self._settle_fast_paths(stage)
+        self._report_fast_paths()
         self.loss_scaler = build_loss_scaler(config.precision, config.fp16)
         self.compression_scheduler = compression_scheduler_for(model, config)  # None without compression_training
         self.micro_steps = 0
@@ -146,14 +149,19 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         self._autotuning = AutotuningProbe.attach(self)  # None unless run as an autotuning experiment
         configure_checkpointing_from(config)  # the activation_checkpointing section, unless configure() was called
 
-    def _report_fast_paths(self, stage: int) -> None:
+    def _offload_tier(self) -> Any:
+        return getattr(getattr(self.strategy, "state", None), "offload", None)
+
+    def _settle_fast_paths(self, stage: int) -> None:
         """Settle the optimizer's Adam kernel on the shapes the strategy serves (replicas agree at
-        stage 0) and log the fast paths once (see :mod:`zerospeed.runtime.fast_paths`)."""
-        state = getattr(self.strategy, "state", None)
-        tier = getattr(state, "offload", None)
-        exclude = {id(s.master) for s in getattr(tier, "slots", [])}
+        stage 0; see :mod:`zerospeed.runtime.fast_paths`)."""
+        exclude = {id(s.master) for s in getattr(self._offload_tier(), "slots", [])}
         settle_adam_kernel(self.optimizer, self.config.fast_paths, exclude=exclude, dp_group=self.dp_group,
                            replicated=stage == 0)
+
+    def _report_fast_paths(self) -> None:
+        """The one start-up line of the fast paths (rank 0)."""
+        tier = self._offload_tier()
         handles = [h for h in (getattr(getattr(tier, "swapper", None), "handle", None),
                                getattr(getattr(self.strategy, "swapper", None), "handle", None)) if h is not None]
         log_dist(startup_line(self.config.fast_paths, self.optimizer, tier, handles), ranks=[0])

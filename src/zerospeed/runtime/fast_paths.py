@@ -18,11 +18,17 @@ every data-parallel rank updates a full replica, so the replicas must run the sa
 rank 0 of the data-parallel group measures and broadcasts its choice (one 1-element broadcast at
 start-up, only then); sharded stages update disjoint shards and choose per rank.
 
-:func:`startup_line` is the one log line (rank 0) listing the settings and what runs.
+:func:`startup_line` is the one log line (rank 0) listing the settings, what runs and the choices
+made while the engine started; :func:`quiet_choices` holds back the chooser's own per-choice lines
+(logger ``zerospeed.fast_paths``, every rank) meanwhile, unless a user set that logger's level.
+Choices made later (e.g. a CPU Adam the engine does not drive) are logged by the chooser when made.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -40,6 +46,20 @@ from zerospeed.ops.adam.kernel_choice import (
 from zerospeed.ops.fast_paths import ENV_VAR, FastPathError, default_chooser, resolve_setting
 
 KEY = "fast_paths.adam_kernel"
+
+
+@contextmanager
+def quiet_choices() -> Iterator[None]:
+    """Hold back the chooser's INFO lines while the engine starts (see the module docstring)."""
+    log = logging.getLogger("zerospeed.fast_paths")
+    if log.level != logging.NOTSET:  # the user configured it: theirs to decide
+        yield
+        return
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(logging.NOTSET)
 
 
 def _served(optimizer: torch.optim.Optimizer, exclude: set[int]) -> list[torch.Tensor]:
@@ -105,8 +125,10 @@ def _in_use(optimizer: torch.optim.Optimizer, tier: Any, handles: list[Any]) -> 
     if tier is not None and getattr(tier, "slots", None):
         out.append(f"offloaded step: {tier.kernel}")
     for handle in handles:
+        refused = "; ".join(handle.direct_io_fallbacks.values())
         for device, use in handle.direct_io_choices().items():
-            out.append(f"NVMe files on dev {device}: {'O_DIRECT' if use else 'buffered'}")
+            how = "O_DIRECT" if use else "buffered" + (f" ({refused})" if refused else "")
+            out.append(f"NVMe files on dev {device}: {how}")
     return out
 
 

@@ -50,7 +50,10 @@ def optimizer_from_config(cfg: ZeroSpeedConfig, optimizer: Any, groups: list[dic
         return resolve_client_optimizer(optimizer, groups)
     if cfg.optimizer is None:
         raise ConfigError("optimizer", "no optimizer: set 'optimizer' in the config or pass initialize(optimizer=...)")
-    return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups, cfg.fast_paths)
+    from zerospeed.runtime.fast_paths import quiet_choices
+
+    with quiet_choices():  # a forced adam_kernel is reported in the engine's start-up line
+        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups, cfg.fast_paths)
 
 
 def scheduler_from_config(cfg: ZeroSpeedConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
