@@ -17,7 +17,9 @@ kept within the 5% noise margin) unless the switch forces one.
   chunks on the worker pool (CPU Adam, the offload tier) or as one torch call (torch's optimizer), the
   number of tensors (a power of two, at most 32) and their typical size (a power of two). The sample
   holds at most 1 Mi elements (16 MiB of fp32 traffic per stream set): bigger than the caches, so the
-  per-element cost is the steady one, and a few ms per run. Measured cost of one choice here: 20-60 ms.
+  per-element cost is the steady one, and at most a few ms per run. Measured cost of one choice on this
+  project's 2-core box (load ~2.5): 3-8 ms (4 x 4 Ki elements) to 45-85 ms (the full 1 Mi-element sample), once per
+  shape class and process; fused won every class by 4-8x (e.g. 8 x 128 Ki: 0.62 ms against 2.7-3.3 ms).
 * Results: for-loop and foreach are bit-identical on CPU (same operations, same order); fused differs
   in rounding order (up to about 1 ulp of the parameter per step). Within a family, zerospeed's run
   equals torch's optimizer of that family.
@@ -124,11 +126,10 @@ def shape_of(numels: Sequence[int], device: torch.device | str, dtype: torch.dty
 def _sample(shape: AdamShape, amsgrad: bool) -> list[Item]:
     dtype = getattr(torch, shape.dtype)
     state_dtype = getattr(torch, shape.state_dtype)
-    g = torch.Generator().manual_seed(0)
     items: list[Item] = []
-    for _ in range(shape.num_tensors):
-        p = (torch.randn(shape.numel, generator=g) * 0.1).to(shape.device, dtype)
-        grad = torch.randn(shape.numel, generator=g).to(shape.device, dtype)
+    for _ in range(shape.num_tensors):  # ordinary values (no zeros, no denormals); the kernels' cost ignores them
+        p = torch.linspace(-0.1, 0.1, shape.numel).add_(0.3).to(shape.device, dtype)
+        grad = torch.linspace(1.0, -0.5, shape.numel).to(shape.device, dtype)
         m = torch.zeros(shape.numel, dtype=state_dtype, device=shape.device)
         v = torch.zeros_like(m)
         items.append((p, grad, m, v, torch.zeros_like(m) if amsgrad else None, torch.ones((), dtype=torch.float32)))
