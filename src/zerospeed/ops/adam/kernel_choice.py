@@ -18,8 +18,8 @@ kept within the 5% noise margin) unless the switch forces one.
   number of tensors (a power of two, at most 32) and their typical size (a power of two). The sample
   holds at most 1 Mi elements (16 MiB of fp32 traffic per stream set): bigger than the caches, so the
   per-element cost is the steady one, and at most a few ms per run. Measured cost of one choice on this
-  project's 2-core box (load ~2.5): 3-8 ms (4 x 4 Ki elements) to 45-85 ms (the full 1 Mi-element sample), once per
-  shape class and process; fused won every class by 4-8x (e.g. 8 x 128 Ki: 0.62 ms against 2.7-3.3 ms).
+  project's 2-core box (load ~2.5): 3-8 ms (4 x 4 Ki elements) to 45-85 ms (the full 1 Mi-element
+  sample), once per shape class and process; fused won every class by 4-8x (e.g. 8 x 128 Ki: 0.62 ms against 2.7-3.3 ms).
 * Results: for-loop and foreach are bit-identical on CPU (same operations, same order); fused differs
   in rounding order (up to about 1 ulp of the parameter per step). Within a family, zerospeed's run
   equals torch's optimizer of that family.
@@ -50,7 +50,8 @@ from zerospeed.ops.adam.kernel import (
     _run_task,
     adam_update,
 )
-from zerospeed.ops.fast_paths import Candidate, FastPathChooser, FastPathError, default_chooser, resolve_setting, size_class
+from zerospeed.ops.fast_paths import (Candidate, FastPathChooser, FastPathError, default_chooser, resolve_setting,
+                                      size_class)
 
 __all__ = ["AdamKernelSwitch", "AdamShape", "PATH", "attach_switch", "check_forced", "choose_adam_kernel",
            "fused_unavailable", "kernel_of_flags", "resolve_kernel_setting", "shape_of", "switch_of"]
