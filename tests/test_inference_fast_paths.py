@@ -174,7 +174,7 @@ def test_gpt2_family_under_each_kernel_setting(tmp_path):
 # ----------------------------------------------------------------------------- auto's dispatch, no timing
 
 class FakeChoose:
-    """Replaces fast_path_choice.choose: answers from a table (by family, or path), counts the calls, and checks
+    """Replaces fast_path_choice.choice: answers from a table (by family, or path), counts the calls, and checks
     that each candidate it is handed can run (calls it once, untimed)."""
 
     def __init__(self, answers):
@@ -184,12 +184,12 @@ class FakeChoose:
     def __call__(self, path, shape_class, candidates, setting, source):
         self.keys.append((path, shape_class))
         if setting != "auto":
-            return setting
+            return fast_paths.Choice(path, shape_class, setting, setting, "forced")
         for c in candidates.values():
             if c.run is not None:
                 c.run()
         family = shape_class[0] if path == "cpu_kernels" else path
-        return self.answers[family]
+        return fast_paths.Choice(path, shape_class, self.answers[family], setting, "fake")
 
 
 @needs_c
@@ -199,7 +199,7 @@ def test_auto_follows_the_chooser_per_family_and_caches_the_plan(llama, monkeypa
     other = "off" if answer == "on" else "on"
     fake = FakeChoose({"attention": answer, "rms_norm": other, "silu_mul": answer, "skinny_gemm": answer,
                        "greedy_refine": "on", "int8_rows": "on", "greedy_head": "float32"})
-    monkeypatch.setattr(fast_path_choice, "choose", fake)
+    monkeypatch.setattr(fast_path_choice, "choice", fake)
     engine = build_engine(path, block_size=4, num_blocks=96, max_num_batched_tokens=24)
     on = answer == "on"
     plan = engine.planner.plan(3, 3, 20)
@@ -216,17 +216,41 @@ def test_auto_follows_the_chooser_per_family_and_caches_the_plan(llama, monkeypa
     assert ("cpu_kernels", ("rms_norm", 4, 64, 1)) in fake.keys
 
 
+def test_a_head_hopelessly_slower_at_k_rows_is_not_tried_at_2k(monkeypatch):
+    """auto's pruning, fed fake timings: bf16 measured 5x slower than float32 at 1 row is left out at 2 rows
+    (with why); int8 within 4x stays; a forced bf16 is still used."""
+    g = torch.Generator().manual_seed(0)
+    model = layers.CausalLM()
+    model.lm_head = torch.nn.Linear(32, 400, bias=False)
+    seen = {}
+
+    def fake(path_name, shape_class, candidates, setting, source):
+        if path_name == "cpu_kernels":
+            return fast_paths.Choice(path_name, shape_class, "off", setting, "fake")
+        seen[shape_class[0]] = {n: c.why_not for n, c in candidates.items() if c.run is None}
+        timings = {"float32": 1.0, "bf16": 5.0, "int8": 3.0} if INT8 else {"float32": 1.0, "bf16": 5.0}
+        chosen = "float32" if setting == "auto" else setting
+        return fast_paths.Choice(path_name, shape_class, chosen, setting, "fake", timings)
+    monkeypatch.setattr(fast_path_choice, "choice", fake)
+    model.greedy_tokens(torch.randn(1, 32, generator=g))
+    model.greedy_tokens(torch.randn(2, 32, generator=g))
+    assert seen[1] == ({} if INT8 else {"int8": greedy_head.int8_available()[1]})
+    assert seen[2]["bf16"].startswith("5x slower than float32 at 1 rows") and ("int8" not in seen[2]) == INT8
+    model.greedy_head = "bf16"
+    assert model._greedy_choice(2).head == "bf16" and "bf16" not in seen[2]  # forced: not pruned
+
+
 def test_greedy_head_auto_takes_what_the_chooser_picks_per_row_class(llama, monkeypatch):
     _, path, ps, ref = llama
     picks = {1: "float32", 2: "bf16", 4: "int8" if INT8 else "bf16"}
 
     def fake(path_name, shape_class, candidates, setting, source):
         if path_name == "cpu_kernels":
-            return "on"
+            return fast_paths.Choice(path_name, shape_class, "on", setting, "fake")
         assert list(candidates) == ["float32", "bf16", "int8"]  # the reference first
         assert (candidates["int8"].run is not None) == INT8
-        return picks.get(shape_class[0], "float32")
-    monkeypatch.setattr(fast_path_choice, "choose", fake)
+        return fast_paths.Choice(path_name, shape_class, picks.get(shape_class[0], "float32"), setting, "fake")
+    monkeypatch.setattr(fast_path_choice, "choice", fake)
     engine = build_engine(path, block_size=4, num_blocks=96, max_num_batched_tokens=24, max_num_seqs=4)
     assert [engine.model._greedy_choice(r).head for r in (1, 2, 3, 4)] == [picks[1], picks[2], picks[4], picks[4]]
     assert engine.model.decode_rows_hint == 4
@@ -375,3 +399,15 @@ def test_candidate_setup_runs_before_each_measurement_untimed_and_measure_per_ca
     assert order[:4] == [("setup", "off"), ("timed", "off"), ("setup", "on"), ("timed", "on")]
     assert order.count(("setup", "on")) == order.count(("timed", "on")) == 3  # warm-up + 2 runs
     assert fast_paths.thread_cpu_clock("x", lambda: sum(range(1000))) >= 0
+
+
+def test_hopeless_candidate_is_timed_once():
+    calls = {"float32": 0, "bf16": 0}
+
+    def clock(name, fn):
+        calls[name] += 1
+        return {"float32": 1e-3, "bf16": 0.1}[name]
+    ch = FastPathChooser(repeats=5, budget_s=0.02)
+    c = ch.choice("greedy_head", 1, {n: Candidate(lambda: None) for n in calls}, measure=clock, hopeless=4.0)
+    assert c.chosen == "float32" and calls == {"float32": 6, "bf16": 1}
+    assert c.timings_ms["bf16"] == pytest.approx(100.0)

@@ -66,13 +66,26 @@ ATTENTION_PROBE_BYTES = 8 << 20
 BUDGET_S = {"greedy_head": 0.015, "cpu_kernels": 0.005}
 
 
+#: a candidate whose warm-up took this many times the fastest one's (and more than the budget) is not
+#: timed further; a greedy head this many times slower than the best at k rows is not tried at 2k rows
+#: (under an AVX2 cap the bfloat16 head took 15 ms at 2 rows against 5 for float32, and doubled with the
+#: rows: measuring it at 32 rows cost 0.4 s)
+HOPELESS = 4.0
+
+
 def choose(path: str, shape_class: tuple, candidates: dict[str, Candidate], setting: str, source: str) -> str:
-    """:meth:`FastPathChooser.choose` of the process's chooser, timed in this thread's CPU time when
+    """The name :func:`choice` picks."""
+    return choice(path, shape_class, candidates, setting, source).chosen
+
+
+def choice(path: str, shape_class: tuple, candidates: dict[str, Candidate], setting: str, source: str):
+    """:meth:`FastPathChooser.choice` of the process's chooser, timed in this thread's CPU time when
     torch runs one thread (every candidate then runs in this thread: time slices lost to other
-    processes on a shared machine do not count), else in wall time; within :data:`BUDGET_S`."""
+    processes on a shared machine do not count), else in wall time; within :data:`BUDGET_S`, a
+    :data:`HOPELESS` candidate timed once."""
     measure = thread_cpu_clock if torch.get_num_threads() == 1 else None
-    return default_chooser().choose(path, shape_class, candidates, setting, source, measure=measure,
-                                    budget_s=BUDGET_S[path])
+    return default_chooser().choice(path, shape_class, candidates, setting, source, measure=measure,
+                                    budget_s=BUDGET_S[path], hopeless=HOPELESS)
 
 
 @dataclass(frozen=True)
@@ -265,30 +278,53 @@ def choose_greedy_head(model: Any, rows_class: int, setting: str, source: str) -
     threads = torch.get_num_threads()
     kernels = model_kernels(model)
     cand_rows = max(rows_class, 1)
-    c_bf16 = kernels.use("greedy_refine", (rows_class, vocab, h, "bf16", threads),
-                         _refine_candidates(cand_rows, w.detach(), torch.bfloat16))
     int8_ok, int8_why = greedy_head.int8_available()
-    c_f32 = c_rows = False
+    pruned = _pruned_heads(model, rows_class, threads) if setting == "auto" else {}
+    bf16_ok = "bf16" not in pruned
+    int8_ok, int8_why = (False, pruned["int8"]) if int8_ok and "int8" in pruned else (int8_ok, int8_why)
+    c_bf16 = c_f32 = c_rows = False
+    if bf16_ok or setting == "bf16":
+        c_bf16 = kernels.use("greedy_refine", (rows_class, vocab, h, "bf16", threads),
+                             _refine_candidates(cand_rows, w.detach(), torch.bfloat16))
     if int8_ok:
         c_f32 = kernels.use("greedy_refine", (rows_class, vocab, h, "float32", threads),
                             _refine_candidates(cand_rows, w.detach(), torch.float32))
         c_rows = kernels.use("int8_rows", (rows_class, h, threads), _int8_rows_candidates(cand_rows, h))
     hidden = representative_hidden(model, cand_rows)
 
-    def run_int8() -> object:
+    def int8_copy() -> object:  # built once (~0.1 s for 32000 x 256), outside the timing
         head = model._derived("_lm_head_int8", w, greedy_head.build_int8_head)
         if head is None:
             raise RuntimeError("oneDNN's int8 linear did not give the exact integer products on this head")
-        return model._greedy_tokens_int8(hidden, w, head, c_rows, c_f32)
+        return head
 
     candidates = {
-        "float32": Candidate(lambda: model.compute_logits(hidden).max(dim=1).indices),
-        "bf16": Candidate(lambda: model._greedy_tokens_bf16(hidden, w, c_bf16)),
-        "int8": Candidate(run_int8) if int8_ok else Candidate(None, int8_why),
+        "float32": Candidate(lambda: model.compute_logits(hidden).max(dim=1).indices,
+                             setup=lambda: model._lm_head_transposed(w) if cand_rows >= 3 else None),
+        "bf16": Candidate(lambda: model._greedy_tokens_bf16(hidden, w, c_bf16), setup=lambda: model._lm_head_bf16(w))
+        if bf16_ok else Candidate(None, pruned["bf16"]),
+        "int8": Candidate(lambda: model._greedy_tokens_int8(hidden, w, int8_copy(), c_rows, c_f32), setup=int8_copy)
+        if int8_ok else Candidate(None, int8_why),
     }
-    shape_class = (rows_class, vocab, h, threads, c_bf16, c_f32, c_rows, int8_ok)
-    name = choose("greedy_head", shape_class, candidates, setting, source)
-    return GreedyChoice(name, c_rows, c_f32 if name == "int8" else c_bf16)
+    shape_class = (rows_class, vocab, h, threads, c_bf16, c_f32, c_rows, int8_ok, bf16_ok)
+    made = choice("greedy_head", shape_class, candidates, setting, source)
+    if made.timings_ms:
+        model.__dict__.setdefault("_greedy_timings", {})[(threads, rows_class)] = dict(made.timings_ms)
+    return GreedyChoice(made.chosen, c_rows, c_f32 if made.chosen == "int8" else c_bf16)
+
+
+def _pruned_heads(model: Any, rows_class: int, threads: int) -> dict[str, str]:
+    """Heads measured :data:`HOPELESS` times slower than the best at the largest smaller row class of this
+    model, with why (not tried again: they grow with the rows as fast as the best, or faster)."""
+    timings = model.__dict__.get("_greedy_timings", {})
+    below = [r for (t, r) in timings if t == threads and r < rows_class]
+    if not below:
+        return {}
+    r = max(below)
+    ms = timings[(threads, r)]
+    best = min(ms, key=ms.get)
+    return {n: f"{t / ms[best]:.0f}x slower than {best} at {r} rows ({t:.3g} ms against {ms[best]:.3g})"
+            for n, t in ms.items() if n != "float32" and t > HOPELESS * ms[best]}
 
 
 # ----------------------------------------------------------------------------- the engine's forwards

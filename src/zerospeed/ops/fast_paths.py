@@ -152,17 +152,20 @@ class FastPathChooser:
     def choose(self, path: str, shape_class: Hashable, candidates: Mapping[str, Candidate],
                setting: str = "auto", source: str | None = None, *,
                measure: Callable[[str, Callable[[], object]], float] | None = None,
-               budget_s: float | None = None) -> str:
+               budget_s: float | None = None, hopeless: float | None = None) -> str:
         """The name of the candidate to run. ``candidates`` in preference order, the reference first;
         ``setting`` is the switch's value (see :func:`resolve_setting`). ``measure`` / ``budget_s``
         replace the chooser's for this decision (e.g. :func:`thread_cpu_clock` for single-threaded
-        candidates)."""
-        return self.choice(path, shape_class, candidates, setting, source, measure=measure, budget_s=budget_s).chosen
+        candidates). ``hopeless``: a candidate whose warm-up alone took more than the budget and more
+        than ``hopeless`` times the fastest warm-up is not run again (its warm-up time stands as its
+        timing): an op 100x slower than the reference costs one call, not the whole budget."""
+        return self.choice(path, shape_class, candidates, setting, source, measure=measure, budget_s=budget_s,
+                           hopeless=hopeless).chosen
 
     def choice(self, path: str, shape_class: Hashable, candidates: Mapping[str, Candidate],
                setting: str = "auto", source: str | None = None, *,
                measure: Callable[[str, Callable[[], object]], float] | None = None,
-               budget_s: float | None = None) -> Choice:
+               budget_s: float | None = None, hopeless: float | None = None) -> Choice:
         setting = validate_setting(path, setting, source)
         key = (path, shape_class, setting)
         with self._lock:
@@ -170,14 +173,14 @@ class FastPathChooser:
             if hit is not None:
                 return hit
             made = self._decide(path, shape_class, candidates, setting, source, measure or self._measure,
-                                self.budget_s if budget_s is None else budget_s)
+                                self.budget_s if budget_s is None else budget_s, hopeless)
             self._cache[key] = made
         log.info("zerospeed fast path %s", made.describe())
         return made
 
     def _decide(self, path: str, shape_class: Hashable, candidates: Mapping[str, Candidate], setting: str,
                 source: str | None, measure: Callable[[str, Callable[[], object]], float] | None = None,
-                budget_s: float | None = None) -> Choice:
+                budget_s: float | None = None, hopeless: float | None = None) -> Choice:
         measure = measure or self._measure
         budget_s = self.budget_s if budget_s is None else budget_s
         if not candidates:
@@ -207,6 +210,11 @@ class FastPathChooser:
             except Exception as exc:  # a candidate that fails here is never chosen
                 excluded[n] = f"failed when measured: {type(exc).__name__}: {exc}"
                 live.remove(n)
+        if hopeless is not None and live:
+            fastest = min(spent[n] for n in live)
+            for n in live:
+                if spent[n] > budget_s and spent[n] > hopeless * fastest:
+                    best[n] = spent[n]
         for _ in range(self.repeats):
             for n in list(live):
                 if best.get(n) is not None and spent[n] >= budget_s:
