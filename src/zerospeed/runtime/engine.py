@@ -153,11 +153,11 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         return getattr(getattr(self.strategy, "state", None), "offload", None)
 
     def _settle_fast_paths(self, stage: int) -> None:
-        """Settle the optimizer's Adam kernel on the shapes the strategy serves (replicas agree at
-        stage 0; see :mod:`zerospeed.runtime.fast_paths`)."""
+        """Settle the optimizer's Adam kernel (every data-parallel rank runs rank 0's choice; see
+        :mod:`zerospeed.runtime.fast_paths`)."""
         exclude = {id(s.master) for s in getattr(self._offload_tier(), "slots", [])}
         settle_adam_kernel(self.optimizer, self.config.fast_paths, exclude=exclude, dp_group=self.dp_group,
-                           replicated=stage == 0)
+                           replicated=True)
 
     def _report_fast_paths(self) -> None:
         """The one start-up line of the fast paths (rank 0)."""

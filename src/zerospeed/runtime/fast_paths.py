@@ -13,10 +13,10 @@ The config's ``fast_paths`` section (:class:`zerospeed.config.FastPathsConfig`) 
 
 :func:`settle_adam_kernel` runs once the ZeRO strategy has put the tensors it updates into the
 optimizer's param groups, so the measurement sees the shapes served (flat shards at stages 1-3,
-the parameters at stage 0; offloaded masters excluded, the tier has its own choice). At stage 0
-every data-parallel rank updates a full replica, so the replicas must run the same arithmetic:
-rank 0 of the data-parallel group measures and broadcasts its choice (one 1-element broadcast at
-start-up, only then); sharded stages update disjoint shards and choose per rank.
+the parameters at stage 0; offloaded masters excluded, the tier has its own choice). Every
+data-parallel rank runs rank 0's choice: at stage 0 the replicas must run the same arithmetic, and at
+stages 1-3 a run's result should not depend on which rank's timing came out which way (rank 0 of the
+data-parallel group measures and broadcasts: one 1-element broadcast at start-up, only then).
 
 :func:`startup_line` is the one log line (rank 0) listing the settings, what runs and the choices
 made while the engine started; :func:`quiet_choices` holds back the chooser's own per-choice lines

@@ -12,14 +12,12 @@ kept within the 5% noise margin) unless the switch forces one.
 * Availability is a capability probe: ``fused`` runs torch's fused kernel once on a one-element
   tensor of the device and dtype (it is missing for some devices and dtypes); the other two are plain
   torch ops and always run.
-* Speed is measured on synthetic tensors shaped like the ones served (never on the optimizer's own
-  state): the *shape class* is the device, the parameter and state dtypes, whether the update runs in
-  chunks on the worker pool (CPU Adam, the offload tier) or as one torch call (torch's optimizer), the
-  number of tensors (a power of two, at most 32) and their typical size (a power of two). The sample
-  holds at most 1 Mi elements (16 MiB of fp32 traffic per stream set): bigger than the caches, so the
-  per-element cost is the steady one, and at most a few ms per run. Measured cost of one choice on this
-  project's 2-core box (load ~2.5): 3-8 ms (4 x 4 Ki elements) to 45-85 ms (the full 1 Mi-element
-  sample), once per shape class and process; fused won every class by 4-8x (e.g. 8 x 128 Ki: 0.62 ms against 2.7-3.3 ms).
+* Speed is measured on synthetic tensors (never on the optimizer's own state), once per process for
+  each device and parameter / state dtypes (:func:`shape_of` says why not per size: the families
+  differ in rounding, and one run must not mix them on a timing coin toss): 8 tensors of 128 Ki
+  elements, bigger than the caches, so the per-element cost is the steady one. Measured cost of one
+  choice on this project's 2-core box (load ~2.5): 45-85 ms, once per process; fused won every size
+  tried (4 x 4 Ki to 32 x 32 Ki elements) by 4-8x (e.g. 8 x 128 Ki: 0.62 ms against 2.7-3.3 ms).
 * Results: for-loop and foreach are bit-identical on CPU (same operations, same order); fused differs
   in rounding order (up to about 1 ulp of the parameter per step). Within a family, zerospeed's run
   equals torch's optimizer of that family.
@@ -50,8 +48,7 @@ from zerospeed.ops.adam.kernel import (
     _run_task,
     adam_update,
 )
-from zerospeed.ops.fast_paths import (Candidate, FastPathChooser, FastPathError, default_chooser, resolve_setting,
-                                      size_class)
+from zerospeed.ops.fast_paths import Candidate, FastPathChooser, FastPathError, default_chooser, resolve_setting
 
 __all__ = ["AdamKernelSwitch", "AdamShape", "PATH", "attach_switch", "check_forced", "choose_adam_kernel",
            "fused_unavailable", "kernel_of_flags", "resolve_kernel_setting", "shape_of", "switch_of"]
@@ -59,7 +56,8 @@ __all__ = ["AdamKernelSwitch", "AdamShape", "PATH", "attach_switch", "check_forc
 PATH = "adam_kernel"
 #: the measured sample holds at most this many elements (see the module docstring)
 SAMPLE_NUMEL = 1 << 20
-_MAX_SAMPLE_TENSORS = 32
+#: the canonical sample's tensor count (see :func:`shape_of`)
+CANONICAL_TENSORS = 8
 
 _probe_lock = threading.Lock()
 _fused_probe: dict[tuple[str, torch.dtype], str] = {}
@@ -107,21 +105,25 @@ class AdamShape:
     numel: int  # typical elements per tensor, power of two
 
     def __str__(self) -> str:
-        how = "chunked on the pool" if self.pooled else "one call"
-        return (f"{self.device} {self.dtype}/{self.state_dtype}, {self.num_tensors} x {self.numel} elements, {how}")
+        return f"{self.device} {self.dtype}/{self.state_dtype}, timed on {self.num_tensors} x {self.numel} elements"
 
 
 def shape_of(numels: Sequence[int], device: torch.device | str, dtype: torch.dtype, state_dtype: torch.dtype,
              pooled: bool, chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> AdamShape:
-    """The shape class of an update of tensors of ``numels`` elements (chunked when ``pooled``)."""
-    sizes = [int(n) for n in numels if n > 0] or [1]
-    if pooled:  # the pool runs chunks of at most chunk_numel elements
-        sizes = [min(n, chunk_numel) for n in sizes]
-    typical = sorted(sizes)[len(sizes) // 2]
-    count = min(size_class(len(sizes)), _MAX_SAMPLE_TENSORS)
-    numel = min(size_class(typical), max(1, SAMPLE_NUMEL // count))
+    """The shape class an update of tensors of ``numels`` elements is decided in: one per device and
+    dtypes, measured on a canonical sample (:data:`CANONICAL_TENSORS` tensors of
+    ``SAMPLE_NUMEL / CANONICAL_TENSORS`` elements, one call), whatever ``numels`` and ``pooled`` are.
+
+    Why not a class per size: the families differ in rounding (fused against for-loop: about 1 ulp
+    per step), so a per-size choice could give two optimizers of one run, or an offloaded and a
+    device-side step of the same model, different arithmetic on a timing coin toss, and a resumed run
+    other bits than the run it resumes. Measured here, the ranking did not depend on the size
+    (fused won every class from 4 x 4 Ki to 32 x 32 Ki elements by 4-8x), so one decision per device
+    and dtypes loses nothing and makes every update of a process run one family."""
+    del numels, pooled, chunk_numel  # documented above: the decision does not depend on them
     return AdamShape(torch.device(device).type, str(dtype).removeprefix("torch."),
-                     str(state_dtype).removeprefix("torch."), pooled, count, numel)
+                     str(state_dtype).removeprefix("torch."), False, CANONICAL_TENSORS,
+                     SAMPLE_NUMEL // CANONICAL_TENSORS)
 
 
 def _sample(shape: AdamShape, amsgrad: bool) -> list[Item]:
