@@ -17,20 +17,26 @@ engine's decode steps about twice as fast (see bench/results).
 
 How it is built: plain C (no torch headers), compiled on first use with the system C compiler
 (``$CC`` or ``cc``) into ``$ZEROSPEED_KERNEL_CACHE`` (default ``~/.cache/zerospeed/kernels``),
-keyed by a hash of the source, the flags and the CPU's feature flags, and called through
+keyed by a hash of the source, the flags, the compiler and the CPU's feature flags, and called through
 ``ctypes`` with the tensors' data pointers. Compiling takes about a second; a
 ``torch.utils.cpp_extension`` build of the same kernel took two minutes on this machine because of
-the torch headers. ``-march=native`` plus reassociation of sums (``-fassociative-math``, not
-``-ffast-math``, which would change the floating-point mode of the whole process) let the compiler
-vectorise the dot products. Threads: decode attention splits its sequences over
-``torch.get_num_threads()`` POSIX threads; the skinny GEMM and SwiGLU's gate are single-threaded and
-used only when torch has one thread (else torch's multi-threaded ops run); the rest are small.
+the torch headers. The instruction set comes from ``ZEROSPEED_KERNEL_ISA`` (:data:`ISA_FLAGS`):
+``native`` (default, ``-march=native``: whatever the building CPU has), ``avx2`` (x86-64-v3, as a CPU
+without AVX-512) or ``scalar`` (the architecture's baseline, the auto-vectoriser off: runs anywhere);
+each level is its own cached library and :func:`load` gives any of them (the tests compare all with
+their torch twins). Reassociation of sums (``-fassociative-math``, not ``-ffast-math``, which would
+change the floating-point mode of the whole process) lets the compiler vectorise the dot products.
+Threads: decode attention splits its sequences over ``torch.get_num_threads()`` POSIX threads; the
+skinny GEMM and SwiGLU's gate are single-threaded; the rest are small.
 
-When it is used: :func:`available` says whether it compiled (and why not); the engine uses it for
-float32 on CPU unless ``attention_backend="torch"`` (then every forward is plain torch), and
-``attention_backend="cpu_kernel"`` makes a failed build an error instead of a logged fallback. The
-torch path stays the reference: the tests compare every kernel with its torch twin (fp32, 1e-5) and
-both paths' tokens with HF's.
+When it is used: :func:`available` says whether the process's build compiled (and why not). Whether a
+kernel runs is the engine's ``cpu_kernels`` switch (:mod:`zerospeed.inference.fast_path_choice`):
+``off`` never; ``on`` wherever it applies (a failed build is then an error); ``auto`` (default) per
+kernel family and shape class, where it builds and was timed faster than its torch twin on this
+machine (a CPU flag says nothing about which is faster). ``attention_backend`` sets the attention
+kernels alone (``torch``: never, ``cpu_kernel``: always). The torch path stays the reference: the
+tests compare every kernel with its torch twin within float32 rounding bounds and both paths' tokens
+with HF's.
 
 Numerics: per query head, scores ``q . k * scale`` in float32, softmax with the maximum
 subtracted (``expf``), then the probability-weighted sum of values, normalised at the end; the

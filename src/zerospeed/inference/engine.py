@@ -190,12 +190,14 @@ class InferenceEngine:
             else "torch"
         set_model_kernels(self.model, kernels)
         model = self.model
-        model.greedy_head = head
+        # ranks > 0 of a tensor-parallel engine never pick tokens (init_inference's SPMD mode, where they
+        # do, never passes auto): nothing to measure or copy there
+        model.greedy_head = "float32" if head == "auto" and self.tp.rank != 0 else head
         top = size_class(min(max_num_seqs, EAGER_DECODE_ROWS))
         model.decode_rows_hint = top
         heads = []
         w = getattr(model.lm_head, "weight", None)
-        if model._greedy_applies(w) and (self.tp.rank == 0 or self.tp.size == 1):
+        if model._greedy_applies(w):
             # every decode class up to `top`: measured (or checked, when forced) now, not mid-serving
             heads = [(r, model._greedy_choice(r).head) for r in (1 << i for i in range(top.bit_length()))]
         self.planner.prepare(tuple(1 << i for i in range(top.bit_length())), min(max_model_len, EAGER_CONTEXT))

@@ -159,7 +159,12 @@ class CpuKernels:
             self.live, self.why = ok, why
 
     def describe(self) -> str:
-        state = cpu_kernel.describe() if self.live else (self.why or "not used")
+        if self.live:
+            state = cpu_kernel.describe()
+        elif self.setting == "off":
+            state = "plain torch"
+        else:
+            state = f"not used: {self.why}" if self.why else "not used"
         return f"cpu_kernels={self.setting} ({state})"
 
     def use(self, family: str, shape_class: tuple, candidates: Callable[[], dict[str, Candidate]]) -> bool:
