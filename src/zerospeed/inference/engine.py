@@ -200,6 +200,10 @@ class InferenceEngine:
         if model._greedy_applies(w):
             # every decode class up to `top`: measured (or checked, when forced) now, not mid-serving
             heads = [(r, model._greedy_choice(r).head) for r in (1 << i for i in range(top.bit_length()))]
+            chosen = {h for _, h in heads}
+            for name, attr in (("bf16", "_lm_head_bf16_t"), ("int8", "_lm_head_int8")):
+                if name not in chosen:  # a copy made only to be measured: freed (remade if a class needs it)
+                    model.__dict__.pop(attr, None)
         self.planner.prepare(tuple(1 << i for i in range(top.bit_length())), min(max_model_len, EAGER_CONTEXT))
         self.fast_path_setup_s = time.perf_counter() - start
         if heads:
