@@ -55,7 +55,7 @@ import torch
 
 from zerospeed.inference.api import EngineStats, RequestError, RequestOutput, SamplingParams
 from zerospeed.inference.attention import AttentionMetadata, Workspace
-from zerospeed.inference.fast_path_choice import CpuKernels, ForwardPlanner, set_model_kernels
+from zerospeed.inference.fast_path_choice import CpuKernels, ForwardPlanner, quiet_choices, set_model_kernels
 from zerospeed.inference.kv_cache import BlockAllocator, KVCache, kv_cache_bytes
 from zerospeed.inference.models import CausalLM, ModelSpec, TPInfo, load_model
 from zerospeed.inference.sampling import is_greedy, make_generator, sample, validate
@@ -155,7 +155,8 @@ class InferenceEngine:
                                                      spec.head_dim, dtype)
         self.kv_cache_memory = kv_cache_memory
         self.workspace = Workspace()  # attention's gather buffers, reused by every forward
-        self._setup_fast_paths(attention_backend, greedy_head, cpu_kernels, max_num_seqs, max_model_len)
+        with quiet_choices():  # the start-up line below reports them
+            self._setup_fast_paths(attention_backend, greedy_head, cpu_kernels, max_num_seqs, max_model_len)
         self.allocator = BlockAllocator(num_blocks, block_size)
         kv_token_bytes = kv_cache_bytes(spec.num_layers, 1, 1, kv_heads, spec.head_dim, dtype)
         if max_decode_kv_bytes == "auto":

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -71,6 +73,22 @@ BUDGET_S = {"greedy_head": 0.015, "cpu_kernels": 0.005}
 #: (under an AVX2 cap the bfloat16 head took 15 ms at 2 rows against 5 for float32, and doubled with the
 #: rows: measuring it at 32 rows cost 0.4 s)
 HOPELESS = 4.0
+
+
+@contextmanager
+def quiet_choices() -> Iterator[None]:
+    """Hold back the chooser's per-choice INFO lines (logger ``zerospeed.fast_paths``) while an engine
+    starts: its one start-up line reports them. Unless a user set that logger's level: theirs to decide.
+    Choices made later (shape classes first served) are logged by the chooser when made."""
+    chooser_log = logging.getLogger("zerospeed.fast_paths")
+    if chooser_log.level != logging.NOTSET:
+        yield
+        return
+    chooser_log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        chooser_log.setLevel(logging.NOTSET)
 
 
 def choose(path: str, shape_class: tuple, candidates: dict[str, Candidate], setting: str, source: str) -> str:
