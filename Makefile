@@ -6,7 +6,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-multihost bench clean
+.PHONY: install demo test test-isa test-multihost bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,20 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not multihost" tests
+
+# The numeric and inference tests (marker "numeric", tests/conftest.py) again with the instruction set capped
+# (issue #25: tolerances must hold on any x86-64 CPU, not only on the kernels this one dispatches to): torch's
+# kernels, oneDNN, MKL and zerospeed's C kernels at AVX2, then with no SIMD (oneDNN SSE4.1, MKL SSE4.2). The suite
+# checks each cap took effect (ZEROSPEED_TEST_ISA) and stops otherwise. Each level keeps its own Inductor cache:
+# torch 2.13's is not keyed by ATEN_CPU_CAPABILITY (kernels cached at AVX512 give NaN under avx2).
+ISA_AVX2    := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ZEROSPEED_KERNEL_ISA=avx2
+ISA_DEFAULT := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2 ZEROSPEED_KERNEL_ISA=scalar
+
+test-isa: $(STAMP)
+	ZEROSPEED_TEST_ISA=avx2 $(ISA_AVX2) TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-avx2 \
+		OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "numeric and not multihost" tests
+	ZEROSPEED_TEST_ISA=default $(ISA_DEFAULT) TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-default \
+		OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "numeric and not multihost" tests
 
 # Multi-host and fault-tolerance tests (network namespaces need root; they skip, saying so, without it)
 test-multihost: $(STAMP)

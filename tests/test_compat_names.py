@@ -189,6 +189,7 @@ def _adam_trajectory(make_opt, steps: int = 5) -> tuple[torch.Tensor, torch.Tens
     return start, w.detach()
 
 
+@pytest.mark.numeric
 def test_fused_adam_is_torch_adam_with_deepspeed_defaults():
     """FusedAdam is torch's Adam with DeepSpeed's defaults (lr 1e-3, betas (0.9, 0.999), eps 1e-8, decoupled weight
     decay), on whichever of torch's kernels (for-loop, foreach, fused) its adam_kernel switch picks.

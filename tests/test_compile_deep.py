@@ -63,6 +63,7 @@ def test_deepcompile_matches_eager_at_stages_0_to_3_without_graph_breaks():
                 assert rep["schedule"][1][1][-1] == "async_reduce"
 
 
+@pytest.mark.numeric  # Inductor's C++ kernels are generated for the ISA in effect (make test-isa)
 @pytest.mark.timeout(400)
 def test_deepcompile_zero3_inductor_with_activation_offload_and_bf16():
     # one phase (no profiling step): Inductor compiles the forward and backward graphs once, with
