@@ -32,6 +32,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from zerospeed.comm.lifecycle import bounded_waits, generation, group_timeout_s
+
 T = TypeVar("T")
 
 _COMM_FAILURE_WORDS = ("timed out", "timeout", "connection", "broken pipe", "peer", "closed", "reset by",
@@ -53,34 +55,6 @@ def _is_comm_failure(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, TimeoutError, OSError)) and any(w in text for w in _COMM_FAILURE_WORDS)
 
 
-def group_timeout_s() -> float:
-    """The default process group's timeout in seconds (cached per group object)."""
-    import torch
-
-    try:
-        group = dist.distributed_c10d._get_default_group()
-    except Exception:  # noqa: BLE001 - no group
-        return 1800.0
-    if _state.get("timeout_of") != id(group):
-        try:
-            seconds = float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
-        except Exception:  # noqa: BLE001 - private API moved: assume torch's default
-            seconds = 1800.0
-        _state["timeout_of"], _state["timeout_s"] = id(group), seconds
-        _state["gloo"] = dist.get_backend(group) == "gloo"
-    return float(_state["timeout_s"])
-
-
-def bounded_waits() -> bool:
-    """True where a wait with a time limit costs nothing extra (gloo: waits block the CPU anyway).
-
-    Under NCCL ``wait()`` only orders streams; a limit would make it block the CPU, so NCCL keeps its
-    own watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set by torchrun) and its plain waits.
-    """
-    group_timeout_s()
-    return bool(_state.get("gloo", False))
-
-
 def _store() -> Any:
     get = getattr(dist.distributed_c10d, "_get_default_store", None)
     try:
@@ -96,9 +70,7 @@ def describe(op: str, seq: int, exc: BaseException) -> CollectiveError:
     timeout_s = group_timeout_s()
     window = min(30.0, max(1.0, 0.5 * timeout_s))
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    from zerospeed.comm import lifecycle
-
-    key = f"zerospeed/health/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{lifecycle.generation()}"
+    key = f"zerospeed/health/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{generation()}"
     reports: dict[int, str] = {rank: f"{op} #{seq}"}
     store = _store()
     store_note = ""

@@ -26,6 +26,9 @@ Decisions: only a group zerospeed created is torn down at exit (a group the user
 user's to destroy, though an explicit ``shutdown()`` call tears down whatever default group
 exists); a second call is a no-op; the barrier's keys carry torchrun's restart count and a per-
 process generation, so an elastic restart or a re-initialised group never sees stale arrivals.
+
+The default group's facts that :mod:`zerospeed.comm.health` reads (its timeout, whether it is gloo, the
+generation) live here: lifecycle is the lower of the two files, health imports it and not the reverse.
 """
 
 from __future__ import annotations
@@ -89,6 +92,38 @@ def generation() -> int:
     return int(_state["generation"])
 
 
+#: the default group's timeout and backend, cached per group object (group_timeout_s)
+_group: dict[str, Any] = {}
+
+
+def group_timeout_s() -> float:
+    """The default process group's timeout in seconds (cached per group object)."""
+    import torch
+
+    try:
+        group = dist.distributed_c10d._get_default_group()
+    except Exception:  # noqa: BLE001 - no group
+        return 1800.0
+    if _group.get("timeout_of") != id(group):
+        try:
+            seconds = float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+        except Exception:  # noqa: BLE001 - private API moved: assume torch's default
+            seconds = 1800.0
+        _group["timeout_of"], _group["timeout_s"] = id(group), seconds
+        _group["gloo"] = dist.get_backend(group) == "gloo"
+    return float(_group["timeout_s"])
+
+
+def bounded_waits() -> bool:
+    """True where a wait with a time limit costs nothing extra (gloo: waits block the CPU anyway).
+
+    Under NCCL ``wait()`` only orders streams; a limit would make it block the CPU, so NCCL keeps its
+    own watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set by torchrun) and its plain waits.
+    """
+    group_timeout_s()
+    return bool(_group.get("gloo", False))
+
+
 def _at_exit() -> None:
     if _state["owned"]:
         shutdown()
@@ -104,10 +139,7 @@ def _timeout_s(explicit: float | None) -> float:
         except ValueError:
             logger.warning("zerospeed: ZEROSPEED_SHUTDOWN_TIMEOUT_S=%r is not a number; using %gs", env,
                            DEFAULT_SHUTDOWN_TIMEOUT_S)
-    limit = DEFAULT_SHUTDOWN_TIMEOUT_S
-    from zerospeed.comm import health
-
-    return min(limit, health.group_timeout_s())
+    return min(DEFAULT_SHUTDOWN_TIMEOUT_S, group_timeout_s())
 
 
 def _default_store() -> Any:
