@@ -31,6 +31,7 @@ from .fields import ZS_ERROR, ZS_KEY
 from .normalize import apply_legacy_forms, merge_aliases, resolve_auto
 from .removed import drop_disabled_or_reject_unsupported, reject_removed
 from .schema import ZeroSpeedConfig
+from .tensor_parallel import PartitionConfig, TensorParallelConfig
 
 ConfigSource = dict[str, Any] | str | os.PathLike[str] | ZeroSpeedConfig
 
@@ -187,3 +188,42 @@ def translate_validation_error(exc: ValidationError) -> ConfigError:
     else:
         problem = f"{_show(value)} is not valid: {error['msg']}"
     return ConfigError(".".join(loc), _one_line(problem))
+
+
+def parse_tensor_parallel(section: Any) -> TensorParallelConfig:
+    """A ``tensor_parallel`` section given outside a full config (``auto_tp(partition_config=...)``).
+
+    Accepts a :class:`TensorParallelConfig`, a :class:`PartitionConfig` (wrapped), or a dict that is
+    either a whole ``tensor_parallel`` section or just its ``partition_config`` (it has
+    ``layer_specs``). Errors are :class:`ConfigError` naming ``tensor_parallel.<key>``.
+    """
+    if section is None:
+        return TensorParallelConfig()
+    if isinstance(section, TensorParallelConfig):
+        return section
+    if isinstance(section, PartitionConfig):
+        return TensorParallelConfig(partition_config=section)
+    if not isinstance(section, dict):
+        raise ConfigError("tensor_parallel.partition_config", f"{type(section).__name__} is not a JSON object")
+    if "layer_specs" in section or "use_default_specs" in section or "lm_head_patterns" in section:
+        section = {"partition_config": section}
+    try:
+        return TensorParallelConfig.model_validate(section)
+    except ValidationError as exc:
+        err = translate_validation_error(exc)
+        raise ConfigError(f"tensor_parallel.{err.key_path}".rstrip("."), err.problem) from None
+
+
+def tensor_parallel_of(config: Any) -> TensorParallelConfig:
+    """Only the ``tensor_parallel`` section of a config (dict, JSON path or parsed config).
+
+    ``initialize`` needs the tp degree *before* the batch sizes can be resolved (they depend on the
+    data-parallel degree, which is world / (pp * tp)), so this reads that one section alone.
+    """
+    if isinstance(config, ZeroSpeedConfig):
+        return config.tensor_parallel
+    if isinstance(config, (str, Path)):
+        config = _read_json(Path(config))
+    if not isinstance(config, dict):
+        return TensorParallelConfig()
+    return parse_tensor_parallel(config.get("tensor_parallel") or {})

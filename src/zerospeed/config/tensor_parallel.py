@@ -22,6 +22,9 @@ Decisions:
   ``tp_overlap_comm`` (each tp all-reduce is issued as soon as autograd reaches it; overlapping it
   with the next matmul is not built), ``tp_grain_size`` (splits are exact or an error, never
   rounded to a grain), ``keep_module_on_host`` (AutoTP splits the model where it already is).
+
+This file holds the section's models only; :func:`zerospeed.config.loader.parse_tensor_parallel` parses a
+section given on its own (it translates errors against the whole schema, which imports this file).
 """
 
 from __future__ import annotations
@@ -163,52 +166,3 @@ class TensorParallelConfig(Section):
     @property
     def enabled(self) -> bool:
         return self.size > 1
-
-
-def parse_tensor_parallel(section: Any) -> TensorParallelConfig:
-    """A ``tensor_parallel`` section given outside a full config (``auto_tp(partition_config=...)``).
-
-    Accepts a :class:`TensorParallelConfig`, a :class:`PartitionConfig` (wrapped), or a dict that is
-    either a whole ``tensor_parallel`` section or just its ``partition_config`` (it has
-    ``layer_specs``). Errors are :class:`ConfigError` naming ``tensor_parallel.<key>``.
-    """
-    from pydantic import ValidationError
-
-    from .errors import ConfigError
-    from .loader import translate_validation_error
-
-    if section is None:
-        return TensorParallelConfig()
-    if isinstance(section, TensorParallelConfig):
-        return section
-    if isinstance(section, PartitionConfig):
-        return TensorParallelConfig(partition_config=section)
-    if not isinstance(section, dict):
-        raise ConfigError("tensor_parallel.partition_config", f"{type(section).__name__} is not a JSON object")
-    if "layer_specs" in section or "use_default_specs" in section or "lm_head_patterns" in section:
-        section = {"partition_config": section}
-    try:
-        return TensorParallelConfig.model_validate(section)
-    except ValidationError as exc:
-        err = translate_validation_error(exc)
-        raise ConfigError(f"tensor_parallel.{err.key_path}".rstrip("."), err.problem) from None
-
-
-def tensor_parallel_of(config: Any) -> TensorParallelConfig:
-    """Only the ``tensor_parallel`` section of a config (dict, JSON path or parsed config).
-
-    ``initialize`` needs the tp degree *before* the batch sizes can be resolved (they depend on the
-    data-parallel degree, which is world / (pp * tp)), so this reads that one section alone.
-    """
-    from pathlib import Path
-
-    from .loader import _read_json
-    from .schema import ZeroSpeedConfig
-
-    if isinstance(config, ZeroSpeedConfig):
-        return config.tensor_parallel
-    if isinstance(config, (str, Path)):
-        config = _read_json(Path(config))
-    if not isinstance(config, dict):
-        return TensorParallelConfig()
-    return parse_tensor_parallel(config.get("tensor_parallel") or {})

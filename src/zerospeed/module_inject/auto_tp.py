@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from zerospeed import comm
-from zerospeed.config.tensor_parallel import TensorParallelConfig, parse_tensor_parallel
+from zerospeed.config.loader import parse_tensor_parallel
+from zerospeed.config.tensor_parallel import TensorParallelConfig
 from zerospeed.module_inject.layers import LinearAllreduce, LinearLayer, LmHeadLayer, TPLayer, VocabParallelEmbedding
 from zerospeed.module_inject.policy import LayerPlan, is_conv1d, plan_model
 from zerospeed.module_inject.tp_shard import TPSplit, plain_split

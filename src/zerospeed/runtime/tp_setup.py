@@ -32,7 +32,8 @@ from torch import nn
 
 from zerospeed import comm
 from zerospeed.comm.mesh import Mesh, MeshError
-from zerospeed.config.tensor_parallel import TensorParallelConfig, tensor_parallel_of
+from zerospeed.config.loader import tensor_parallel_of
+from zerospeed.config.tensor_parallel import TensorParallelConfig
 
 __all__ = ["attach", "mesh_for", "prepare_model"]
 
