@@ -93,7 +93,7 @@ class InitCapture:
         return []
 
     def _open_gather(self, frame: Any, params: list[nn.Parameter]) -> None:
-        from zerospeed.zero.init import GatheredParameters
+        from zerospeed.zero.gathered import GatheredParameters
 
         fresh = [p for p in params if not self._held.get(id(p))]
         if not fresh:
