@@ -36,7 +36,7 @@ from zerospeed.utils.logging import log_dist
 from zerospeed.checkpointing.settings import configure_from as configure_checkpointing_from
 from zerospeed.runtime.loss_scaler import build_loss_scaler
 from zerospeed.runtime.precision_cast import cast_to_compute_dtype
-from zerospeed.runtime.precision_options import (autocast_context, autocast_settings, check_unbuilt_values,
+from zerospeed.runtime.precision_options import (DTYPES, autocast_context, autocast_settings, check_unbuilt_values,
                                                  master_dtype)
 from zerospeed.runtime.torch_backward import TorchBackwardHooks
 from zerospeed.zero.factory import BUILT_STAGES, build_strategy
@@ -47,7 +47,6 @@ from zerospeed.zero.partitioned_optimizer import ELEMENTWISE_OPTIMIZERS
 logger = logging.getLogger("zerospeed")
 
 SUPPORTED_ZERO_STAGES = BUILT_STAGES
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from zerospeed import comm
+from zerospeed.runtime.precision_options import DTYPES
 
 # fmt: off
 DEEPSPEED_ENGINE_METHODS: tuple[str, ...] = tuple("""
@@ -396,8 +397,6 @@ class DeepSpeedEngineAPI:
 
     @property
     def communication_data_type(self) -> torch.dtype:
-        from zerospeed.runtime.engine import DTYPES
-
         name = self.config.communication_data_type  # type: ignore[attr-defined]
         return DTYPES[name] if name else self.compute_dtype  # type: ignore[attr-defined]
 

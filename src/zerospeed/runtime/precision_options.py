@@ -29,6 +29,10 @@ import torch
 
 from zerospeed.config import ConfigError, ZeroSpeedConfig
 
+#: the config's precision names (``ZeroSpeedConfig.precision``, ``communication_data_type``) -> torch dtypes; the
+#: engine and its DeepSpeed API both read it, so it lives here, below both
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
                     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
                     "torch.float16": torch.float16}
