@@ -95,7 +95,7 @@ def initialize_pipeline(model: PipelineModule, raw_config: Any, *, optimizer: An
     mesh's dp group.
     """
     from zerospeed.runtime.dataloader import build_dataloader
-    from zerospeed.runtime.initialize import optimizer_from_config, scheduler_from_config, param_groups_of
+    from zerospeed.runtime.builders import optimizer_from_config, param_groups_of, scheduler_from_config
 
     world_size, rank = comm.get_world_size(), comm.get_rank()
     check_topology(model, world_size)

@@ -1,0 +1,75 @@
+"""The optimizer, its parameter groups and the lr scheduler of an engine, from the parsed config or the client's.
+
+Shared by :func:`zerospeed.initialize` (the facade) and the pipeline engine's set-up
+(:func:`zerospeed.pipe.engine.initialize_pipeline`), so they live below both: the pipeline engine no longer
+imports the facade that dispatches to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from zerospeed.config import ConfigError, ZeroSpeedConfig
+
+
+def param_groups_of(model: nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
+    """Parameter groups from ``model_parameters`` (tensors, named tensors or group dicts), or the
+    model's trainable parameters as one group. A model with mixture-of-experts layers gets its
+    expert parameters in groups of their own (as DeepSpeed's engine does), since they are reduced
+    over another process group."""
+    groups = _param_groups(model, model_parameters)
+    from zerospeed.moe.groups import model_has_experts
+
+    if model_has_experts(model):
+        from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = [g for g in split_params_into_different_moe_groups_for_optimizer(groups) if g["params"]]
+    return groups
+
+
+def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    if items and isinstance(items[0], tuple):  # named_parameters()
+        items = [p for _, p in items]
+    return [{"params": [p for p in items if p.requires_grad]}]
+
+
+def optimizer_from_config(cfg: ZeroSpeedConfig, optimizer: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """The optimizer from the config section or the client's (instance or callable), never both."""
+    from zerospeed.ops.optimizers import build_optimizer, resolve_client_optimizer
+
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("optimizer", "an optimizer is given both in the config and as initialize(optimizer=...); "
+                          "keep one")
+    if optimizer is not None:
+        return resolve_client_optimizer(optimizer, groups)
+    if cfg.optimizer is None:
+        raise ConfigError("optimizer", "no optimizer: set 'optimizer' in the config or pass initialize(optimizer=...)")
+    from zerospeed.runtime.fast_paths import quiet_choices
+
+    with quiet_choices():  # a forced adam_kernel is reported in the engine's start-up line
+        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups, cfg.fast_paths)
+
+
+def scheduler_from_config(cfg: ZeroSpeedConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """The lr scheduler from the config section or the client's (instance or callable), or None."""
+    from zerospeed.runtime.lr_schedules import build_lr_scheduler
+
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("scheduler", "a scheduler is given both in the config and as initialize(lr_scheduler=...); "
+                          "keep one")
+    if lr_scheduler is not None:
+        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+    if cfg.scheduler is None:
+        return None
+    return build_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
+
+
+__all__ = ["optimizer_from_config", "param_groups_of", "scheduler_from_config"]
