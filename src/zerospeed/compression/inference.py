@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerospeed.comm.collectives import all_reduce
 from zerospeed.config.inference_quant import InferenceQuantConfig
 
 from .layers import kind_of
@@ -40,9 +41,9 @@ class QuantizedRowLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from zerospeed.inference.models.layers import all_reduce_tp
-
-        y = all_reduce_tp(self.inner(x), self.tp)
+        y = self.inner(x)
+        if self.tp.size > 1:  # partial products of the input-feature shards
+            all_reduce(y, group=self.tp.group)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -55,16 +56,15 @@ class _Unbiased(nn.Module):
         self.bias = None
 
 
-def _row_linear_type() -> type | None:
-    try:
-        from zerospeed.inference.models.layers import RowLinear
-    except ImportError:  # pragma: no cover - the inference package is part of zerospeed
-        return None
-    return RowLinear
+def quantize_for_inference(model: nn.Module, quant: InferenceQuantConfig,
+                           row_parallel: tuple[type[nn.Module], ...] = ()) -> nn.Module:
+    """Apply ``quant`` to ``model`` in place (see the module docstring); returns ``model``.
 
-
-def quantize_for_inference(model: nn.Module, quant: InferenceQuantConfig) -> nn.Module:
-    """Apply ``quant`` to ``model`` in place (see the module docstring); returns ``model``."""
+    ``row_parallel``: the classes of the model's row-parallel projections (a ``weight`` split along its input
+    features, a ``bias``, and ``tp`` with the group's ``size`` and ``group``; partial products all-reduced).
+    ``init_inference`` passes its injected models' ``RowLinear``; compression, a lower layer than inference,
+    does not import it.
+    """
     if not quant.enabled:
         return model
     if not quant.weight.enabled:
@@ -72,11 +72,10 @@ def quantize_for_inference(model: nn.Module, quant: InferenceQuantConfig) -> nn.
             raise ValueError("quant.activation.enabled: int8 activations need int8 weights; set "
                              "quant.weight.enabled true")
         return model
-    row_type = _row_linear_type()
     group_wise = quant.group_wise()
     targets = []
     for name, module in model.named_modules():
-        row = row_type is not None and isinstance(module, row_type)
+        row = isinstance(module, row_parallel)
         if not name or (kind_of(module) not in ("linear", "conv1d") and not row):
             continue
         if not quant.qkv.enabled and name.rpartition(".")[2] in QKV_NAMES:

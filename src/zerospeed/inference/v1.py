@@ -232,7 +232,7 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
 def _inject(model: nn.Module, cfg: InferenceConfig, dtype: torch.dtype, device: torch.device,
             tp_size: int) -> InjectedCausalLM:
     from zerospeed.inference.engine import InferenceEngine as Ragged
-    from zerospeed.inference.models import TPInfo, model_from_hf
+    from zerospeed.inference.models import RowLinear, TPInfo, model_from_hf
 
     if not hasattr(model, "config"):
         raise ValueError("replace_with_kernel_inject: the model has no HF config; only HF causal LMs of a "
@@ -246,7 +246,7 @@ def _inject(model: nn.Module, cfg: InferenceConfig, dtype: torch.dtype, device: 
     if cfg.quant is not None:
         from zerospeed.compression.inference import quantize_for_inference
 
-        quantize_for_inference(ours, cfg.quant)
+        quantize_for_inference(ours, cfg.quant, row_parallel=(RowLinear,))
     block_size = 16
     num_blocks = 8 * -(-cfg.max_out_tokens // block_size)
     greedy, kernels = cfg.greedy_head, cfg.cpu_kernels
