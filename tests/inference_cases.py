@@ -73,6 +73,30 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+#: the engine's float32 logits agree with HF's to this fraction of the logits' scale (test_inference_engine,
+#: test_inference_v1: measured <= 3e-6 at every ISA cap of make test-isa)
+LOGIT_TOL = 2e-5
+
+
+def hf_greedy_decided(model, prompt: list[int], max_new_tokens: int, tol: float = LOGIT_TOL) -> tuple[list[int], int]:
+    """HF's greedy tokens, and how many of them every float32 path must pick too: those before the first position
+    whose two largest logits are closer than ``2 * tol * max(1, max|logits|)``. A path whose logits are within
+    ``tol`` of HF's picks HF's token wherever the gap is wider; at a narrower one another CPU's rounding may pick
+    the runner-up (issue #25: compare what the arithmetic decides, not what one CPU gave), and every later token then
+    follows another prefix."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=0,
+                             output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    for i, logits in enumerate(out.logits):
+        top = logits[0].float().topk(2).values
+        if (top[0] - top[1]).item() <= 2 * tol * max(1.0, logits[0].abs().max().item()):
+            return tokens, i
+    return tokens, len(tokens)
+
+
 def prompts(lengths, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_cases import hf_greedy, make_model, prompts, save_model
+from inference_cases import LOGIT_TOL, hf_greedy, hf_greedy_decided, make_model, prompts, save_model
 from zerospeed.inference import SamplingParams, build_engine
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "gpt2", "gpt_neox"]
@@ -24,7 +24,7 @@ def family_models(tmp_path_factory):
         model = make_model(fam)
         path = save_model(model, str(tmp_path_factory.mktemp(fam)))
         ps = prompts(LENGTHS, seed=FAMILIES.index(fam) + 1)
-        out[fam] = (model, path, ps, [hf_greedy(model, p, NEW) for p in ps])
+        out[fam] = (model, path, ps, [hf_greedy_decided(model, p, NEW) for p in ps])
     return out
 
 
@@ -35,20 +35,30 @@ def _all_blocks_back(engine):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_hf(family_models, family):
-    model, path, ps, ref = family_models[family]
+    """The engine's tokens are HF's up to the first position whose top-two logits are too close for any float32
+    path to be sure of (hf_greedy_decided: mistral's 40-token prompt has one at its 8th token, 1.6e-5 of the logits'
+    scale apart against a logits tolerance of 2e-5, so 283 of the 288 tokens are compared here)."""
+    model, path, ps, refs = family_models[family]
+    ref = [tokens for tokens, _ in refs]
     assert all(len(set(r)) >= 6 for r in ref), "random model too repetitive for a meaningful check"
+    assert sum(n for _, n in refs) >= 0.75 * NEW * len(ps), f"too few decided tokens at logits tolerance {LOGIT_TOL}"
+
+    def decided(out):
+        return [o[:n] for o, (_, n) in zip(out, refs)]
+
+    want = decided(ref)
     engine = build_engine(path, block_size=8, num_blocks=64, max_num_batched_tokens=256)
-    for p, r in zip(ps, ref):  # one prompt at a time
-        assert engine.generate([p], GREEDY) == [r]
-    assert engine.generate(ps, GREEDY) == ref  # a ragged batch
+    for p, r, (_, n) in zip(ps, ref, refs):  # one prompt at a time
+        assert engine.generate([p], GREEDY)[0][:n] == r[:n]
+    assert decided(engine.generate(ps, GREEDY)) == want  # a ragged batch
     _all_blocks_back(engine)
     # chunked prefill: a 7-token budget splits every prompt but the shortest across forwards
     chunked = build_engine(path, block_size=8, num_blocks=64, max_num_batched_tokens=7)
-    assert chunked.generate(ps, GREEDY) == ref
+    assert decided(chunked.generate(ps, GREEDY)) == want
     assert chunked.stats().extra["num_forwards"] > sum(LENGTHS) / 7
     # preemption: 8 blocks of 8 tokens cannot hold the four sequences (65 + 48 tokens) at once
     small = build_engine(path, block_size=8, num_blocks=8, max_num_batched_tokens=64)
-    assert small.generate(ps, GREEDY) == ref
+    assert decided(small.generate(ps, GREEDY)) == want
     assert small.stats().num_preemptions > 0
     _all_blocks_back(small)
 
@@ -75,7 +85,7 @@ def test_ragged_logits_match_per_sequence(family_models):
             # to 2e-5 of the logits' scale (~10 here), as in test_inference_v1: an absolute 2e-5 used
             # 0.23 of the tolerance here, and the same comparison of kernel-injected llama logits with
             # HF's up to 0.67 over 16 seeds (1.44 for gpt2): another CPU's rounding could cross it
-            atol = 2e-5 * max(1.0, ref.abs().max().item())
+            atol = LOGIT_TOL * max(1.0, ref.abs().max().item())
             torch.testing.assert_close(logits[i], ref, atol=atol, rtol=1e-5)
 
 
