@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from zerospeed._version import __version__
+from zerospeed.cli import register as _register_commands
 
 _LAZY = {
     "initialize": ("zerospeed.runtime.initialize", "initialize"),
@@ -32,6 +33,8 @@ _LAZY = {
 __all__ = ["ConfigError", "DeepSpeedEngine", "PipelineModule", "ZeroSpeedEngine", "__version__", "add_config_arguments",
            "get_accelerator", "init_distributed", "init_inference", "initialize", "load_config", "log_dist", "logger", "shutdown",
            "tp_model_init"]
+
+_register_commands()  # `zerospeed serve`, `zerospeed --autotuning`: the launcher's table (zerospeed.cli)
 
 
 def __getattr__(name: str) -> Any:

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from zerospeed.launcher import binding, multinode, network
+from zerospeed.launcher import binding, commands, multinode, network
 from zerospeed.launcher.hostfile import (
     HostEntry,
     LaunchError,
@@ -310,10 +310,9 @@ def run_torchrun(torchrun_argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point: parse, translate, run; returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:  # `zerospeed serve MODEL_DIR ...`: the OpenAI-compatible server
-        from zerospeed.inference.serving.cli import main as serve_main
-
-        return serve_main(argv[1:])
+    run_command = commands.command(argv[0]) if argv else None
+    if run_command is not None:  # `zerospeed serve MODEL_DIR ...`: a command registered by zerospeed.cli
+        return run_command(argv[1:])
     try:
         args = parse_args(argv)
         plan = build_plan(args)
@@ -329,10 +328,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"zerospeed: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     os.environ.update(plan.env)
-    if args.autotuning:
-        from zerospeed.autotuning.cli import main as autotune
-
-        return autotune(args, list(sys.argv[1:] if argv is None else argv), plan.torchrun_argv)
+    if args.autotuning:  # registered by zerospeed.cli, like the commands
+        hook = commands.launch_hook("autotuning")
+        if hook is None:
+            print("zerospeed: error: --autotuning: the autotuner is not registered (import zerospeed)",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        return hook(args, list(sys.argv[1:] if argv is None else argv), plan.torchrun_argv)
     return run_torchrun(plan.torchrun_argv)
 
 

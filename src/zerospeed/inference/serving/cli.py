@@ -221,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tensor_parallel > 1:
         from zerospeed.inference.serving import tensor_parallel
 
-        return tensor_parallel.main(args, list(sys.argv[1:] if argv is None else argv))
+        return tensor_parallel.main(args, list(sys.argv[1:] if argv is None else argv), sys.modules[__name__])
     return run_server(args)
 
 

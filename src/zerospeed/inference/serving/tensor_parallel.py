@@ -3,7 +3,8 @@
 Decisions:
 
 * The command re-enters itself under torchrun (the launcher's ``run_torchrun``, ``--standalone``
-  on this machine, ``--module`` this file) with the same arguments; each worker initialises the
+  on this machine, ``--module`` the serving command :mod:`zerospeed.inference.serving.cli`, which hands
+  a worker back here: ``RANK`` is set) with the same arguments; each worker initialises the
   default process group (gloo on CPU, NCCL on GPU, through ``zerospeed.comm``) and builds its
   shard of the engine with ``build_engine(..., tensor_parallel=N)``.
 * Rank 0 runs the HTTP server exactly as one rank does (the engine thread drives the
@@ -24,6 +25,7 @@ import importlib.util
 import os
 import signal
 import sys
+from typing import Any
 
 RUNTIME_MODULE = "zerospeed.inference.tp_runtime"
 
@@ -33,19 +35,23 @@ def available() -> bool:
     return importlib.util.find_spec(RUNTIME_MODULE) is not None
 
 
-def main(args: argparse.Namespace, argv: list[str]) -> int:
-    """From the command: start ``args.tensor_parallel`` ranks through torchrun."""
+def main(args: argparse.Namespace, argv: list[str], cli: Any) -> int:
+    """From the command: start ``args.tensor_parallel`` ranks through torchrun (in a worker: serve or follow).
+
+    ``cli`` is the serving command's module (:mod:`zerospeed.inference.serving.cli`), passed in rather than
+    imported: the command imports this file, so this file does not import it back.
+    """
     if not available():
         print("zerospeed serve: error: --tensor-parallel: the inference engine's "
               f"tensor-parallel runtime ({RUNTIME_MODULE}) is not in this build; use "
               f"--tensor-parallel 1 (got {args.tensor_parallel})", file=sys.stderr, flush=True)
         return 2
     if "RANK" in os.environ:  # already a torchrun worker (someone ran `zerospeed --num_procs N`)
-        return worker_main(args)
+        return worker_main(args, cli)
     from zerospeed.launcher.runner import run_torchrun
 
     torchrun_argv = ["--standalone", "--nnodes", "1", "--nproc_per_node", str(args.tensor_parallel),
-                     "--module", __name__, *argv]
+                     "--module", "zerospeed.inference.serving.cli", *argv]
     status = run_torchrun(torchrun_argv)
     if status in (128 + signal.SIGTERM, 128 + signal.SIGINT):
         # torchrun's agent passed the signal on to the ranks and waited for them: rank 0 finished
@@ -54,11 +60,11 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     return status
 
 
-def worker_main(args: argparse.Namespace) -> int:
-    """One rank of a tensor-parallel server."""
+def worker_main(args: argparse.Namespace, cli: Any) -> int:
+    """One rank of a tensor-parallel server (``cli``: as in :func:`main`)."""
     from zerospeed.comm.dist import get_rank, get_world_size, init_distributed
     from zerospeed.inference.engine import build_engine
-    from zerospeed.inference.serving.cli import _error, engine_kwargs, run_server
+    _error, engine_kwargs, run_server = cli._error, cli.engine_kwargs, cli.run_server
 
     rank = int(os.environ.get("RANK", "0"))
     if rank > 0:  # rank 0 decides when to stop
@@ -77,9 +83,3 @@ def worker_main(args: argparse.Namespace) -> int:
         return run_server(args, engine=engine)
     engine.run_worker_loop()
     return 0
-
-
-if __name__ == "__main__":
-    from zerospeed.inference.serving.cli import build_parser
-
-    sys.exit(worker_main(build_parser().parse_args(sys.argv[1:])))
