@@ -168,6 +168,9 @@ def run_zerospeed(prompts, arrive, args) -> dict:
     sp = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True,
                         **({"do_sample": True, "temperature": 1.0, "seed": 0} if sampled else {}))
     engine.generate([prompts[0][:16]], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm up
+    if args.warm_pass:  # the whole workload once, untimed: every shape class it serves is chosen before timing
+        engine.generate(prompts, sp)
+    deciding_before = fast_paths.default_chooser().seconds_deciding
     times = [[] for _ in prompts]
     cpu_times = [[] for _ in prompts]
     toks = [[] for _ in prompts]
@@ -197,6 +200,7 @@ def run_zerospeed(prompts, arrive, args) -> dict:
                max_running=max_running,
                settings=" ".join(f"{k}={v}" for k, v in kw.items()) + (" sampled" if sampled else ""),
                fast_path_report=engine.fast_path_report, fast_path_setup_ms=1e3 * engine.fast_path_setup_s,
+               fast_path_timed_ms=1e3 * (fast_paths.default_chooser().seconds_deciding - deciding_before),
                fast_paths=fast_paths.report())
     return res | {"tokens": toks}
 
@@ -402,6 +406,10 @@ def main() -> None:
     ap.add_argument("--mode", default="offline")
     ap.add_argument("--out")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--warm-pass", action="store_true",
+                    help="zerospeed rows: run the whole workload once untimed first (steady state: the fast-path "
+                         "choices for every shape class made before timing; without it the timed run pays "
+                         "for the lazily measured classes, see fast_path_timed_ms)")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -431,6 +439,7 @@ def main() -> None:
                        "--rate", str(args.rate), "--threads", str(args.threads),
                        "--token-budget", str(args.token_budget), "--kv-bytes", str(args.kv_bytes),
                        "--prefill-cap", "none" if system == "zerospeed_nocap" else args.prefill_cap]
+                cmd += ["--warm-pass"] if args.warm_pass else []
                 t0 = time.time()
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
                 if proc.returncode != 0:
@@ -495,6 +504,11 @@ def main() -> None:
                                      "the default row measures and picks, see its fast_paths): default_vs_best_fixed "
                                      "is the default's tokens per CPU-second over the best of them; zerospeed:sample=1 "
                                      "samples the same requests (temperature 1), greedy_vs_sampling the ratio",
+                                     "fast_path_setup_ms: choosing at build_engine (not timed); fast_path_timed_ms: "
+                                     "choosing inside the timed run (shape classes first served then); "
+                                     + ("--warm-pass: each zerospeed row ran the workload once untimed first (steady "
+                                        "state)" if args.warm_pass else "no warm pass: the timed run is the engine's "
+                                        "first (cold) pass over the workload"),
                                      "itl_cpu_*: inter-token latency in CPU seconds of the process between the two "
                                      "tokens (zerospeed and HF; the work between them whatever else ran on the machine)",
                                      f"load average (1 min) {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} "

@@ -216,10 +216,13 @@ def set_model_kernels(model: Any, kernels: CpuKernels) -> None:
     model.__dict__.pop("_greedy_choices", None)  # the heads' C parts follow the kernels: choose again
 
 
-def _pair(torch_fn: Callable[[], object], c_fn: Callable[[], object], evict: bool = False
-          ) -> dict[str, Candidate]:
+def _pair(torch_fn: Callable[[], object], c_fn: Callable[[], object], evict: bool = False,
+          c_first: bool = False) -> dict[str, Candidate]:
+    """The torch twin and the C kernel as candidates; the first is the incumbent, which the other must
+    beat by the chooser's margin (5%): torch, unless ``c_first``."""
     setup = evict_caches if evict else None
-    return {"off": Candidate(torch_fn, setup=setup), "on": Candidate(c_fn, setup=setup)}
+    pair = {"off": Candidate(torch_fn, setup=setup), "on": Candidate(c_fn, setup=setup)}
+    return {"on": pair["on"], "off": pair["off"]} if c_first else pair
 
 
 _evict_buf: list[torch.Tensor] = []
@@ -471,7 +474,12 @@ class ForwardPlanner:
         def c() -> torch.Tensor:
             packed = _derived_on(lin, "_packed_weight", w, cpu_kernel.pack_weight)
             return cpu_kernel.skinny_linear(x, packed, b)
-        return _pair(lambda: F.linear(x, w, b), c, evict=True)
+        # Where the skinny GEMM was measured faster when written (2-24 rows, one thread) it is the incumbent:
+        # in isolation it and MKL time within a few percent of each other (the choice flipped between runs),
+        # while in the decode step it won (bench, 2026-11-25, steady state: 2928 tokens per CPU-second with
+        # the kernels on against 2662 with torch's GEMM at those rows); elsewhere MKL is.
+        c_first = ON_SKINNY_ROWS[0] <= rows <= ON_SKINNY_ROWS[1] and torch.get_num_threads() == 1
+        return _pair(lambda: F.linear(x, w, b), c, evict=True, c_first=c_first)
 
     def _attention_candidates(self, decodes: int, ctx: int) -> dict[str, Candidate]:
         """One layer's attention of ``decodes`` sequences of ``ctx`` tokens with C (the fused glue:

@@ -148,6 +148,8 @@ class FastPathChooser:
         self.margin = margin
         self._cache: dict[tuple, Choice] = {}
         self._lock = threading.Lock()
+        #: wall seconds spent deciding (measuring) so far: what choosing has cost this process
+        self.seconds_deciding = 0.0
 
     def choose(self, path: str, shape_class: Hashable, candidates: Mapping[str, Candidate],
                setting: str = "auto", source: str | None = None, *,
@@ -172,8 +174,10 @@ class FastPathChooser:
             hit = self._cache.get(key)
             if hit is not None:
                 return hit
+            t0 = time.perf_counter()
             made = self._decide(path, shape_class, candidates, setting, source, measure or self._measure,
                                 self.budget_s if budget_s is None else budget_s, hopeless)
+            self.seconds_deciding += time.perf_counter() - t0
             self._cache[key] = made
         log.info("zerospeed fast path %s", made.describe())
         return made
