@@ -46,6 +46,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 ISA_CAPS = {
     "avx2": ({"AVX2", "DEFAULT", "NO AVX"}, ("AVX-512", "AVX512", "AMX", "AVX10"), ("AVX-512", "AMX")),
     "default": ({"DEFAULT", "NO AVX"}, ("AVX", "AMX"), ("AVX", "AMX")),
+    "avx512-noamx": ({"AVX512", "AVX2", "DEFAULT", "NO AVX"}, ("AMX", "AVX10"), ("AVX-512", "AMX")),
 }
 
 
