@@ -49,10 +49,9 @@ def config_path_of(user_args: list[str]) -> str:
 
 def parse_autotuning(raw: dict[str, Any]) -> AutotuningConfig:
     """The ``autotuning`` section, validated alone (errors name ``autotuning.<key>``)."""
-    from zerospeed.config import load_config
+    from zerospeed.config import load_section
 
-    section = raw.get("autotuning", {})
-    return load_config({"train_batch_size": 1, "autotuning": section}).autotuning
+    return load_section(raw, "autotuning")
 
 
 def launcher_args_of(argv: list[str], args: argparse.Namespace) -> list[str]:
@@ -91,12 +90,11 @@ def default_budget(nproc: int) -> tuple[int, bool]:
 
 def main(args: argparse.Namespace, argv: list[str], torchrun_argv: list[str]) -> int:
     """Run the tuner for parsed launcher ``args`` (see the module docstring)."""
-    from zerospeed.config import ConfigError
-    from zerospeed.config.loader import _read_json
+    from zerospeed.config import ConfigError, read_config_source
 
     try:
         config_path = config_path_of(args.user_args)
-        raw = _read_json(Path(config_path).expanduser())
+        raw = read_config_source(Path(config_path).expanduser())
         if not isinstance(raw, dict):
             raise AutotuningUsageError(f"{config_path}: the top level must be a JSON object")
         at = parse_autotuning(raw)

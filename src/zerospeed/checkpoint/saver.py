@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import zerospeed
 from zerospeed import comm
+from zerospeed._version import __version__
 from zerospeed.checkpoint import publish
 from zerospeed.comm import lifecycle
 from zerospeed.checkpoint.errors import CheckpointSaveError
@@ -143,8 +143,8 @@ def _param_groups_json(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]
 
 
 def _config_json(engine: Any) -> Any:
-    raw = getattr(engine.config, "raw", None)
-    return json.loads(json.dumps(raw, default=repr)) if raw is not None else None
+    record = getattr(engine.config, "json_record", None)  # the user's config as given (ZeroSpeedConfig)
+    return record() if record is not None else None
 
 
 def _tp_layout(engine: Any) -> Any:
@@ -206,7 +206,7 @@ def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) ->
     header = {
         "tag": tag, "world_size": world if tp is None else tp.world_size, "zero_stage": int(engine.zero_stage),
         "compute_dtype": dtype_name(engine.compute_dtype),
-        "zerospeed_version": zerospeed.__version__, "torch_version": torch.__version__, "created_unix": time.time(),
+        "zerospeed_version": __version__, "torch_version": torch.__version__, "created_unix": time.time(),
         "state_dict_keys": keys, "aliases": aliases,
         "optimizer": None if opt is None else {"class": type(opt).__name__, "param_groups": _param_groups_json(opt)},
         "lr_scheduler": None if sched is None else encode(sched.state_dict(), "lr_scheduler.state_dict()", None),

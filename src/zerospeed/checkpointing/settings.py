@@ -114,7 +114,7 @@ def configure_from(config: ZeroSpeedConfig) -> None:
     global _BY_USER
     if _BY_USER:
         return
-    if "activation_checkpointing" in config.raw:
+    if config.given("activation_checkpointing"):
         configure(None, deepspeed_config=config)
         _BY_USER = False
     elif _CONFIGURED:

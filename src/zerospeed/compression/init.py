@@ -36,9 +36,8 @@ from typing import Any
 
 from torch import nn
 
-from zerospeed.config import ConfigError, ZeroSpeedConfig, load_config
+from zerospeed.config import ConfigError, ZeroSpeedConfig, load_section
 from zerospeed.config.compression import CompressionConfig
-from zerospeed.config.loader import _read_json  # noqa: PLC2701 - the loader's JSON reader (one error style)
 
 from .layers import ActQuantSpec, CompressedLayer, PruneSpec, WeightQuantSpec, kind_of
 from .reduction import reduce_layers
@@ -63,17 +62,10 @@ def compression_section(config: Any) -> CompressionConfig | None:
         return config
     if isinstance(config, ZeroSpeedConfig):
         return config.compression_training
-    if isinstance(config, (str, os.PathLike)):
-        from pathlib import Path
-
-        config = _read_json(Path(config).expanduser())
-    if not isinstance(config, dict):
+    if not isinstance(config, (dict, str, os.PathLike)):
         raise ConfigError("", f"expected a DeepSpeed config dict, JSON path or ZeroSpeedConfig, got "
                               f"{type(config).__name__}")
-    if "compression_training" not in config:
-        return None
-    return load_config({"train_batch_size": 1, "compression_training": config["compression_training"]}
-                       ).compression_training
+    return load_section(config, "compression_training")
 
 
 def matches(name: str, patterns: list[str]) -> bool:

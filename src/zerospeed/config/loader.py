@@ -11,6 +11,14 @@ Pipeline, each step on a private deep copy (the caller's dict is never mutated):
 Every failure is a single :class:`ConfigError` whose one-line message names the dotted key path.
 Pydantic's ``ValidationError`` never escapes: the first error is translated (``raise ... from
 None`` so no pydantic traceback is chained either).
+
+The facade (``zerospeed.initialize``) reads a config once with :func:`prepare_config`: the mesh needs the
+tensor-parallel degree before the batch triple can be resolved (it depends on the data-parallel degree, world /
+(pp * sp * tp)), so the ``tensor_parallel`` section is validated first, alone, and
+:meth:`PreparedConfig.resolve` then builds the one :class:`ZeroSpeedConfig` of the call from the same dict.
+Public entry points that take a whole DeepSpeed config but need one section of it (``init_compression``,
+``zerospeed --autotuning``, AutoEP's pipeline check) use :func:`load_section`. Nothing outside config/ opens a
+config file or reads a raw config dict (tests/test_config_reads.py).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ValidationError
 
+from .batch import MBS, TBS
 from .errors import ConfigError
 from .fields import ZS_ERROR, ZS_KEY
 from .normalize import apply_legacy_forms, merge_aliases, resolve_auto
@@ -36,26 +45,21 @@ from .tensor_parallel import PartitionConfig, TensorParallelConfig
 ConfigSource = dict[str, Any] | str | os.PathLike[str] | ZeroSpeedConfig
 
 
-def load_config(config: ConfigSource, *, dp_world_size: int = 1) -> ZeroSpeedConfig:
+def load_config(config: ConfigSource, *, dp_world_size: int = 1, batch_optional: bool = False) -> ZeroSpeedConfig:
     """Parse, validate and resolve a DeepSpeed-format config for ``dp_world_size`` DP ranks.
 
     ``config`` is a dict, a path to a JSON file, or a :class:`ZeroSpeedConfig` (re-resolved from
     the dict it was built from, e.g. for another data-parallel world size).
+    ``batch_optional``: a dict that names neither ``train_batch_size`` nor
+    ``train_micro_batch_size_per_gpu`` gets a micro-batch of 1 (for callers the batch sizes do not
+    matter to, e.g. ``zero.Init``).
     Raises :class:`ConfigError` (one line, naming the key path) for any problem.
     """
     if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) or dp_world_size < 1:
         raise ConfigError("", f"dp_world_size={dp_world_size!r} is not a positive integer")
-    if isinstance(config, ZeroSpeedConfig):
-        raw = config.raw
-    elif isinstance(config, dict):
-        raw = copy.deepcopy(config)
-    elif isinstance(config, (str, os.PathLike)):
-        raw = _read_json(Path(config).expanduser())
-    else:
-        raise ConfigError(
-            "",
-            f"expected a dict, a JSON file path or a ZeroSpeedConfig, got {type(config).__name__}",
-        )
+    if batch_optional and isinstance(config, dict) and not any(k in config for k in (TBS, MBS)):
+        config = {**copy.deepcopy(config), MBS: 1}
+    raw = read_config_source(config)
     if not isinstance(raw, dict):
         raise ConfigError("", f"the top level must be a JSON object, got {type(raw).__name__}")
 
@@ -73,6 +77,65 @@ def load_config(config: ConfigSource, *, dp_world_size: int = 1) -> ZeroSpeedCon
     resolved._raw = raw
     resolved._dp_world_size = dp_world_size
     return resolved
+
+
+def read_config_source(config: ConfigSource) -> Any:
+    """The user's config as a fresh dict: a dict is deep-copied, a path read as strict JSON (duplicate keys
+    refused), a :class:`ZeroSpeedConfig` gives the dict it was built from. The top level is not checked here."""
+    if isinstance(config, ZeroSpeedConfig):
+        return config.raw
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, os.PathLike)):
+        return _read_json(Path(config).expanduser())
+    raise ConfigError("", f"expected a dict, a JSON file path or a ZeroSpeedConfig, got {type(config).__name__}")
+
+
+def load_section(config: ConfigSource, name: str) -> Any:
+    """One top-level section of a DeepSpeed config, validated by the whole parser (removed keys, aliases,
+    ``"auto"``) without resolving the batch triple; the schema's default when the config has no such key.
+
+    For public entry points that take a whole config but use one section of it (``init_compression``,
+    ``zerospeed --autotuning``, AutoEP's pipeline check). Errors name ``<name>.<key>``.
+    """
+    if name not in ZeroSpeedConfig.model_fields:
+        raise ValueError(f"load_section: {name!r} is not a section of ZeroSpeedConfig")
+    if isinstance(config, ZeroSpeedConfig):
+        return getattr(config, name)
+    raw = read_config_source(config)
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"the top level must be a JSON object, got {type(raw).__name__}")
+    alone: dict[str, Any] = {TBS: 1}
+    if name in raw:
+        alone[name] = raw[name]
+    return getattr(load_config(alone), name)
+
+
+class PreparedConfig:
+    """A DeepSpeed config read once by the facade, before the mesh exists.
+
+    :attr:`tensor_parallel` is validated now (the mesh needs its degree); :meth:`resolve` builds the call's one
+    :class:`ZeroSpeedConfig` for the data-parallel degree the mesh gives. The dict never leaves config/.
+    """
+
+    def __init__(self, config: ConfigSource) -> None:
+        self._source: Any = config if isinstance(config, ZeroSpeedConfig) else read_config_source(config)
+        if not isinstance(self._source, (dict, ZeroSpeedConfig)):
+            raise ConfigError("", f"the top level must be a JSON object, got {type(self._source).__name__}")
+        self.tensor_parallel: TensorParallelConfig = tensor_parallel_of(self._source)
+
+    def section(self, name: str) -> Any:
+        """One more section before :meth:`resolve` (see :func:`load_section`)."""
+        return load_section(self._source, name)
+
+    def resolve(self, dp_world_size: int) -> ZeroSpeedConfig:
+        """The whole config, validated and resolved for ``dp_world_size`` data-parallel ranks."""
+        return load_config(self._source, dp_world_size=dp_world_size)
+
+
+def prepare_config(config: ConfigSource) -> PreparedConfig:
+    """Read the user's config (dict, JSON path or :class:`ZeroSpeedConfig`) once; see :class:`PreparedConfig`."""
+    return PreparedConfig(config)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ Decisions:
 from __future__ import annotations
 
 import copy
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, PrivateAttr, ValidationInfo, model_validator
@@ -187,3 +188,13 @@ class ZeroSpeedConfig(Section):
     def raw(self) -> dict[str, Any]:
         """A copy of the dict the user gave (before aliases, ``"auto"`` and defaults)."""
         return copy.deepcopy(self._raw)
+
+    def given(self, key: str) -> bool:
+        """Whether the user's config names the top-level ``key`` (a section left out keeps its defaults, and some
+        callers act only on a section the user wrote, e.g. activation checkpointing's ``configure``)."""
+        return key in self._raw
+
+    def json_record(self) -> Any:
+        """The dict the user gave as JSON data (values JSON cannot hold written as their ``repr``): what a
+        checkpoint records of its config, as DeepSpeed records ``ds_config``."""
+        return json.loads(json.dumps(self._raw, default=repr))

@@ -4,7 +4,7 @@ Usage: replace ``Trainer(..., args=TrainingArguments(..., deepspeed="ds.json"))`
 ``ZeroSpeedTrainer(..., args=TrainingArguments(...), ds_config="ds.json")`` and launch with torchrun
 (or ``zerospeed``) as before. ``TrainingArguments(deepspeed=...)`` itself cannot be used: it makes
 transformers import the real DeepSpeed. HF's ``"auto"`` values are filled from the arguments
-(:mod:`zerospeed.integrations.hf_auto`).
+(:mod:`zerospeed.config.hf_auto`).
 
 How it plugs in (only public/overridable methods of ``Trainer``; nothing of transformers or
 Accelerate is replaced):
@@ -48,7 +48,7 @@ from transformers import Trainer
 
 import zerospeed
 from zerospeed import comm
-from zerospeed.integrations.hf_auto import fill_auto, read_config
+from zerospeed.config.hf_auto import fill_auto, read_config
 
 ENGINE_CHECKPOINT_DIR = "zerospeed"
 SCHEDULER_NAME = "scheduler.pt"

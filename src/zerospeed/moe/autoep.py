@@ -41,26 +41,23 @@ def apply_autoep(model: nn.Module, cfg: Any) -> nn.Module:
                            renormalize=cfg.route_norm, grouped=cfg.use_grouped_mm)
 
 
-def refuse_with_pipeline(raw: Any) -> None:
-    """A pipeline model cannot take AutoEP: raise ConfigError when the raw config (dict, JSON path or
-    parsed config) enables it. Read without resolving the rest (the pipeline engine does that)."""
-    import json
-    import os
+def refuse_with_pipeline(section: Any) -> None:
+    """A pipeline model cannot take AutoEP: raise ConfigError when ``expert_parallel.enabled``.
 
+    ``section`` is the parsed ``expert_parallel`` section (what ``initialize`` passes), or a whole config
+    (dict, JSON path or parsed config) whose section the config parser reads; a config it cannot read is left
+    to the pipeline engine's parse to report.
+    """
     from zerospeed.config.errors import ConfigError
+    from zerospeed.config.expert_parallel import ExpertParallelConfig
 
-    section: Any = None
-    if isinstance(raw, (str, os.PathLike)):
+    if not isinstance(section, ExpertParallelConfig):
+        from zerospeed.config.loader import load_section
+
         try:
-            with open(raw) as f:
-                section = json.load(f).get("expert_parallel")
-        except (OSError, ValueError, AttributeError):
-            return  # the pipeline engine's loader reports an unreadable config
-    elif isinstance(raw, dict):
-        section = raw.get("expert_parallel")
-    else:
-        section = getattr(raw, "expert_parallel", None)
-        section = {"enabled": bool(getattr(section, "enabled", False))}
-    if isinstance(section, dict) and section.get("enabled") is True:
+            section = load_section(section, "expert_parallel")
+        except ConfigError:
+            return
+    if section.enabled:
         raise ConfigError("expert_parallel.enabled", "AutoEP is not supported with a PipelineModule yet; use "
                           "zerospeed.moe.layer.MoE layers inside the pipeline stages instead")

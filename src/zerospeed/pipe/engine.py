@@ -65,8 +65,8 @@ from zerospeed.pipe.runtime_setup import (
     build_chunks,
     check_topology,
     forward_schedule,
-    load_pipeline_config,
     new_groups,
+    check_pipeline_config,
     train_schedule,
 )
 from zerospeed.pipe.runtime_tied import TiedWeights, reduced_sq_norm
@@ -82,13 +82,15 @@ class PipelineError(RuntimeError):
     """A call the pipeline engine does not support (e.g. ``engine(x)`` instead of ``train_batch``)."""
 
 
-def initialize_pipeline(model: PipelineModule, raw_config: Any, *, optimizer: Any = None,
+def initialize_pipeline(model: PipelineModule, config: ZeroSpeedConfig, *, optimizer: Any = None,
                         model_parameters: Iterable[Any] | None = None, training_data: Any = None,
                         lr_scheduler: Any = None, collate_fn: Callable[..., Any] | None = None,
                         mesh: Any = None, tp_config: Any = None
                         ) -> tuple[PipelineEngine, torch.optim.Optimizer, Any, Any]:
     """Build the pipeline engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
+    ``config`` is the call's parsed config (``zerospeed.initialize`` reads the user's once and resolves it for
+    this pipeline's data-parallel degree); ``tp_config`` defaults to its ``tensor_parallel`` section.
     With a (pp, dp, tp) ``mesh`` (tensor parallelism, :mod:`zerospeed.runtime.tp_setup`) the
     topology's "data" coordinate is the flattened (dp, tp) pair, so stages talk to the same tp rank;
     each stage is split with AutoTP, and ZeRO, replica broadcast, loss mean and loader use the
@@ -97,10 +99,13 @@ def initialize_pipeline(model: PipelineModule, raw_config: Any, *, optimizer: An
     from zerospeed.runtime.dataloader import build_dataloader
     from zerospeed.runtime.builders import optimizer_from_config, param_groups_of, scheduler_from_config
 
+    if not isinstance(config, ZeroSpeedConfig):
+        raise TypeError(f"initialize_pipeline: config must be a parsed ZeroSpeedConfig (zerospeed.initialize reads "
+                        f"the user's), got {type(config).__name__}")
+    tp_config = config.tensor_parallel if tp_config is None else tp_config
     world_size, rank = comm.get_world_size(), comm.get_rank()
     check_topology(model, world_size)
-    tp_size = 1 if mesh is None else mesh.tp_size
-    cfg = load_pipeline_config(model, raw_config, world_size // tp_size)
+    cfg = check_pipeline_config(model, config)
     layout = Layout(model, cfg, rank)
     actions = train_schedule(layout)
     if layout.virtual > 1 and isinstance(optimizer, torch.optim.Optimizer):

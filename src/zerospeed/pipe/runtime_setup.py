@@ -16,15 +16,15 @@ import torch.distributed as dist
 from torch import nn
 
 from zerospeed import comm
-from zerospeed.config import ConfigError, ZeroSpeedConfig, load_config
+from zerospeed.config import ConfigError, ZeroSpeedConfig
 from zerospeed.pipe.module import PipelineModule
 from zerospeed.pipe.runtime_probe import PipelineSetupError
 from zerospeed.pipe.schedule_action import Action, ActionKind
 from zerospeed.pipe.schedule_comm import insert_communication
 from zerospeed.pipe.schedules import build_schedule
 
-__all__ = ["Layout", "agree_on_build", "broadcast_replicas", "build_chunks", "check_topology", "forward_schedule",
-           "load_pipeline_config", "new_groups", "train_schedule"]
+__all__ = ["Layout", "agree_on_build", "broadcast_replicas", "build_chunks", "check_pipeline_config", "check_topology",
+           "forward_schedule", "new_groups", "train_schedule"]
 
 class Layout:
     """Who is where: pipeline ranks, data-parallel replicas, virtual stages."""
@@ -64,9 +64,9 @@ def check_topology(model: PipelineModule, world_size: int) -> None:
                          "pipeline.virtual_stages in the config for interleaving")
 
 
-def load_pipeline_config(model: PipelineModule, raw_config: Any, world_size: int) -> ZeroSpeedConfig:
+def check_pipeline_config(model: PipelineModule, cfg: ZeroSpeedConfig) -> ZeroSpeedConfig:
+    """The parsed config's pipeline rules against the module: ``pipeline.stages``, the ZeRO stage, virtual stages."""
     num_pp = model.topology().get_dim("pipe")
-    cfg = load_config(raw_config, dp_world_size=world_size // num_pp)
     stages = cfg.pipeline.stages
     if stages != "auto" and stages != num_pp:
         raise ConfigError("pipeline.stages", f"{stages} does not match the PipelineModule's {num_pp} stages")

@@ -1,4 +1,11 @@
-"""``zerospeed.initialize``: DeepSpeed's entry point, wiring config, optimizer, scheduler and engine."""
+"""``zerospeed.initialize``: DeepSpeed's entry point, wiring config, optimizer, scheduler and engine.
+
+This is the facade (the top layer, tests/test_import_structure.py): the config is read here once
+(:func:`zerospeed.config.prepare_config`), the mesh is built from its tensor-parallel section (and the
+pipeline module's stages, an mpu or ``mesh_param``), the one :class:`~zerospeed.config.ZeroSpeedConfig` is
+resolved for the mesh's data-parallel degree, and the typed config is handed to the single-model engine or to
+the pipeline engine; nothing below reads the user's dict or file again.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ import torch
 from torch import nn
 
 from zerospeed import comm
-from zerospeed.config import ConfigError, ZeroSpeedConfig, load_config
+from zerospeed.config import ConfigError, PreparedConfig, prepare_config
 from zerospeed.runtime.builders import optimizer_from_config, param_groups_of, scheduler_from_config
 from zerospeed.runtime.dataloader import build_dataloader
 from zerospeed.runtime.engine import ZeroSpeedEngine
@@ -43,30 +50,22 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if raw is None:
         raise ConfigError("", "no config: pass initialize(config=<dict or path to a DeepSpeed JSON file>)")
     comm.init_distributed(distributed_port=distributed_port)
+    prepared = prepare_config(raw)  # read once; the layers below receive typed sections of the one parsed config
     from zerospeed.pipe.module import PipelineModule
-
-    if isinstance(model, PipelineModule):
-        from zerospeed.pipe.engine import initialize_pipeline
-
-        from zerospeed.runtime import tp_setup
-
-        mesh, tp_cfg = tp_setup.mesh_for(raw, mpu=mpu, mesh_param=mesh_param, pp=model.topology().get_dim("pipe"))
-        from zerospeed.moe.autoep import refuse_with_pipeline
-
-        refuse_with_pipeline(raw)
-        return initialize_pipeline(model, raw, optimizer=optimizer, model_parameters=model_parameters,
-                                   training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn,
-                                   mesh=mesh, tp_config=tp_cfg)
     from zerospeed.runtime import tp_setup
 
-    mesh, tp_cfg = tp_setup.mesh_for(raw, mpu=mpu, mesh_param=mesh_param, model=model)
+    if isinstance(model, PipelineModule):
+        return _initialize_pipeline(model, prepared, mpu=mpu, mesh_param=mesh_param, optimizer=optimizer,
+                                    model_parameters=model_parameters, training_data=training_data,
+                                    lr_scheduler=lr_scheduler, collate_fn=collate_fn)
+    mesh = tp_setup.mesh_for(prepared.tensor_parallel, mpu=mpu, mesh_param=mesh_param, model=model)
     dp_world_size = comm.get_world_size() if mesh is None else mesh.dp_size
     dp_rank = comm.get_rank() if mesh is None else mesh.dp_rank
-    cfg = load_config(raw, dp_world_size=dp_world_size)
+    cfg = prepared.resolve(dp_world_size)
     device = comm.device_for_backend()
     model.to(device)
     if mesh is not None:
-        model = tp_setup.prepare_model(model, mesh, tp_cfg, optimizer)
+        model = tp_setup.prepare_model(model, mesh, cfg.tensor_parallel, optimizer)
     from zerospeed.moe.autoep import apply_autoep  # expert_parallel.enabled: HF MoE blocks -> expert parallel
 
     model = apply_autoep(model, cfg.expert_parallel)
@@ -82,3 +81,24 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                   collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last, seed=cfg.seed or 0)
     engine.training_dataloader = loader  # its position is saved and restored with the engine's checkpoints
     return engine, opt, loader, engine.lr_scheduler
+
+
+def _initialize_pipeline(model: Any, prepared: PreparedConfig, *, mpu: Any, mesh_param: Any,
+                         **kwargs: Any) -> tuple[Any, torch.optim.Optimizer, Any, Any]:
+    """``initialize`` for a ``PipelineModule``: the mesh (pp from the module), the checks that come before the
+    config is resolved (AutoEP refused, the module's topology against the world), the config for the pipeline's
+    data-parallel degree, then :func:`zerospeed.pipe.engine.initialize_pipeline`."""
+    from zerospeed.moe.autoep import refuse_with_pipeline
+    from zerospeed.pipe.engine import initialize_pipeline
+    from zerospeed.pipe.runtime_setup import check_topology
+    from zerospeed.runtime import tp_setup
+
+    num_pp = model.topology().get_dim("pipe")
+    mesh = tp_setup.mesh_for(prepared.tensor_parallel, mpu=mpu, mesh_param=mesh_param, pp=num_pp)
+    refuse_with_pipeline(prepared.section("expert_parallel"))
+    world_size = comm.get_world_size()
+    check_topology(model, world_size)
+    tp_size = 1 if mesh is None else mesh.tp_size
+    cfg = prepared.resolve(world_size // tp_size // num_pp)
+    return initialize_pipeline(model, cfg, mesh=mesh, **kwargs)
+

@@ -1,9 +1,10 @@
 """Tensor parallelism in ``initialize``: the mesh, the split, the global norm and the batch check.
 
-``initialize`` calls :func:`mesh_for` before it builds anything, then :func:`prepare_model` (AutoTP
-over the mesh's tp group, unless the model is already split, e.g. by ``tp_model_init``) and, once
-the engine exists, :func:`attach` (gradient-norm hook and first-step batch check). ZeRO receives the
-mesh's ``dp_group``: stage 3 then partitions each rank's tp shard over its dp group.
+``initialize`` calls :func:`mesh_for` (with the config's parsed ``tensor_parallel`` section) before it
+builds anything, then :func:`prepare_model` (AutoTP over the mesh's tp group, unless the model is
+already split, e.g. by ``tp_model_init``) and, once the engine exists, :func:`attach` (gradient-norm
+hook and first-step batch check). ZeRO receives the mesh's ``dp_group``: stage 3 then partitions
+each rank's tp shard over its dp group.
 
 Decisions:
 
@@ -32,7 +33,6 @@ from torch import nn
 
 from zerospeed import comm
 from zerospeed.comm.mesh import Mesh, MeshError
-from zerospeed.config.loader import tensor_parallel_of
 from zerospeed.config.tensor_parallel import TensorParallelConfig
 
 __all__ = ["attach", "mesh_for", "prepare_model"]
@@ -49,20 +49,20 @@ def _mesh_param_degrees(mesh_param: Any) -> dict[str, int]:
     raise MeshError(f"mesh_param: {mesh_param!r} is not a (pp, dp, tp) tuple or a dict with keys pp, dp, tp")
 
 
-def mesh_for(raw: Any, mpu: Any = None, mesh_param: Any = None, pp: int = 1,
-             model: nn.Module | None = None) -> tuple[Mesh | None, TensorParallelConfig]:
-    """The mesh ``initialize`` should use (None: plain data parallelism) and the tensor_parallel section.
+def mesh_for(tp_cfg: TensorParallelConfig, mpu: Any = None, mesh_param: Any = None, pp: int = 1,
+             model: nn.Module | None = None) -> Mesh | None:
+    """The mesh ``initialize`` should use (None: plain data parallelism), for the config's parsed
+    ``tensor_parallel`` section.
 
     A model already split by ``tp_model_init`` keeps the mesh that call built.
     """
-    tp_cfg = tensor_parallel_of(raw)
     current = comm.get_mesh()
     if (mpu is None and mesh_param is None and model is not None and current is not None and current.tp_size > 1
             and is_split(model)):
         if tp_cfg.enabled and tp_cfg.size != current.tp_size:
             raise MeshError(f"initialize: tensor_parallel degree {tp_cfg.size} but the model was split over "
                             f"tp={current.tp_size} (tp_model_init)")
-        return current, tp_cfg
+        return current
     if mpu is not None:
         if mesh_param is not None:
             raise MeshError("initialize: give mpu or mesh_param, not both")
@@ -70,15 +70,15 @@ def mesh_for(raw: Any, mpu: Any = None, mesh_param: Any = None, pp: int = 1,
         if tp_cfg.enabled and tp_cfg.size != mesh.tp_size:
             raise MeshError(f"initialize: tensor_parallel degree {tp_cfg.size} but the mpu's model-parallel world size "
                             f"is {mesh.tp_size}")
-        return mesh, tp_cfg
+        return mesh
     degrees = _mesh_param_degrees(mesh_param) if mesh_param is not None else {}
     tp = degrees.get("tp", tp_cfg.size)
     if tp_cfg.enabled and tp != tp_cfg.size:
         raise MeshError(f"initialize: mesh_param tp={tp} but tensor_parallel.autotp_size is {tp_cfg.size}")
     pp = degrees.get("pp", pp)
     if tp == 1 and mesh_param is None:
-        return None, tp_cfg
-    return comm.build_mesh(pp=pp, tp=tp, dp=degrees.get("dp")), tp_cfg
+        return None
+    return comm.build_mesh(pp=pp, tp=tp, dp=degrees.get("dp"))
 
 
 def is_split(model: nn.Module) -> bool:

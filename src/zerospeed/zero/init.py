@@ -26,7 +26,6 @@ with CPU training); NVMe and model-parallel options are not supported and raise.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -41,16 +40,15 @@ _active: list[Any] = []  # ConstructionPartitioner stack of nested Init contexts
 
 
 def _parse_config(config: Any) -> Any:
+    """``zero.Init``'s ``config_dict_or_path`` (a public entry that takes the user's config): parsed by the config
+    package, whose batch sizes may be left out (they do not matter here)."""
     from zerospeed.config import ZeroSpeedConfig, load_config
 
     if config is None or isinstance(config, ZeroSpeedConfig):
         return config
-    batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu")
-    if isinstance(config, dict) and not any(k in config for k in batch_keys):
-        config = {**copy.deepcopy(config), "train_micro_batch_size_per_gpu": 1}
     from zerospeed import comm
 
-    return load_config(config, dp_world_size=comm.get_world_size())
+    return load_config(config, dp_world_size=comm.get_world_size(), batch_optional=True)
 
 
 class Init:
