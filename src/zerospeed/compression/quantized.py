@@ -55,8 +55,9 @@ from .quantizer import container_bits, dequantize, fake_quantize_activation, pac
 
 def _int_mm_available() -> bool:
     try:
-        a = torch.ones(2, 8, dtype=torch.int8)
-        return bool((torch._int_mm(a, a.t()) == 8).all())
+        # full-range codes: without VNNI, oneDNN's s8 GEMM saturates int16 pair sums (127 * 127 * 2)
+        a = torch.tensor([[127, 127, -127, 127] * 4, [-127, 1, 127, -127] * 4], dtype=torch.int8)
+        return torch.equal(torch._int_mm(a, a.t()), a.int() @ a.int().t())
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
 
