@@ -35,10 +35,18 @@ ISA_DEFAULT := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_I
 ISA_NOAMX   := ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 MKL_ENABLE_INSTRUCTIONS=AVX2
 ISA_PYTEST  := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "numeric and not multihost" tests
 
+# The x86 caps mean nothing elsewhere: on another architecture only the no-SIMD level runs (torch's default
+# kernels, the C kernels' scalar build).
+ifeq ($(shell uname -m),x86_64)
 test-isa: $(STAMP)
 	ZEROSPEED_TEST_ISA=avx2 $(ISA_AVX2) TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-avx2 $(ISA_PYTEST)
 	ZEROSPEED_TEST_ISA=default $(ISA_DEFAULT) TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-default $(ISA_PYTEST)
 	ZEROSPEED_TEST_ISA=avx512-noamx $(ISA_NOAMX) TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-avx512 $(ISA_PYTEST)
+else
+test-isa: $(STAMP)
+	@echo "test-isa: $$(uname -m): the x86 levels (avx2, avx512-noamx) do not apply; the no-SIMD level only"
+	ZEROSPEED_TEST_ISA=default ATEN_CPU_CAPABILITY=default ZEROSPEED_KERNEL_ISA=scalar TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-default $(ISA_PYTEST)
+endif
 
 # Multi-host and fault-tolerance tests (network namespaces need root; they skip, saying so, without it)
 test-multihost: $(STAMP)
