@@ -43,7 +43,9 @@ class SamplingParams:
     ``temperature`` of 0 is greedy too. ``seed`` makes sampling reproducible whatever else runs in
     the same batch. ``stop`` strings end generation (the stop string is not returned);
     ``stop_token_ids`` likewise, and EOS unless ``ignore_eos``. ``logprobs``: how many top
-    alternatives to return per generated token (None: none, 0: only the chosen token's)."""
+    alternatives to return per generated token (None: none, 0: only the chosen token's).
+    ``prompt_logprobs``: the same for the prompt's tokens (the first has none); with it,
+    ``max_new_tokens`` may be 0 (score the prompt, generate nothing)."""
 
     max_new_tokens: int = 256
     min_new_tokens: int = 0
@@ -56,6 +58,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -74,6 +77,10 @@ class RequestOutput:
     # include the stopping token (as HF generate does), text consumers cut at the stop string
     stop_reason: str | int | None = None
     new_top_logprobs: list[dict[int, float]] | None = None  # per new token, when logprobs > 0
+    # with SamplingParams.prompt_logprobs, once, in the request's first output: one entry per prompt
+    # token (None for the first), and the top alternatives per prompt token (None for the first)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass

@@ -58,7 +58,7 @@ from zerospeed.inference.attention import AttentionMetadata, Workspace
 from zerospeed.inference.fast_path_choice import CpuKernels, ForwardPlanner, quiet_choices, set_model_kernels
 from zerospeed.inference.kv_cache import BlockAllocator, KVCache, kv_cache_bytes
 from zerospeed.inference.models import CausalLM, ModelSpec, TPInfo, load_model
-from zerospeed.inference.sampling import is_greedy, make_generator, sample, validate
+from zerospeed.inference.sampling import is_greedy, make_generator, record_prompt_logprobs, sample, validate
 from zerospeed.inference.scheduler import ScheduledBatch, Scheduler
 from zerospeed.inference.sequence import Sequence, Status
 from zerospeed.inference.tokenizer import Tokenizer, load_tokenizer
@@ -173,6 +173,7 @@ class InferenceEngine:
         self._num_prompt = 0
         self._num_forwards = 0
         self._forward_s = 0.0
+        self._prompt_parts: list[tuple[Sequence, int, int]] = []  # the last forward's prompt rows
         self._worker_hook = None  # set by tp_runtime on rank 0: broadcasts each batch
         self.spmd = False  # every rank schedules and samples the same (init_inference); no broadcast
 
@@ -236,7 +237,8 @@ class InferenceEngine:
         if bad:
             raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         validate(params, vocab)
-        if len(prompt) >= self.max_model_len:
+        if len(prompt) >= self.max_model_len and not (params.max_new_tokens == 0
+                                                        and len(prompt) <= self.max_model_len):
             raise RequestError("prompt", f"{len(prompt)} tokens do not fit the context of {self.max_model_len} "
                                          "tokens (at least one new token must fit)")
         if len(prompt) + params.max_new_tokens > self.max_model_len:
@@ -275,8 +277,20 @@ class InferenceEngine:
         except Exception as exc:  # fail this forward's requests, keep the engine serving
             return self._fail(batch, f"{type(exc).__name__}: {exc}")
         self.scheduler.after_forward(batch)
-        need = [seq for seq, _ in batch.items if seq.num_remaining == 0]
+        done = [seq for seq, _ in batch.items if seq.num_remaining == 0]
+        need = [seq for seq in done if seq.params.max_new_tokens > 0]
+        if self._prompt_parts:
+            record_prompt_logprobs(logits[len(need):], self._prompt_parts)
+            logits = logits[:len(need)]
         outputs: list[RequestOutput] = []
+        for seq in done:
+            if seq.params.max_new_tokens == 0:  # scored, nothing to generate
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+                self._seqs.pop(seq.request_id, None)
+                outputs.append(self._with_prompt_logprobs(seq, RequestOutput(
+                    seq.request_id, [], finished=True, finish_reason="length",
+                    num_prompt_tokens=seq.prompt_len, num_generated_tokens=0)))
         if not need:
             return outputs
         if logits.dim() == 1:  # the greedy tokens themselves (see run_forward)
@@ -291,10 +305,19 @@ class InferenceEngine:
                                 num_prompt_tokens=seq.prompt_len, num_generated_tokens=seq.num_generated,
                                 new_logprobs=None if lp is None else [lp],
                                 new_top_logprobs=None if top is None else [top], stop_reason=seq.stop_reason)
-            outputs.append(out)
+            outputs.append(self._with_prompt_logprobs(seq, out))
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
         return outputs
+
+    @staticmethod
+    def _with_prompt_logprobs(seq: Sequence, out: RequestOutput) -> RequestOutput:
+        """Attach the prompt's logprobs to the request's first output (once)."""
+        if seq.params.prompt_logprobs is not None and not seq.prompt_sent:
+            seq.prompt_sent = True
+            out.prompt_logprobs = list(seq.prompt_lps)
+            out.prompt_top_logprobs = list(seq.prompt_tops)
+        return out
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params
@@ -335,16 +358,27 @@ class InferenceEngine:
         for seq, n in batch.items:
             ids.extend(seq.tokens[seq.num_computed:seq.num_computed + n])
         rows = []
+        prompt_rows: list[int] = []
+        # prompt_logprobs: positions p of this forward with p + 1 < prompt_len score token p + 1; their
+        # logits follow the sampled rows (at most this forward's tokens x vocab, never the whole prompt)
+        self._prompt_parts = []
         t = 0
         for seq, n in batch.items:
+            if seq.needs_prompt_logits:
+                first = max(seq.num_computed, len(seq.prompt_lps) - 1)
+                end = min(seq.num_computed + n, seq.prompt_len - 1)
+                if end > first:
+                    prompt_rows.extend(range(t + first - seq.num_computed, t + end - seq.num_computed))
+                    self._prompt_parts.append((seq, first, end - first))
             t += n
-            if seq.num_computed + n == len(seq.tokens):
+            if seq.num_computed + n == len(seq.tokens) and seq.params.max_new_tokens > 0:
                 rows.append(t - 1)
+        rows += prompt_rows
         if self._worker_hook is not None:
             self._worker_hook(ids, items, batch.num_decodes, batch.copies, rows)
         # every sampled row greedy, no logprobs, no stop token masked by min_new_tokens: the model may
         # give the argmax tokens without all the logits
-        greedy = all(is_greedy(s.params) and s.params.logprobs is None
+        greedy = not prompt_rows and all(is_greedy(s.params) and s.params.logprobs is None
                      and not (s.stop_set and s.num_generated < s.params.min_new_tokens)
                      for s, n in batch.items if s.num_computed + n == len(s.tokens))
         return self.run_forward(ids, items, batch.num_decodes, batch.copies, rows, greedy=greedy)

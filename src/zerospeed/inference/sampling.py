@@ -26,8 +26,13 @@ def validate(params: SamplingParams, vocab_size: int) -> None:
     def bad(field: str, msg: str) -> None:
         raise RequestError(field, msg)
 
-    if not isinstance(params.max_new_tokens, int) or params.max_new_tokens < 1:
-        bad("max_new_tokens", f"must be an integer >= 1, got {params.max_new_tokens!r}")
+    if params.prompt_logprobs is not None and (not isinstance(params.prompt_logprobs, int)
+                                               or not 0 <= params.prompt_logprobs <= MAX_LOGPROBS):
+        bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, got "
+                               f"{params.prompt_logprobs!r}")
+    least = 0 if params.prompt_logprobs is not None else 1  # 0: score the prompt only
+    if not isinstance(params.max_new_tokens, int) or params.max_new_tokens < least:
+        bad("max_new_tokens", f"must be an integer >= {least}, got {params.max_new_tokens!r}")
     if not isinstance(params.min_new_tokens, int) or not 0 <= params.min_new_tokens <= params.max_new_tokens:
         bad("min_new_tokens", f"must be an integer in [0, max_new_tokens={params.max_new_tokens}], "
                               f"got {params.min_new_tokens!r}")
@@ -101,3 +106,31 @@ def sample(logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float | No
                 v, ix = torch.topk(lp[r], k)
                 tops[i] = {int(a): float(b) for a, b in zip(ix.tolist(), v.tolist())}
     return tokens, chosen, tops
+
+
+PROMPT_LOGPROB_ROWS = 128  # rows per log_softmax pass: bounds the float32 temporaries
+
+
+def record_prompt_logprobs(logits: torch.Tensor, parts: list) -> None:
+    """``logits [R, V]``: the LM head's output at prompt positions, in the order of ``parts``
+    (``(seq, first_position, count)``); position ``p`` scores prompt token ``p + 1``. Appends to
+    ``seq.prompt_lps`` / ``seq.prompt_tops``; a position already recorded (a preempted sequence
+    recomputing its prompt) is skipped."""
+    r = 0
+    for seq, first, count in parts:
+        k = seq.params.prompt_logprobs
+        for a in range(0, count, PROMPT_LOGPROB_ROWS):
+            b = min(count, a + PROMPT_LOGPROB_ROWS)
+            lp = logits[r + a:r + b].float().log_softmax(-1)
+            target = torch.tensor(seq.tokens[first + a + 1:first + b + 1], device=lp.device)
+            chosen = lp.gather(1, target[:, None])[:, 0].cpu().tolist()
+            tv = ti = None
+            if k:
+                top = torch.topk(lp, k)
+                tv, ti = top.values.cpu().tolist(), top.indices.cpu().tolist()
+            for j in range(b - a):
+                if first + a + j + 1 != len(seq.prompt_lps):
+                    continue
+                seq.prompt_lps.append(float(chosen[j]))
+                seq.prompt_tops.append({int(t): float(v) for t, v in zip(ti[j], tv[j])} if k else {})
+        r += count

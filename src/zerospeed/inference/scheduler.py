@@ -183,7 +183,8 @@ class Scheduler:
         """Take cached prefix blocks and check the rest of the prompt fits; False leaves it waiting."""
         bs = self.block_size
         hits: list[int] = []
-        hashes = self._prefix_hashes(seq) if self.enable_prefix_caching else []
+        # a prompt being scored runs every position through the LM head: no cached prefix
+        hashes = self._prefix_hashes(seq) if self.enable_prefix_caching and not seq.needs_prompt_logits else []
         for h in hashes:
             b = self.allocator._block_of.get(h)
             if b is None:

@@ -23,7 +23,8 @@ class Sequence:
 
     __slots__ = ("request_id", "tokens", "prompt_len", "params", "arrival", "num_computed", "blocks",
                  "block_hashes", "status", "generator", "num_preemptions", "finish_reason", "stop_reason",
-                 "stop_set", "num_emitted", "pending_logprobs", "pending_top")
+                 "stop_set", "num_emitted", "pending_logprobs", "pending_top",
+                 "prompt_lps", "prompt_tops", "prompt_sent")
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, arrival: int,
                  generator: torch.Generator | None, stop_set: frozenset[int]) -> None:
@@ -42,6 +43,17 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.stop_set = stop_set  # token ids that end generation (stop_token_ids, EOS unless ignore_eos)
         self.num_emitted = 0  # generated tokens already handed out in a RequestOutput
+        # params.prompt_logprobs: the prompt tokens' logprobs so far (position 0 has none), filled
+        # chunk by chunk by the forwards that compute the prompt; sent once, when complete
+        self.prompt_lps: list[float | None] = [None]
+        self.prompt_tops: list[dict[int, float] | None] = [None]
+        self.prompt_sent = False
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """True while the prompt's logprobs are asked for and not all computed: its prompt
+        positions must run through the LM head (and not come from the prefix cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_lps) < self.prompt_len
 
     @property
     def num_generated(self) -> int:
