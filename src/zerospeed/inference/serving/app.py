@@ -34,6 +34,7 @@ import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from zerospeed.inference.serving.chat_template import ChatTemplate, require
 from zerospeed.inference.serving.engine_loop import EngineLoop
@@ -47,6 +48,8 @@ from zerospeed.inference.serving.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     bad_request,
 )
 from zerospeed.inference.serving.text import TokenizerAdapter
@@ -65,6 +68,7 @@ class ServerState:
     max_model_len: int
     api_key: str | None
     created: int
+    tokenizer_info: dict[str, Any] | None = None
 
 
 # -- responses ---------------------------------------------------------------------------------------
@@ -180,33 +184,40 @@ class Handlers:
             raise ApiError(404, f"model: {model!r} does not exist; this server serves "
                            f"{self.s.model_name!r}", param="model", code="model_not_found")
 
-    def check_prompt(self, ids: list[int], field: str) -> None:
+    def check_prompt(self, ids: list[int], field: str, scoring: bool = False) -> None:
+        """``scoring``: nothing is generated (``max_tokens=0``), so the prompt may fill the
+        context."""
         if not ids:
             raise bad_request(field, "is empty (no tokens)")
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise bad_request(field, "token ids must be non-negative integers")
-        if len(ids) >= self.s.max_model_len:
-            raise bad_request(field, f"{len(ids)} tokens leave no room to generate in the "
-                              f"context of {self.s.max_model_len} tokens")
+        if len(ids) > self.s.max_model_len or (len(ids) == self.s.max_model_len and not scoring):
+            raise ApiError(400, f"{field}: {len(ids)} tokens leave no room to generate in the "
+                           f"context of {self.s.max_model_len} tokens", param=field,
+                           code="context_length_exceeded")
 
     def encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
         if not self.s.tokenizer.available:
             raise bad_request(field, "this model folder has no tokenizer; send token ids")
         return self.s.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def top_entries(self, top: list[dict[int, float]] | None, i: int) -> dict[str, float]:
+    def top_entries(self, top: list[dict[int, float]] | None, i: int,
+                    limit: int | None = None) -> dict[str, float]:
+        """Token text -> logprob of position ``i``'s alternatives (the best ``limit``)."""
         if not top or i >= len(top) or not top[i]:
             return {}
         out: dict[str, float] = {}
-        for t, lp in top[i].items():  # tokens with the same text (partial UTF-8) keep the best
+        items = sorted(top[i].items(), key=lambda kv: -kv[1])[:limit]
+        for t, lp in items:  # tokens with the same text (partial UTF-8) keep the best
             key, value = self.s.tokenizer.token_text(t), finite_logprob(lp)
             out[key] = max(value, out.get(key, value))
         return out
 
     def check_fits(self, ids: list[int], max_tokens: int) -> None:
         if len(ids) + max_tokens > self.s.max_model_len:
-            raise bad_request("max_tokens", f"the prompt ({len(ids)} tokens) plus max_tokens "
-                              f"({max_tokens}) exceed the context of {self.s.max_model_len} tokens")
+            raise ApiError(400, f"max_tokens: the prompt ({len(ids)} tokens) plus max_tokens "
+                           f"({max_tokens}) exceed the context of {self.s.max_model_len} tokens",
+                           param="max_tokens", code="context_length_exceeded")
 
     async def run(self, request: Request, gen: Generation, stream: bool,
                   chunks: Callable[[Generation], AsyncIterator[str]],
@@ -240,37 +251,106 @@ class Handlers:
         req: CompletionRequest = await parse_body(request, CompletionRequest)
         req.check()
         self.check_model(req.model)
-        prompts = []
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        prompt_lps = req.engine_prompt_logprobs()
+        params = req.sampling_params(max_tokens, req.logprobs, prompt_lps)
+        prompts, echoes = [], []
         for p in req.prompts():
             ids = self.encode(p, "prompt") if isinstance(p, str) else list(p)
-            self.check_prompt(ids, "prompt")
+            self.check_prompt(ids, "prompt", scoring=max_tokens == 0)
             prompts.append(ids)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        params = req.sampling_params(max_tokens, req.logprobs)
+            echoes.append(p if isinstance(p, str) else self.s.tokenizer.decode(ids))
         for ids in prompts:
             self.check_fits(ids, max_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gen = Generation(self.s.engine_loop, self.s.tokenizer, rid, prompts, params, "prompt")
         want_logprobs = req.logprobs is not None
+        echo = bool(req.echo)
         base = {"id": rid, "object": "text_completion", "created": created,
                 "model": self.s.model_name}
 
-        def logprobs_of(token_ids: list[int], lps: list[float] | None,
-                        top: list[dict[int, float]] | None) -> dict[str, Any] | None:
+        def logprobs_of(token_ids: list[int], lps: list[float | None] | None,
+                        top: list[dict[int, float] | None] | None,
+                        offset: int = 0) -> dict[str, Any] | None:
+            """OpenAI's completion logprobs; ``text_offset`` counts characters of the choice's
+            text from ``offset`` (each token's decoded text in turn, as vLLM counts them)."""
             if not want_logprobs or lps is None:
                 return None
             tokens = [self.s.tokenizer.token_text(t) for t in token_ids]
-            return {"tokens": tokens, "token_logprobs": [finite_logprob(x) for x in lps],
-                    "top_logprobs": [self.top_entries(top, i) for i in range(len(tokens))],
-                    "text_offset": []}
+            offsets = []
+            for tok in tokens:
+                offsets.append(offset)
+                offset += len(tok)
+            tops: list[dict[str, float] | None] = []
+            for i, (tok, x) in enumerate(zip(tokens, lps)):
+                if x is None:  # the prompt's first token: nothing before it to score it
+                    tops.append(None)
+                    continue
+                # the chosen token is always listed (so logprobs=0 gives it alone, and a client
+                # checking "was this the argmax" finds it), plus the requested alternatives
+                entries = {tok: finite_logprob(x)}
+                entries.update(self.top_entries(top, i, req.logprobs))
+                tops.append(entries)
+            return {"tokens": tokens,
+                    "token_logprobs": [None if x is None else finite_logprob(x) for x in lps],
+                    "top_logprobs": tops, "text_offset": offsets}
+
+        def echo_part(i: int, c: Any) -> tuple[str, dict[str, Any] | None]:
+            """The echoed prompt of choice ``i``: its text and its logprobs."""
+            lp = logprobs_of(prompts[i], c.prompt_logprobs or [None] * len(prompts[i]),
+                             c.prompt_top_logprobs)
+            return echoes[i], lp
+
+        def joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+            if a is None or b is None:
+                return a or b
+            return {k: a[k] + b[k] for k in a}
+
+        def prompt_logprobs_field(i: int, c: Any) -> list[Any] | None:
+            """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id:
+            {logprob, rank, decoded_token}} with the prompt's token and the top alternatives (rank
+            known for those only)."""
+            if req.prompt_logprobs is None or c.prompt_logprobs is None:
+                return None
+            out: list[Any] = [None]
+            for j in range(1, len(prompts[i])):
+                top = c.prompt_top_logprobs[j] or {}
+                ranked = sorted(top.items(), key=lambda kv: -kv[1])[:req.prompt_logprobs]
+                entry = {str(t): {"logprob": finite_logprob(v), "rank": r + 1,
+                                  "decoded_token": self.s.tokenizer.token_text(t)}
+                         for r, (t, v) in enumerate(ranked)}
+                tid = prompts[i][j]
+                if str(tid) not in entry:
+                    entry = {str(tid): {"logprob": finite_logprob(c.prompt_logprobs[j]),
+                                        "rank": None,
+                                        "decoded_token": self.s.tokenizer.token_text(tid)},
+                             **entry}
+                out.append(entry)
+            return out
 
         async def deltas(g: Generation) -> AsyncIterator[str]:
+            started = [False] * len(prompts)
+            sent = [0] * len(prompts)
             async for d in coalesce(g.events()):
+                text = d.text
+                lp = logprobs_of(d.token_ids, d.logprobs, d.top_logprobs, sent[d.index])
+                extra: dict[str, Any] = {}
+                if not started[d.index]:
+                    started[d.index] = True
+                    c = g.choices[d.index]
+                    if echo:
+                        etext, elp = echo_part(d.index, c)
+                        text = etext + text
+                        lp = joined(elp, logprobs_of(d.token_ids, d.logprobs, d.top_logprobs,
+                                                     len(etext)))
+                    if req.prompt_logprobs is not None:
+                        extra["prompt_logprobs"] = prompt_logprobs_field(d.index, c)
+                if lp and lp["tokens"]:  # offsets count token texts, as the full answer's do
+                    sent[d.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 chunk = dict(base, choices=[{
-                    "index": d.index, "text": d.text,
-                    "logprobs": logprobs_of(d.token_ids, d.logprobs, d.top_logprobs),
-                    "finish_reason": d.finish_reason}])
+                    "index": d.index, "text": text, "logprobs": lp,
+                    "finish_reason": d.finish_reason, **extra}])
                 if req.include_usage():
                     chunk["usage"] = None
                 yield sse(chunk)
@@ -279,12 +359,20 @@ class Handlers:
             return sse_stream(g, deltas(g), base, req.include_usage())
 
         def final(g: Generation) -> dict[str, Any]:
-            return dict(base, choices=[
-                {"index": i, "text": c.stream.text,
-                 "logprobs": logprobs_of(c.token_ids, c.logprobs if want_logprobs else None,
-                                         c.top_logprobs),
-                 "finish_reason": c.finish_reason}
-                for i, c in enumerate(g.choices)], usage=g.usage())
+            choices = []
+            for i, c in enumerate(g.choices):
+                text, lp = c.stream.text, logprobs_of(c.token_ids, c.logprobs, c.top_logprobs)
+                if echo:
+                    etext, elp = echo_part(i, c)
+                    text = etext + text
+                    lp = joined(elp, logprobs_of(c.token_ids, c.logprobs, c.top_logprobs,
+                                                 len(etext)))
+                choice = {"index": i, "text": text, "logprobs": lp,
+                          "finish_reason": c.finish_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_field(i, c)
+                choices.append(choice)
+            return dict(base, choices=choices, usage=g.usage())
 
         return await self.run(request, gen, bool(req.stream), chunks, final)
 
@@ -305,7 +393,8 @@ class Handlers:
             self.check_fits(ids, max_tokens)
         except ApiError as e:
             if e.param == "max_tokens" and field != "max_tokens":
-                raise bad_request(field, e.message.split(": ", 1)[1]) from None
+                raise ApiError(400, f"{field}: {e.message.split(': ', 1)[1]}", param=field,
+                               code=e.code) from None
             raise
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -368,9 +457,26 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="zerospeed", docs_url=None, redoc_url=None, openapi_url=None)
     handlers = Handlers(state)
 
+    def counted(err: ApiError) -> JSONResponse:
+        if 400 <= err.status < 500:  # every client error, validation included, by status
+            state.engine_loop.metrics.rejected.labels(str(err.status)).inc()
+        return error_response(err)
+
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, err: ApiError) -> JSONResponse:
-        return error_response(err)
+        return counted(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        # unknown routes and methods: OpenAI's body, not FastAPI's {"detail": ...}
+        if err.status_code == 404:
+            msg, code = f"{request.url.path}: no such route", "not_found"
+        elif err.status_code == 405:
+            msg, code = f"{request.method} {request.url.path}: method not allowed", "method_not_allowed"
+        else:
+            msg, code = str(err.detail), None
+        return counted(ApiError(err.status_code, msg, type_="invalid_request_error", code=code,
+                                headers=dict(err.headers or {})))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, err: Exception) -> JSONResponse:
@@ -385,7 +491,6 @@ def build_app(state: ServerState) -> FastAPI:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
                                                                  state.api_key.encode()):
-            state.engine_loop.metrics.rejected.labels("401").inc()
             raise ApiError(401, "api key: missing or incorrect (send 'Authorization: Bearer KEY')",
                            type_="authentication_error", code="invalid_api_key")
 
@@ -399,11 +504,61 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await handlers.chat(request)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.created,
+                "owned_by": "zerospeed", "max_model_len": state.max_model_len}
+
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "zerospeed", "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> dict[str, Any]:
+        handlers.check_model(model_id)
+        return model_card()
+
+    # vLLM's tokenizer endpoints (lm-eval's remote tokenizer mode uses all three)
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req: TokenizeRequest = await parse_body(request, TokenizeRequest)
+        handlers.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("prompt", "send exactly one of prompt or messages")
+        if req.messages is not None:
+            template = require(state.chat_template)
+            chat = ChatCompletionRequest(messages=req.messages)
+            text = template.render(chat.template_messages(), req.add_generation_prompt)
+            add = req.add_special_tokens if req.add_special_tokens is not None \
+                else not template.adds_bos
+            ids = handlers.encode(text, "messages", add_special_tokens=add)
+        else:
+            ids = handlers.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens
+                                  is not False)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len,
+                               "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [state.tokenizer.token_text(t) for t in ids]
+        return out
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req: DetokenizeRequest = await parse_body(request, DetokenizeRequest)
+        handlers.check_model(req.model)
+        if any(t < 0 for t in req.tokens):
+            raise bad_request("tokens", "token ids must be non-negative integers")
+        if not state.tokenizer.available:
+            raise bad_request("tokens", "this model folder has no tokenizer")
+        try:
+            return {"prompt": state.tokenizer.decode(req.tokens)}
+        except Exception as e:  # noqa: BLE001 - ids the tokenizer does not know
+            raise bad_request("tokens", f"cannot be decoded ({e})") from None
+
+    @app.get("/tokenizer_info", dependencies=auth)
+    async def get_tokenizer_info() -> dict[str, Any]:
+        if state.tokenizer_info is None:
+            raise ApiError(404, "tokenizer_info: this server has no tokenizer information",
+                           code="not_found")
+        return state.tokenizer_info
 
     @app.get("/health")
     async def health() -> Response:

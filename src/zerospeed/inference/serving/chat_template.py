@@ -51,6 +51,7 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ValueError(f"chat_template: invalid jinja2 template (line {e.lineno}): "
                              f"{e.message}") from e
+        self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
         # templates that spell out the BOS token must not get a second one from the tokenizer
@@ -97,6 +98,30 @@ class ChatTemplate:
                                          eos_token=self.eos_token or "")
         except jinja2.exceptions.TemplateError as e:
             raise bad_request("messages", f"the chat template refused them: {e}") from e
+
+
+def tokenizer_info(model_dir: str | Path | None, template: ChatTemplate | None,
+                   max_model_len: int) -> dict[str, Any]:
+    """``GET /tokenizer_info`` (vLLM's name; lm-eval's remote tokenizer reads it): the folder's
+    tokenizer_config.json fields a client needs, special tokens as plain strings."""
+    cfg: dict[str, Any] = {}
+    if model_dir is not None and (Path(model_dir) / "tokenizer_config.json").is_file():
+        try:
+            cfg = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+        except json.JSONDecodeError:
+            cfg = {}
+    info: dict[str, Any] = {"tokenizer_class": cfg.get("tokenizer_class"),
+                            "model_max_length": max_model_len}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        info[key] = _token_text(cfg.get(key))
+    if template is not None:
+        info["bos_token"] = info["bos_token"] or template.bos_token
+        info["eos_token"] = info["eos_token"] or template.eos_token
+    for key in ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces"):
+        if key in cfg:
+            info[key] = cfg[key]
+    info["chat_template"] = template.source if template is not None else None
+    return info
 
 
 def require(template: ChatTemplate | None) -> ChatTemplate:

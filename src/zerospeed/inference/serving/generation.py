@@ -49,6 +49,9 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # the prompt's logprobs (SamplingParams.prompt_logprobs), once the engine sent them
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 class GenerationFailed(Exception):
@@ -105,7 +108,6 @@ class Generation:
                 self._submitted += 1
         except QueueFull:
             self.abort()
-            self._engine_loop.metrics.rejected.labels("429").inc()
             raise ApiError(429, "the server is at capacity (waiting queue full); retry later",
                            type_="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -121,7 +123,6 @@ class Generation:
             elif isinstance(item, RequestError):
                 choice.finished = True
                 self.abort()
-                self._engine_loop.metrics.rejected.labels("400").inc()
                 field_name = http_field(item.field, self._prompt_field)
                 raise ApiError(400, f"{field_name}: {item.message}", param=field_name)
             elif isinstance(item, (EngineFailure, ServerClosing)):
@@ -163,6 +164,9 @@ class Generation:
 
     def _apply(self, index: int, choice: _Choice, out: RequestOutput) -> Delta:
         ids = list(out.new_token_ids)
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
+            choice.prompt_top_logprobs = out.prompt_top_logprobs
         text = choice.stream.add(ids)
         choice.token_ids.extend(ids)
         logprobs = None

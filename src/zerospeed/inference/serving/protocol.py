@@ -10,6 +10,9 @@ Decisions:
   ``max_tokens`` 16 for completions and "the rest of the context" for chat.
 * vLLM's extra fields that clients pass through ``extra_body`` are accepted: ``top_k`` (0 or -1: off),
   ``min_tokens``, ``ignore_eos``, ``stop_token_ids``.
+* ``echo`` returns the prompt before the completion (its tokens' logprobs too, the first one None,
+  as OpenAI did); ``max_tokens=0`` with ``echo`` or vLLM's ``prompt_logprobs`` scores a prompt
+  without generating (lm-eval's loglikelihood requests).
 * Log-probabilities: completions' ``logprobs`` (0-5 alternatives) and chat's ``logprobs`` +
   ``top_logprobs`` (0-20) are passed to the engine, which returns the chosen token's
   log-probability and the requested number of alternatives.
@@ -100,7 +103,8 @@ class _SamplingFields(BaseModel):
             raise bad_request("stop", "empty stop strings are not allowed")
         return stops
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters; raises :class:`ApiError` (400) naming the bad field."""
         temperature = 1.0 if self.temperature is None else self.temperature
         if not 0.0 <= temperature <= 2.0:
@@ -111,8 +115,10 @@ class _SamplingFields(BaseModel):
         top_k = 0 if self.top_k in (None, -1) else self.top_k
         if top_k < 0:
             raise bad_request("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
-        if max_tokens < 1:
-            raise bad_request("max_tokens", f"must be at least 1, got {max_tokens}")
+        least = 0 if prompt_logprobs is not None else 1  # 0: score the prompt only
+        if max_tokens < least:
+            raise bad_request("max_tokens", f"must be at least {least}, got {max_tokens}"
+                              + ("" if least == 0 else " (0 only with echo or prompt_logprobs)"))
         if self.min_tokens < 0 or self.min_tokens > max_tokens:
             raise bad_request("min_tokens", f"must be in [0, max_tokens={max_tokens}], got "
                               f"{self.min_tokens}")
@@ -132,6 +138,7 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             seed=None if self.seed is None else self.seed % 2**63,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -145,18 +152,31 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: the prompt tokens' logprobs, per choice
 
     def check(self) -> None:
         self._check_common()
         if self.best_of not in (None, 1):
             raise bad_request("best_of", f"only best_of=1 is supported, got {self.best_of}")
-        if self.echo:
-            raise bad_request("echo", "is not supported")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_CHAT_TOP_LOGPROBS:
+            raise bad_request("prompt_logprobs", f"must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got "
+                              f"{self.prompt_logprobs}")
         if self.suffix:
             raise bad_request("suffix", "is not supported")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise bad_request("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got "
                               f"{self.logprobs}")
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine computes: ``echo`` with ``logprobs`` needs the
+        prompt's logprobs, ``prompt_logprobs`` asks for them; ``echo`` with ``max_tokens=0`` and no
+        logprobs still goes through the engine (0: the chosen token only). None: not needed."""
+        want = []
+        if self.echo and (self.logprobs is not None or self.max_tokens == 0):
+            want.append(self.logprobs or 0)
+        if self.prompt_logprobs is not None:
+            want.append(self.prompt_logprobs)
+        return max(want) if want else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as strings or token-id lists; raises a 400 for an empty list."""
@@ -233,6 +253,26 @@ class ChatCompletionRequest(_SamplingFields):
             d["content"] = content if content is not None else ""
             out.append(d)
         return out
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): ``prompt`` text, or chat ``messages`` through the template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 FinishReasonOut = Literal["stop", "length", "abort"]

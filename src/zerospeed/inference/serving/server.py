@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from zerospeed.inference.serving.app import ServerState, build_app
-from zerospeed.inference.serving.chat_template import ChatTemplate
+from zerospeed.inference.serving.chat_template import ChatTemplate, tokenizer_info
 from zerospeed.inference.serving.engine_loop import EngineLoop
 from zerospeed.inference.serving.text import TokenizerAdapter
 
@@ -165,7 +165,9 @@ def serve(model_dir: str | os.PathLike | None = None, *, engine: Any = None,
     state = ServerState(
         engine_loop=engine_loop, tokenizer=TokenizerAdapter(engine.tokenizer),
         chat_template=template, model_name=name, max_model_len=int(engine.max_model_len),
-        api_key=api_key, created=int(time.time()))
+        api_key=api_key, created=int(time.time()),
+        tokenizer_info=tokenizer_info(model_dir, template, int(engine.max_model_len))
+        if getattr(engine, "tokenizer", None) is not None else None)
     config = uvicorn.Config(build_app(state), log_level=log_level, access_log=False,
                             lifespan="off", timeout_graceful_shutdown=shutdown_timeout,
                             timeout_keep_alive=30)
