@@ -72,7 +72,7 @@ NO_OP_FIELDS: dict[str, str] = {
     "zero_optimization.override_module_apply": "zero.Init never patches nn.Module.apply",
     "zero_optimization.pipeline_loading_checkpoint": "pipeline checkpoints load per stage anyway",
     "zero_optimization.round_robin_gradients": _SAME_RESULT + " (gradient partition placement for CPU offload)",
-    "zero_optimization.save_muon_momentum_buffer_in_memory": "the Muon optimizer is not built",
+    "zero_optimization.save_muon_momentum_buffer_in_memory": "Muon momentum buffers always stay in memory",
     "zero_optimization.stage3_allgather_sequential": _SAME_RESULT + " (all-gathers per bucket already)",
     "zero_optimization.stage3_module_granularity_threshold": _SAME_RESULT + " (ZeRO-3 gathers per module)",
     "zero_optimization.stage3_partition_stream_chunk_size": _SAME_RESULT,

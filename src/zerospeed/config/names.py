@@ -23,11 +23,11 @@ from __future__ import annotations
 import difflib
 
 #: optimizers zerospeed builds, canonical spelling.
-OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb")
+OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Muon")
 
 #: names DeepSpeed accepts (its own or torch.optim's) that zerospeed does not build yet.
 OPTIMIZER_NAMES_NOT_YET: tuple[str, ...] = (
-    "Lion", "Muon", "MuAdam", "MuAdamW", "MuSGD",
+    "Lion", "MuAdam", "MuAdamW", "MuSGD",
     "Adadelta", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam", "RMSprop", "Rprop", "SparseAdam",
     "Adafactor",
 )  # fmt: skip

@@ -66,6 +66,7 @@ from zerospeed.config.errors import ConfigError
 from zerospeed.ops.adam.kernel_choice import attach_switch, check_forced, kernel_of_flags, resolve_kernel_setting
 from zerospeed.ops.fast_paths import FastPathError
 from zerospeed.ops.lamb import Lamb
+from zerospeed.ops import muon as _muon
 
 __all__ = ["build_optimizer", "resolve_client_optimizer", "OPTIMIZERS"]
 
@@ -110,9 +111,11 @@ OPTIMIZERS: dict[str, _OptimizerSpec] = {
     "sgd": _OptimizerSpec("SGD", (torch.optim.SGD,)),
     "adagrad": _OptimizerSpec("Adagrad", (torch.optim.Adagrad,)),
     "lamb": _OptimizerSpec("Lamb", (Lamb,), excluded=("max_grad_norm",)),
+    "muon": _OptimizerSpec("Muon", (), deepspeed_only=("lr", "momentum", "weight_decay", "ns_method", "muon_lr",
+                                                       "adam_lr", "betas", "eps", "adam_w_mode", "variant")),
 }
 
-_NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay", "initial_accumulator_value",
+_NON_NEGATIVE = ("lr", "muon_lr", "adam_lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay", "initial_accumulator_value",
                  "max_coeff", "min_coeff")  # fmt: skip
 _BOOLEAN = ("amsgrad", "nesterov", "maximize", "foreach", "fused", "capturable", "differentiable", "adam_w_mode",
             "torch_adam", "bias_correction", "set_grad_none", "eps_inside_sqrt")  # fmt: skip
@@ -150,10 +153,51 @@ def _check_values(spec: _OptimizerSpec, params: Mapping[str, Any]) -> None:
             raise ConfigError(_key(name), f"false is not supported: torch's {spec.name} always does this")
     if spec.name == "Lamb" and params.get("amsgrad") is True:
         raise ConfigError(_key("amsgrad"), "Lamb has no AMSGrad variant (DeepSpeed's FusedLamb refuses it too)")
+    _check_choice(params, "ns_method", _muon.NS_METHODS)
+    _check_choice(params, "variant", _muon.VARIANTS)
+    if spec.name == "Muon" and "momentum" in params and not params["momentum"] < 1:
+        raise ConfigError(_key("momentum"), f"{params['momentum']!r} must be in [0, 1)")
     if "min_coeff" in params or "max_coeff" in params:
         lo, hi = params.get("min_coeff", 0.01), params.get("max_coeff", 10.0)
         if lo > hi:
             raise ConfigError(_key("min_coeff"), f"{lo} is larger than max_coeff ({hi})")
+
+
+def _check_choice(params: Mapping[str, Any], name: str, allowed: tuple[str, ...]) -> None:
+    if name in params and params[name] not in allowed:
+        raise ConfigError(_key(name), f"{params[name]!r} is not one of {', '.join(repr(a) for a in allowed)}")
+
+
+def _muon_groups(groups: list[Any], params: Mapping[str, Any], names: Mapping[int, str] | None,
+                 shapes: Mapping[int, tuple[int, ...]] | None = None) -> list[dict[str, Any]]:
+    """Split each incoming group into its Muon and Adam halves (DeepSpeed's ``_muon_param_groups``):
+    the config's shared values, then ``muon_lr`` / ``adam_lr``, then the group's own keys."""
+    if names is None:
+        raise ConfigError("optimizer.type", "'Muon' needs the model's parameter names to tag them (embeddings "
+                          "and the LM head go to Adam); this entry point does not pass the model")
+    dicts: list[dict[str, Any]] = []
+    loose: list[Any] = []
+    for item in groups:
+        (dicts if isinstance(item, dict) else loose).append(item)
+    if loose or not dicts:
+        dicts.append({"params": [t[1] if isinstance(t, tuple) else t for t in loose]})
+    for d in dicts:
+        d["params"] = [d["params"]] if isinstance(d["params"], torch.Tensor) else list(d["params"])
+    flags = _muon.tag_use_muon(dicts, names, shapes)
+    halves = ((True, _muon.MUON_KEYS, "muon_lr"), (False, _muon.ADAM_KEYS, "adam_lr"))
+    out: list[dict[str, Any]] = []
+    for d, on_muon in zip(dicts, flags):
+        own = {k: v for k, v in d.items() if k not in ("params", "use_muon")}
+        for use_muon, keys, lr_key in halves:
+            half = [p for p, f in zip(d["params"], on_muon) if f is use_muon]
+            if not half:
+                continue
+            settings = {k: params[k] for k in keys if k in params}
+            if lr_key in params:
+                settings["lr"] = params[lr_key]
+            settings.update({k: v for k, v in own.items() if k in keys or k == "name"})
+            out.append({"params": half, "use_muon": use_muon, **settings})
+    return out
 
 
 def _tensors(groups: list[Any]) -> list[torch.Tensor]:
@@ -223,12 +267,14 @@ def _adam_with_kernel(cls: type[torch.optim.Optimizer], groups: list[Any], kwarg
 
 
 def build_optimizer(
-    type_name: str, params: Mapping[str, Any], param_groups: Iterable[Any], fast_paths: Any = None
+    type_name: str, params: Mapping[str, Any], param_groups: Iterable[Any], fast_paths: Any = None,
+    names: Mapping[int, str] | None = None, shapes: Mapping[int, tuple[int, ...]] | None = None,
 ) -> torch.optim.Optimizer:
     """Build ``optimizer.type`` with ``optimizer.params`` over ``param_groups`` (torch convention).
 
     ``fast_paths`` is the config's :class:`~zerospeed.config.FastPathsConfig` (``adam_kernel``);
-    None means ``auto``.
+    None means ``auto``. ``names`` (``id(param) -> name``) and ``shapes`` (``id(param) -> layer shape``
+    where a zero.Init placeholder's own shape is not it) are what Muon's tagging reads.
 
     Raises:
         ConfigError: ``optimizer.type`` for an unknown type (with the nearest name),
@@ -259,6 +305,11 @@ def build_optimizer(
             torch.optim.AdamW if spec.name == "AdamW" or adam_w_mode else torch.optim.Adam
         )
         return _adam_with_kernel(cls, groups, kwargs, fast_paths)
+    if spec.name == "Muon":
+        # the auxiliary Adam is Muon's own (DeepSpeed's inline adam_update), not fast_paths.adam_kernel:
+        # the same arithmetic on whole tensors and on ZeRO shards
+        return _muon.Muon(_muon_groups(groups, kwargs, names, shapes), adam_w_mode=kwargs.get("adam_w_mode", True),
+                          variant=kwargs.get("variant", "deepspeed"))
     if spec.name == "Lamb":
         if "betas" in kwargs:
             kwargs["betas"] = tuple(kwargs["betas"])

@@ -41,8 +41,11 @@ def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> l
     return [{"params": [p for p in items if p.requires_grad]}]
 
 
-def optimizer_from_config(cfg: ZeroSpeedConfig, optimizer: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """The optimizer from the config section or the client's (instance or callable), never both."""
+def optimizer_from_config(cfg: ZeroSpeedConfig, optimizer: Any, groups: list[dict[str, Any]],
+                          model: nn.Module | None = None) -> torch.optim.Optimizer:
+    """The optimizer from the config section or the client's (instance or callable), never both.
+
+    ``model`` gives the parameter names that Muon's tagging reads (embeddings and the LM head to Adam)."""
     from zerospeed.ops.optimizers import build_optimizer, resolve_client_optimizer
 
     if optimizer is not None and cfg.optimizer is not None:
@@ -55,7 +58,25 @@ def optimizer_from_config(cfg: ZeroSpeedConfig, optimizer: Any, groups: list[dic
     from zerospeed.runtime.fast_paths import quiet_choices
 
     with quiet_choices():  # a forced adam_kernel is reported in the engine's start-up line
-        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups, cfg.fast_paths)
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else None
+        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups, cfg.fast_paths, names=names,
+                               shapes=_layer_shapes(model))
+
+
+def _layer_shapes(model: nn.Module | None) -> dict[int, tuple[int, ...]]:
+    """``id(param) -> shape`` for parameters zero.Init partitioned (their own shape is a placeholder's),
+    so Muon tags them by the layer's shape (DeepSpeed #8438: under zero.Init none were tagged)."""
+    if model is None:
+        return {}
+    from zerospeed.zero.stage3 import registry
+
+    shapes = {}
+    for p in model.parameters():
+        found = registry.lookup(p)
+        if found is not None:
+            bucket, index = found
+            shapes[id(p)] = tuple(bucket.layout.slots[index].shape)
+    return shapes
 
 
 def scheduler_from_config(cfg: ZeroSpeedConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:

@@ -85,7 +85,8 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
                               f"(built: {', '.join(map(str, SUPPORTED_ZERO_STAGES))})")
         if stage >= 1:
             name = type(optimizer).__name__
-            if name not in ELEMENTWISE_OPTIMIZERS and not config.zero_allow_untested_optimizer:
+            whole_matrices = getattr(optimizer, "needs_whole_matrices", False)  # Muon: zero.muon_shards
+            if name not in ELEMENTWISE_OPTIMIZERS and not whole_matrices and not config.zero_allow_untested_optimizer:
                 raise ConfigError("zero_allow_untested_optimizer",
                                   f"ZeRO stage {stage} runs the optimizer on flat shards, which is exact only for "
                                   f"element-wise optimizers ({', '.join(ELEMENTWISE_OPTIMIZERS)}); {name} is not one. "

@@ -70,7 +70,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
     model = apply_autoep(model, cfg.expert_parallel)
     groups = param_groups_of(model, model_parameters)
-    opt = optimizer_from_config(cfg, optimizer, groups)
+    opt = optimizer_from_config(cfg, optimizer, groups, model)
     engine = ZeroSpeedEngine(model, cfg, opt, dp_group=None if mesh is None else mesh.dp_group)
     if mesh is not None:
         tp_setup.attach(engine, mesh)

@@ -1,0 +1,133 @@
+"""Muon on flat ZeRO shards (stages 1, 2, 3): each matrix is orthogonalised once, by its owner rank.
+
+Newton-Schulz needs a whole matrix while a ZeRO bucket's shard holds ``[r*L/N, (r+1)*L/N)`` of a flat
+layout, so a matrix can straddle ranks. The element-wise parts of Muon (momentum, nesterov blend,
+decay, the step) run on the shard as for any optimizer; for the orthogonalisation
+(:class:`zerospeed.ops.muon.Muon` calls the orthogonaliser bound here for each Muon shard):
+
+1. the bucket's momentum-updated gradient U is all-gathered (one collective per bucket, coalesced like
+   the parameter all-gather), so the owner of each matrix holds it whole;
+2. each rank orthogonalises only the matrices it owns, writing ``NS(U_i) * scale_i`` into a zeroed
+   bucket-sized buffer;
+3. one reduce-scatter of that buffer (a sum in which each element has exactly one non-zero term, so it
+   is exact) hands every rank its shard of the result.
+
+Owners: every Muon matrix of every bucket (in bucket order, the same on all ranks) is given to the
+least-loaded rank of its bucket's group, largest Newton-Schulz cost first (LPT, ties to the lower
+rank), so each rank does about 1/N of the FLOPs. :class:`MuonShardPlan` counts the FLOPs each rank ran
+(``ns_flops_done``), which is what the tests check.
+
+Decision: under ``offload_optimizer`` the offloaded buckets are updated by the CPU Adam of the offload
+tier, which does not run Muon; a Muon optimizer with offload is refused with one line saying so
+(rather than running Adam on the Muon matrices).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from zerospeed import comm
+from zerospeed.ops.muon import muon_scale, newton_schulz, ns_flops
+
+
+@dataclass
+class _BucketMatrices:
+    layout: Any  # BucketLayout
+    group: Any  # process group its collectives run on
+    rank: int
+    world_size: int
+    owners: list[int]  # per slot
+
+
+@dataclass
+class MuonShardPlan:
+    """Owner rank of every Muon matrix, and the Newton-Schulz FLOPs this rank ran."""
+
+    buckets: dict[int, _BucketMatrices] = field(default_factory=dict)  # id(master) -> bucket
+    ns_flops_done: int = 0
+    ns_flops_total: int = 0  # of one step, over all ranks (for the 1/N check)
+
+    def owned(self, rank: int) -> list[str]:
+        return [s.name for bm in self.buckets.values() for s, o in zip(bm.layout.slots, bm.owners) if o == rank]
+
+
+def _assign_owners(entries: list[tuple[int, int, int]], world_size: int) -> dict[tuple[int, int], int]:
+    """``(bucket, slot, cost)`` -> owner, largest cost first to the least-loaded rank."""
+    load = [0] * world_size
+    owner: dict[tuple[int, int], int] = {}
+    for bi, si, cost in sorted(entries, key=lambda e: (-e[2], e[0], e[1])):
+        r = min(range(world_size), key=lambda k: (load[k], k))
+        owner[(bi, si)] = r
+        load[r] += cost
+    return owner
+
+
+def bind_sharded_muon(optimizer: torch.optim.Optimizer, buckets: list[Any], masters: list[torch.Tensor],
+                      dp_group: Any, offloaded: set[int]) -> MuonShardPlan | None:
+    """Bind an orthogonaliser to each flat Muon master of ``optimizer`` (a no-op for other optimizers)."""
+    if not getattr(optimizer, "needs_whole_matrices", False):
+        return None
+    groups = optimizer.param_groups
+    muon_buckets = [i for i, b in enumerate(buckets) if groups[b.layout.group_index].get("use_muon")]
+    if any(i in offloaded for i in muon_buckets):
+        from zerospeed.config.errors import ConfigError
+
+        raise ConfigError("zero_optimization.offload_optimizer", "Muon cannot run on offloaded buckets yet (the "
+                          "offload tier's CPU step is Adam's); turn offload_optimizer off, or use Adam/AdamW")
+    plan = MuonShardPlan()
+    entries, info = [], {}
+    for i in muon_buckets:
+        b = buckets[i]
+        group = getattr(b, "comm_group", dp_group)
+        world = b.layout.world_size
+        rank = comm.get_rank(group) if world > 1 else 0
+        info[i] = (group, rank, world)
+        method = groups[b.layout.group_index]["ns_method"]
+        for si, slot in enumerate(b.layout.slots):
+            cost = ns_flops(slot.shape, method) if len(slot.shape) >= 2 else slot.numel
+            entries.append((i, si, cost))
+            plan.ns_flops_total += cost if len(slot.shape) >= 2 else 0
+    # owners are balanced within each world size (buckets of one group share it)
+    by_world: dict[int, list[tuple[int, int, int]]] = {}
+    for e in entries:
+        by_world.setdefault(info[e[0]][2], []).append(e)
+    owner: dict[tuple[int, int], int] = {}
+    for world, es in by_world.items():
+        owner.update(_assign_owners(es, world))
+    for i in muon_buckets:
+        b, group_rank_world = buckets[i], info[i]
+        group, rank, world = group_rank_world
+        bm = _BucketMatrices(b.layout, group, rank, world,
+                             [owner[(i, si)] for si in range(len(b.layout.slots))])
+        plan.buckets[id(masters[i])] = bm
+        optimizer.bind_orthogonalizer(masters[i], _orthogonalizer(bm, plan, getattr(optimizer, "variant", "deepspeed")))
+    optimizer.shard_plan = plan
+    return plan
+
+
+def _orthogonalizer(bm: _BucketMatrices, plan: MuonShardPlan, variant: str) -> Any:
+    layout = bm.layout
+
+    def run(update: torch.Tensor, group_settings: Mapping[str, Any]) -> torch.Tensor:
+        method = group_settings["ns_method"]
+        full = torch.empty(layout.padded_numel, dtype=update.dtype, device=update.device)
+        comm.all_gather(full, update.reshape(-1), group=bm.group)
+        out = torch.zeros_like(full)
+        for slot, owner in zip(layout.slots, bm.owners):
+            if owner != bm.rank:
+                continue
+            piece = full.narrow(0, slot.offset, slot.numel)
+            if len(slot.shape) >= 2:
+                o = newton_schulz(piece.view(slot.shape[0], -1), method, variant=variant) * muon_scale(slot.shape)
+                plan.ns_flops_done += ns_flops(slot.shape, method)
+                out.narrow(0, slot.offset, slot.numel).copy_(o.reshape(-1))
+            else:  # a vector the user forced onto Muon: DeepSpeed's NS needs 2-D; keep the plain update
+                out.narrow(0, slot.offset, slot.numel).copy_(piece)
+        mine = torch.empty_like(update).reshape(-1)
+        comm.reduce_scatter(mine, out, group=bm.group)
+        return mine.view_as(update)
+
+    return run

@@ -1,0 +1,110 @@
+"""Shared model, data and runs for the Muon tests (imported by the test modules and by the ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+GLOBAL_BATCH = 8
+SEQ = 6
+VOCAB = 11
+STEPS = 4
+MUON_PARAMS = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.05, "muon_lr": 0.03, "adam_lr": 0.01,
+               "betas": [0.9, 0.95], "eps": 1e-8}
+
+
+class TinyLM(nn.Module):
+    """Embedding, two hidden matrices of odd shapes (Muon), a norm and biases and an LM head (Adam)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.up = nn.Linear(8, 13)
+        self.down = nn.Linear(13, 8, bias=False)
+        self.norm = nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + self.down(torch.tanh(self.up(h)))
+        logits = self.lm_head(self.norm(h))
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+MUON_NAMES = ("up.weight", "down.weight")
+
+
+def make_model() -> TinyLM:
+    torch.manual_seed(4321)
+    return TinyLM()
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(77 + step)
+    t = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def config(stage: int, params: dict | None = None, bucket: int = 100, **extra) -> dict:
+    cfg = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "Muon", "params": dict(MUON_PARAMS if params is None else params)},
+           "gradient_clipping": 0.0, "steps_per_print": 0,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}}
+    cfg.update(extra)
+    return cfg
+
+
+def reference_run(params: dict | None = None, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single process, plain PyTorch with zerospeed's Muon optimizer built from the same params."""
+    from zerospeed.ops.optimizers import build_optimizer
+
+    model = make_model()
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = build_optimizer("Muon", dict(MUON_PARAMS if params is None else params), model.parameters(), names=names)
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step)
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def engine_run(cfg: dict, steps: int = STEPS) -> dict:
+    import zerospeed
+
+    model = make_model()
+    engine, opt, _, _ = zerospeed.initialize(model=model, config=cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step)
+        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    with _gathered(engine):
+        weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    plan = getattr(opt, "shard_plan", None)
+    muon_groups = [g for g in opt.param_groups if g.get("use_muon")]
+    return {"losses": losses, "weights": weights,
+            "ns_flops_done": None if plan is None else plan.ns_flops_done,
+            "ns_flops_total": None if plan is None else plan.ns_flops_total,
+            "owned": None if plan is None else plan.owned(rank),
+            "num_muon_tensors": sum(len(g["params"]) for g in muon_groups),
+            "memory": engine.memory_breakdown()}
+
+
+def _gathered(engine):
+    from zerospeed.zero import GatheredParameters
+
+    return GatheredParameters(list(engine.module.parameters()))
+
+
+def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(((a[k].float() - b[k].float()).abs().max() / b[k].float().abs().max()).item() for k in b)

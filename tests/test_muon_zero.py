@@ -1,0 +1,81 @@
+"""Muon under ZeRO 0-3 on 2 and 4 gloo ranks equals the single-process run of the same algorithm.
+
+The sharded step orthogonalises each matrix whole (on its owner rank, after an all-gather) with the
+same code as the single process, and the element-wise parts are the same arithmetic on slices, so
+stages 1-3 equal stage 0 at the same world size to TOL = 1e-6 relative on losses and fp32 weights.
+Against the single process the gradients themselves differ in rounding (the batch is split over ranks
+and summed by a collective), and five Newton-Schulz steps amplify that by up to a^5 ~ 480 (see
+tests/test_muon.py): held to the suite's fp32 parity tolerance, REF_TOL = 1e-5.
+The Newton-Schulz FLOPs are counted per rank: each does about 1/N.
+"""
+
+import functools
+
+import pytest
+
+from muon_cases import config, engine_run, max_rel_err, reference_run
+from zerospeed.testing import run_distributed
+
+TOL = 1e-6
+REF_TOL = 1e-5
+
+
+@functools.lru_cache(maxsize=None)
+def _stage0(world):
+    return run_distributed(engine_run, world, config(0), timeout=150)[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_muon_matches_single_process(stage, world):
+    ref_losses, ref_weights = reference_run()
+    base = _stage0(world)
+    results = run_distributed(engine_run, world, config(stage), timeout=150)
+    for r in results:
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses)) < REF_TOL
+        assert max_rel_err(r["weights"], ref_weights) < REF_TOL
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"])) < TOL
+        assert max_rel_err(r["weights"], base["weights"]) < TOL
+    if stage >= 1:  # every matrix orthogonalised exactly once, by one owner
+        owned = [name for r in results for name in r["owned"]]
+        assert sorted(owned) == sorted(set(owned)) and set(owned) == {"up.weight", "down.weight"}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_newton_schulz_flops_are_spread_over_ranks(stage):
+    # eight 16x16 hidden matrices of equal cost: 2 ranks do 4 each (exactly half the total)
+    from muon_cases import GLOBAL_BATCH
+
+    results = run_distributed(_deep_run, 2, stage, timeout=150)
+    total = results[0]["ns_flops_total"]
+    done = [r["ns_flops_done"] for r in results]
+    steps = results[0]["steps"]
+    assert sum(done) == total * steps
+    for d in done:
+        assert d == total * steps // 2
+    del GLOBAL_BATCH
+
+
+def _deep_run(stage):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import zerospeed
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(8)])
+    cfg = {"train_batch_size": 4, "steps_per_print": 0, "gradient_clipping": 0.0,
+           "optimizer": {"type": "Muon", "params": {"lr": 0.01}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 600, "allgather_bucket_size": 600}}
+    engine, opt, _, _ = zerospeed.initialize(model=model, config=cfg)
+    rank = dist.get_rank()
+    for step in range(2):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step)).chunk(2)[rank]
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+    plan = opt.shard_plan
+    return {"ns_flops_total": plan.ns_flops_total, "ns_flops_done": plan.ns_flops_done, "steps": 2}
