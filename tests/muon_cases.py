@@ -108,3 +108,36 @@ def _gathered(engine):
 
 def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(((a[k].float() - b[k].float()).abs().max() / b[k].float().abs().max()).item() for k in b)
+
+
+def checkpoint_run(cfg: dict, save_dir: str, steps: range, save_after: bool, load: bool,
+                   zero_init: bool = False) -> dict:
+    """Train ``steps`` (their global batches), loading a checkpoint first and/or saving one after."""
+    import zerospeed
+    from zerospeed import zero
+
+    if zero_init:
+        with zero.Init(config_dict_or_path=cfg):
+            model = make_model()
+    else:
+        model = make_model()
+    engine, opt, _, _ = zerospeed.initialize(model=model, config=cfg)
+    if load:
+        engine.load_checkpoint(save_dir)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
+        x, y = global_batch(step)
+        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    if save_after:
+        engine.save_checkpoint(save_dir, tag="t")
+    with _gathered(engine):
+        weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    muon_groups = [g for g in opt.param_groups if g.get("use_muon")]
+    return {"losses": losses, "weights": weights, "owned": getattr(opt.shard_plan, "owned", lambda r: [])(rank),
+            "num_muon_groups": len(muon_groups)}

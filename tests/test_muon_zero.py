@@ -79,3 +79,32 @@ def _deep_run(stage):
         engine.step()
     plan = opt.shard_plan
     return {"ns_flops_total": plan.ns_flops_total, "ns_flops_done": plan.ns_flops_done, "steps": 2}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_momentum_checkpoint_saved_at_dp2_resumes_at_dp4(stage, tmp_path):
+    from muon_cases import STEPS, checkpoint_run
+
+    whole = run_distributed(checkpoint_run, 4, config(stage), str(tmp_path / "unused"), range(STEPS), False, False,
+                            timeout=150)[0]
+    run_distributed(checkpoint_run, 2, config(stage), str(tmp_path), range(2), True, False, timeout=150)
+    resumed = run_distributed(checkpoint_run, 4, config(stage), str(tmp_path), range(2, STEPS), False, True,
+                              timeout=150)[0]
+    # the momentum buffers came back: without them step 3's update would differ well beyond rounding
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed["losses"], whole["losses"][2:])) < REF_TOL
+    assert max_rel_err(resumed["weights"], whole["weights"]) < REF_TOL
+
+
+@pytest.mark.timeout(300)
+def test_zero_init_tags_every_hidden_matrix(tmp_path):
+    # DeepSpeed #8438: under zero.Init parameters look 1-D and none went to Muon; here they are tagged by
+    # the layer's shape, and the run equals stage 3 without zero.Init
+    from muon_cases import STEPS, checkpoint_run
+
+    plain = run_distributed(checkpoint_run, 2, config(3), str(tmp_path), range(STEPS), False, False, timeout=150)
+    inited = run_distributed(checkpoint_run, 2, config(3), str(tmp_path), range(STEPS), False, False, True,
+                             timeout=150)
+    assert sorted(n for r in inited for n in r["owned"]) == ["down.weight", "up.weight"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(inited[0]["losses"], plain[0]["losses"])) < TOL
+    assert max_rel_err(inited[0]["weights"], plain[0]["weights"]) < TOL

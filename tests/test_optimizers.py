@@ -289,7 +289,7 @@ def expect_config_error(key_path: str, type_name, opt_params: dict, match: str =
 
 def test_unknown_optimizer_type():
     expect_config_error("optimizer.type", "Adamm", {}, match="did you mean 'Adam'")
-    err = expect_config_error("optimizer.type", "RMSprop", {})
+    err = expect_config_error("optimizer.type", "Shampoo", {})
     assert "Lamb" in err.problem
     expect_config_error("optimizer.type", None, {}, match="not a string")
 

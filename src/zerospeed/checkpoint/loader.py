@@ -63,6 +63,9 @@ class _Plan:
     extras: list[tuple[torch.Tensor, str, list[CopyOp]]] = field(default_factory=list)  # (module tensor, kind, ops)
     optim: list[tuple[torch.Tensor, str]] = field(default_factory=list)  # (optimizer tensor, name of its scalars)
     state_keys: list[str] = field(default_factory=list)
+    #: id(optimizer tensor) -> the state keys it gets, where not all of ``state_keys`` (Muon's buckets hold
+    #: momentum_buffer, its Adam buckets exp_avg / exp_avg_sq: a bucket never mixes optimizer groups)
+    keys_of: dict[int, list[str]] = field(default_factory=dict)
     clear_optim: list[torch.Tensor] = field(default_factory=list)
     rng_keys: list[str] = field(default_factory=list)
 
@@ -170,6 +173,9 @@ def plan(engine: Any, index: CheckpointIndex, strict: bool, load_optimizer: bool
         optim_ops: dict[tuple[int, str], list[CopyOp]] = {}
         mode = opt_mode(v) if out.state_keys and v.opt_tensors else None
         slot_pos = {s.name: i for i, s in enumerate(v.layout.slots)}
+        in_ckpt = [index.canonical(s.name) for s in v.layout.slots if index.canonical(s.name) in index.params]
+        bucket_keys = [k for k in out.state_keys if any(index.has_kind(n, f"optim.{k}") for n in in_ckpt)] \
+            if in_ckpt else out.state_keys  # the keys this bucket's optimizer group saved
         for piece, pos in owned:
             src = index.canonical(piece.slot.name)
             if src not in index.params:
@@ -186,7 +192,7 @@ def plan(engine: Any, index: CheckpointIndex, strict: bool, load_optimizer: bool
                 else:
                     tgt_ops = ranged(src, sources, piece.param_start, piece.numel, piece.param_start)
                     t_index = slot_pos[piece.slot.name]
-                for key in out.state_keys:
+                for key in bucket_keys:
                     if not index.has_kind(src, f"optim.{key}"):
                         raise CheckpointError(f"{index.path}: optimizer state {key!r} of {src!r} is missing")
                     optim_ops.setdefault((t_index, key), []).extend(tgt_ops)
@@ -208,7 +214,8 @@ def plan(engine: Any, index: CheckpointIndex, strict: bool, load_optimizer: bool
                     out.clear_optim.append(t)
                     continue
                 out.optim.append((t, next((n for n in present if n in scalars), present[0])))
-                for key in out.state_keys:
+                out.keys_of[id(t)] = bucket_keys
+                for key in bucket_keys:
                     out.jobs.append(_Job(lambda t=t, key=key: engine.optimizer.state[t][key].view(-1), f"optim.{key}",
                                          optim_ops.get((t_index, key), [])))
         elif load_optimizer and not module_only and engine.optimizer is not None:
@@ -238,7 +245,7 @@ def _make_optimizer_state(engine: Any, p: _Plan, index: CheckpointIndex, source:
                                         device=t.device if on_device else "cpu")
             else:
                 new[key] = decode(enc["v"])
-        for key in p.state_keys:
+        for key in p.keys_of.get(id(t), p.state_keys):
             new[key] = torch.zeros_like(t, dtype=dtypes.get(key, t.dtype), memory_format=torch.contiguous_format)
         opt.state[t] = new
     for t in p.clear_optim:

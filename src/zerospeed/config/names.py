@@ -23,13 +23,15 @@ from __future__ import annotations
 import difflib
 
 #: optimizers zerospeed builds, canonical spelling.
-OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Muon")
+OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Muon", "Lion", "MuAdam", "MuAdamW",
+                                    "MuSGD")
 
 #: names DeepSpeed accepts (its own or torch.optim's) that zerospeed does not build yet.
-OPTIMIZER_NAMES_NOT_YET: tuple[str, ...] = (
-    "Lion", "MuAdam", "MuAdamW", "MuSGD",
-    "Adadelta", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam", "RMSprop", "Rprop", "SparseAdam",
-    "Adafactor",
+OPTIMIZER_NAMES_NOT_YET: tuple[str, ...] = ("LBFGS", "SparseAdam")
+
+#: the rest of torch.optim, built by DeepSpeed's fallback ``getattr(torch.optim, name)`` (issue #30)
+TORCH_OPTIMIZER_NAMES: tuple[str, ...] = (
+    "Adadelta", "Adafactor", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop",
 )  # fmt: skip
 
 #: optimizer names DeepSpeed itself has removed.
@@ -87,7 +89,7 @@ def _canonical(
 def canonical_optimizer_name(name: object) -> str:
     """Canonical spelling of an optimizer name zerospeed builds; :class:`NameProblem` otherwise."""
     return _canonical(
-        name, "optimizer", OPTIMIZER_NAMES, OPTIMIZER_NAMES_NOT_YET, OPTIMIZER_NAMES_REMOVED
+        name, "optimizer", OPTIMIZER_NAMES + TORCH_OPTIMIZER_NAMES, OPTIMIZER_NAMES_NOT_YET, OPTIMIZER_NAMES_REMOVED
     )
 
 

@@ -67,6 +67,8 @@ from zerospeed.ops.adam.kernel_choice import attach_switch, check_forced, kernel
 from zerospeed.ops.fast_paths import FastPathError
 from zerospeed.ops.lamb import Lamb
 from zerospeed.ops import muon as _muon
+from zerospeed.ops.lion import Lion
+from zerospeed.ops.mup import MU_OPTIMIZERS, mu_param_groups
 
 __all__ = ["build_optimizer", "resolve_client_optimizer", "OPTIMIZERS"]
 
@@ -111,6 +113,10 @@ OPTIMIZERS: dict[str, _OptimizerSpec] = {
     "sgd": _OptimizerSpec("SGD", (torch.optim.SGD,)),
     "adagrad": _OptimizerSpec("Adagrad", (torch.optim.Adagrad,)),
     "lamb": _OptimizerSpec("Lamb", (Lamb,), excluded=("max_grad_norm",)),
+    "lion": _OptimizerSpec("Lion", (Lion,)),
+    "muadam": _OptimizerSpec("MuAdam", (torch.optim.Adam,)),
+    "muadamw": _OptimizerSpec("MuAdamW", (torch.optim.AdamW,)),
+    "musgd": _OptimizerSpec("MuSGD", (torch.optim.SGD,)),
     "muon": _OptimizerSpec("Muon", (), deepspeed_only=("lr", "momentum", "weight_decay", "ns_method", "muon_lr",
                                                        "adam_lr", "betas", "eps", "adam_w_mode", "variant")),
 }
@@ -283,6 +289,9 @@ def build_optimizer(
     if not isinstance(type_name, str):
         raise ConfigError("optimizer.type", f"{type_name!r} is not a string")
     spec = OPTIMIZERS.get(type_name.lower())
+    torch_cls = _torch_optimizer(type_name) if spec is None else None
+    if torch_cls is not None:
+        return _torch_fallback(torch_cls, params, _materialise(param_groups))
     if spec is None:
         known = [s.name for s in OPTIMIZERS.values()]
         close = difflib.get_close_matches(type_name.lower(), list(OPTIMIZERS), n=1, cutoff=0.5)
@@ -310,6 +319,20 @@ def build_optimizer(
         # the same arithmetic on whole tensors and on ZeRO shards
         return _muon.Muon(_muon_groups(groups, kwargs, names, shapes), adam_w_mode=kwargs.get("adam_w_mode", True),
                           variant=kwargs.get("variant", "deepspeed"))
+    if spec.name in MU_OPTIMIZERS:
+        cls = MU_OPTIMIZERS[spec.name]
+        full = {"lr": inspect.signature(cls.__init__).parameters["lr"].default, **kwargs}
+        if "betas" in full:
+            full["betas"] = tuple(full["betas"])
+        dicts = [g for g in groups if isinstance(g, dict)]
+        loose = [g[1] if isinstance(g, tuple) else g for g in groups if not isinstance(g, dict)]
+        if loose or not dicts:
+            dicts.append({"params": loose})
+        return cls(mu_param_groups(spec.name, dicts, full, names), **full)
+    if spec.name == "Lion":
+        if "betas" in kwargs:
+            kwargs["betas"] = tuple(kwargs["betas"])
+        return Lion(groups, **kwargs)
     if spec.name == "Lamb":
         if "betas" in kwargs:
             kwargs["betas"] = tuple(kwargs["betas"])
@@ -317,6 +340,45 @@ def build_optimizer(
     torch_cls = spec.torch_classes[0]
     _pick_implementation(kwargs, groups)
     return torch_cls(groups, **kwargs)
+
+
+#: torch.optim classes the fallback refuses, with why
+_TORCH_REFUSED = {
+    "LBFGS": "it needs a closure that re-evaluates the model, and engine.step() has none",
+    "SparseAdam": "it needs sparse gradients, and zerospeed's gradient buckets are dense",
+}
+
+
+def _torch_optimizer(name: str) -> type[torch.optim.Optimizer] | None:
+    """DeepSpeed's fallback ``getattr(torch.optim, name)`` (matched case-insensitively here)."""
+    for attr in dir(torch.optim):
+        cls = getattr(torch.optim, attr)
+        if attr.lower() == name.lower() and isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) \
+                and cls is not torch.optim.Optimizer:
+            return cls
+    return None
+
+
+def _torch_fallback(cls: type[torch.optim.Optimizer], params: Mapping[str, Any], groups: list[Any]
+                    ) -> torch.optim.Optimizer:
+    """``torch.optim.<name>(groups, **params)``, its keywords checked against the class's own signature."""
+    name = cls.__name__
+    if name in _TORCH_REFUSED:
+        raise ConfigError("optimizer.type", f"{name!r}: torch.optim.{name} cannot run under zerospeed's engine: "
+                          f"{_TORCH_REFUSED[name]}")
+    allowed = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params")]
+    for key in params:
+        if key == "max_grad_norm":
+            raise ConfigError(_key(key), "not supported as an optimizer parameter (as in DeepSpeed); use the "
+                              "top-level 'gradient_clipping' instead")
+        if key not in allowed:
+            raise ConfigError(_key(str(key)), f"unknown parameter for torch.optim.{name}; allowed: "
+                              f"{', '.join(allowed)}")
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+    try:
+        return cls(groups, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("optimizer.params", f"torch.optim.{name} refused them: {exc}") from None
 
 
 def resolve_client_optimizer(

@@ -45,7 +45,8 @@ from zerospeed.zero.offload.tier import OffloadTier, choose_offloaded, same_memo
 
 #: Optimizers whose update is element-wise, so running them on flat shards equals running them
 #: on whole parameters.
-ELEMENTWISE_OPTIMIZERS = ("Adam", "AdamW", "FusedAdam", "CPUAdam", "SGD", "Adagrad", "Adamax", "RMSprop", "Adadelta", "NAdam", "RAdam")
+ELEMENTWISE_OPTIMIZERS = ("Adam", "AdamW", "FusedAdam", "CPUAdam", "SGD", "Adagrad", "Adamax", "RMSprop", "Adadelta", "NAdam", "RAdam",
+                          "ASGD", "Rprop", "Lion")
 
 
 def optimizer_group_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
