@@ -181,7 +181,7 @@ def test_seed_stop_and_token_prompts(client, tokenizer):
 
 
 @pytest.mark.parametrize("path,body,status,param", [
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
@@ -201,7 +201,7 @@ def test_seed_stop_and_token_prompts(client, tokenizer):
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "fox " * 400}]}, 400,
      "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 65}, 400, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "max_completion_tokens": 10**5}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
@@ -219,7 +219,7 @@ def test_invalid_json_and_server_still_serves(server, client):
               headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="hi", n=2)
+        client.completions.create(model=MODEL, prompt="hi", n=100)
     assert e.value.body["param"] == "n"
     ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0,
                                    extra_body={"ignore_eos": True})

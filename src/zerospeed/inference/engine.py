@@ -218,7 +218,11 @@ class InferenceEngine:
         log.info("%s", self.fast_path_report)
 
     # -- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    fork_of: str | None = None) -> None:
+        """``fork_of``: the id of a waiting or running request with the same prompt whose prompt K/V this
+        one shares (OpenAI's ``n`` / ``best_of``): its prompt is computed once, the blocks are shared and
+        copied on write."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError("params", f"expected SamplingParams, got {type(params).__name__}")
@@ -247,13 +251,23 @@ class InferenceEngine:
                                                  f"(at most {self.max_model_len - len(prompt)})")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop", "stop strings need a tokenizer, and the model folder has none")
+        parent = None
+        if fork_of is not None:
+            parent = self._seqs.get(fork_of)
+            if parent is None or parent.tokens[:parent.prompt_len] != prompt:
+                raise RequestError("fork_of", f"{fork_of!r} is not a waiting or running request with this prompt")
+            if params.prompt_logprobs is not None or parent.num_generated:
+                raise RequestError("fork_of", "a fork takes no prompt_logprobs and needs a parent still in its prompt")
         stop_set = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_set.update(self.eos_token_ids)
         gen = make_generator(params.seed) if params.do_sample and params.temperature > 0 else None
         seq = Sequence(request_id, prompt, params, next(self._arrival), gen, frozenset(stop_set))
         self._seqs[request_id] = seq
-        self.scheduler.add(seq)
+        if parent is not None:
+            self.scheduler.add_fork(seq, parent)
+        else:
+            self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         seq = self._seqs.pop(request_id, None)

@@ -70,6 +70,14 @@ class BlockAllocator:
         if self._ref[block] == 0:
             self._free[block] = None
 
+    def share(self, block: int) -> int:
+        """Take one more reference on an allocated ``block`` (a forked sequence reading the same
+        K/V; a write to it is copied first, see the scheduler's copy-on-write)."""
+        if self._ref[block] <= 0:
+            raise RuntimeError(f"block {block} is not allocated")
+        self._ref[block] += 1
+        return block
+
     def seal(self, block: int, prefix_hash: int) -> None:
         """Record that ``block`` holds the K/V of the prefix named by ``prefix_hash``."""
         if prefix_hash in self._block_of or block in self._hash_of:

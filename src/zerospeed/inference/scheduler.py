@@ -116,8 +116,37 @@ class Scheduler:
         seq.block_hashes = []
         seq.num_computed = 0
 
+    def add_fork(self, seq: Sequence, parent: Sequence) -> None:
+        """``seq`` (same prompt as ``parent``) waits for ``parent``'s prompt K/V and then shares its
+        blocks (:meth:`_attach_forks`) instead of computing the prompt again; the last prompt
+        token is computed by each sequence itself (as a decode), so the partly filled block that
+        holds it is copied on write, never shared while written."""
+        parent.forks.append(seq)
+
+    def _attach_forks(self, parent: Sequence) -> None:
+        bs = self.block_size
+        shared = parent.prompt_len - 1  # positions whose K/V the forks read from the parent
+        nb = -(-shared // bs)
+        for seq in parent.forks:
+            seq.blocks = [self.allocator.share(b) for b in parent.blocks[:nb]]
+            seq.block_hashes = list(parent.block_hashes[:min(len(parent.block_hashes), nb)])
+            seq.num_computed = shared
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        parent.forks = []
+        self.running.sort(key=lambda s: s.arrival)
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and return its blocks."""
+        if seq.forks and seq.num_computed < seq.prompt_len - 1:
+            for f in seq.forks:  # its prompt was not computed: the forks compute it themselves
+                self._insert_waiting(f)
+            seq.forks = []
+        elif seq.forks:
+            self._attach_forks(seq)
+        for other in self.waiting + self.running:  # a fork whose parent goes (abort) is its own
+            if seq in getattr(other, "forks", ()):
+                other.forks.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -280,6 +309,8 @@ class Scheduler:
         bs = self.block_size
         for seq, n in batch.items:
             seq.num_computed += n
+            if seq.forks and seq.num_computed >= seq.prompt_len - 1:
+                self._attach_forks(seq)
             if not self.enable_prefix_caching:
                 continue
             full = seq.num_computed // bs

@@ -253,7 +253,11 @@ class Handlers:
         self.check_model(req.model)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         prompt_lps = req.engine_prompt_logprobs()
-        params = req.sampling_params(max_tokens, req.logprobs, prompt_lps)
+        k = req.num_candidates()
+        n = req.n or 1
+        ranking = k > n  # best_of: the engine returns every chosen token's logprob to rank them
+        params = req.sampling_params(max_tokens, req.logprobs if req.logprobs is not None
+                                     else (0 if ranking else None), prompt_lps)
         prompts, echoes = [], []
         for p in req.prompts():
             ids = self.encode(p, "prompt") if isinstance(p, str) else list(p)
@@ -264,7 +268,7 @@ class Handlers:
             self.check_fits(ids, max_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        gen = Generation(self.s.engine_loop, self.s.tokenizer, rid, prompts, params, "prompt")
+        gen = Generation(self.s.engine_loop, self.s.tokenizer, rid, prompts, params, "prompt", n=k)
         want_logprobs = req.logprobs is not None
         echo = bool(req.echo)
         base = {"id": rid, "object": "text_completion", "created": created,
@@ -297,10 +301,13 @@ class Handlers:
                     "top_logprobs": tops, "text_offset": offsets}
 
         def echo_part(i: int, c: Any) -> tuple[str, dict[str, Any] | None]:
-            """The echoed prompt of choice ``i``: its text and its logprobs."""
-            lp = logprobs_of(prompts[i], c.prompt_logprobs or [None] * len(prompts[i]),
-                             c.prompt_top_logprobs)
-            return echoes[i], lp
+            """The echoed prompt of choice ``i``: its text and its logprobs (computed by the
+            prompt's first choice; the forks share them)."""
+            p = gen.prompt_of(i)
+            first = gen.choices[p * k]
+            lp = logprobs_of(prompts[p], first.prompt_logprobs or [None] * len(prompts[p]),
+                             first.prompt_top_logprobs)
+            return echoes[p], lp
 
         def joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
             if a is None or b is None:
@@ -311,16 +318,18 @@ class Handlers:
             """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id:
             {logprob, rank, decoded_token}} with the prompt's token and the top alternatives (rank
             known for those only)."""
+            p = gen.prompt_of(i)
+            c = gen.choices[p * k]
             if req.prompt_logprobs is None or c.prompt_logprobs is None:
                 return None
             out: list[Any] = [None]
-            for j in range(1, len(prompts[i])):
+            for j in range(1, len(prompts[p])):
                 top = c.prompt_top_logprobs[j] or {}
                 ranked = sorted(top.items(), key=lambda kv: -kv[1])[:req.prompt_logprobs]
                 entry = {str(t): {"logprob": finite_logprob(v), "rank": r + 1,
                                   "decoded_token": self.s.tokenizer.token_text(t)}
                          for r, (t, v) in enumerate(ranked)}
-                tid = prompts[i][j]
+                tid = prompts[p][j]
                 if str(tid) not in entry:
                     entry = {str(tid): {"logprob": finite_logprob(c.prompt_logprobs[j]),
                                         "rank": None,
@@ -330,8 +339,8 @@ class Handlers:
             return out
 
         async def deltas(g: Generation) -> AsyncIterator[str]:
-            started = [False] * len(prompts)
-            sent = [0] * len(prompts)
+            started = [False] * len(g.choices)
+            sent = [0] * len(g.choices)
             async for d in coalesce(g.events()):
                 text = d.text
                 lp = logprobs_of(d.token_ids, d.logprobs, d.top_logprobs, sent[d.index])
@@ -372,6 +381,18 @@ class Handlers:
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_field(i, c)
                 choices.append(choice)
+            if ranking:  # best_of: each prompt's n best candidates by cumulative logprob
+                kept = []
+                for p in range(len(prompts)):
+                    group = list(range(p * k, (p + 1) * k))
+                    group.sort(key=lambda i: -sum(g.choices[i].logprobs))
+                    for r, i in enumerate(group[:n]):
+                        choice = choices[i]
+                        choice["index"] = p * n + r
+                        if not want_logprobs:
+                            choice["logprobs"] = None
+                        kept.append(choice)
+                choices = kept
             return dict(base, choices=choices, usage=g.usage())
 
         return await self.run(request, gen, bool(req.stream), chunks, final)
@@ -398,7 +419,8 @@ class Handlers:
             raise
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        gen = Generation(self.s.engine_loop, self.s.tokenizer, rid, [ids], params, "messages")
+        gen = Generation(self.s.engine_loop, self.s.tokenizer, rid, [ids], params, "messages",
+                         n=req.n or 1)
         base = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.s.model_name}
 
@@ -416,32 +438,40 @@ class Handlers:
             return {"content": content}
 
         def chunks(g: Generation) -> AsyncIterator[str]:
-            def chunk(delta: dict[str, Any], finish: str | None, lp: Any = None) -> str:
-                c = dict(base, choices=[{"index": 0, "delta": delta, "logprobs": lp,
+            def chunk(index: int, delta: dict[str, Any], finish: str | None,
+                      lp: Any = None) -> str:
+                c = dict(base, choices=[{"index": index, "delta": delta, "logprobs": lp,
                                          "finish_reason": finish}])
                 if req.include_usage():
                     c["usage"] = None
                 return sse(c)
 
             async def deltas() -> AsyncIterator[str]:
-                yield chunk({"role": "assistant", "content": ""}, None)
+                # the role goes with each choice's first token (as vLLM sends it), so a client's
+                # time to first chunk is its time to first token, not the time to admission
+                started = [False] * len(g.choices)
                 async for d in coalesce(g.events()):
-                    if d.text or d.logprobs:
-                        yield chunk({"content": d.text}, None,
+                    delta: dict[str, Any] = {}
+                    if not started[d.index]:
+                        started[d.index] = True
+                        delta["role"] = "assistant"
+                    if d.text or d.logprobs or delta:
+                        delta["content"] = d.text
+                        yield chunk(d.index, delta, None,
                                     logprobs_of(d.token_ids, d.logprobs, d.top_logprobs))
                     if d.finish_reason is not None:
-                        yield chunk({}, d.finish_reason)
+                        yield chunk(d.index, {}, d.finish_reason)
 
             return sse_stream(g, deltas(), base, req.include_usage())
 
         def final(g: Generation) -> dict[str, Any]:
-            c = g.choices[0]
             return {"id": rid, "object": "chat.completion", "created": created,
                     "model": self.s.model_name,
-                    "choices": [{"index": 0,
+                    "choices": [{"index": i,
                                  "message": {"role": "assistant", "content": c.stream.text},
                                  "logprobs": logprobs_of(c.token_ids, c.logprobs, c.top_logprobs),
-                                 "finish_reason": c.finish_reason}],
+                                 "finish_reason": c.finish_reason}
+                                for i, c in enumerate(g.choices)],
                     "usage": g.usage()}
 
         return await self.run(request, gen, bool(req.stream), chunks, final)

@@ -103,13 +103,22 @@ class EngineLoop:
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                sink: Sink) -> None:
         """Queue a request; raises :class:`QueueFull` or :class:`ServerClosing` instead."""
+        self.submit_group([(request_id, prompt_token_ids, params, sink, None)])
+
+    def submit_group(self, entries: list[tuple[str, list[int], SamplingParams, Sink, str | None]]) -> None:
+        """Queue the engine requests of one HTTP request together (``(id, prompt, params, sink,
+        fork_of)``; a fork names an earlier entry): the engine thread adds them in one drain, so a
+        fork always finds its parent still in its prompt. Admission counts the group as one
+        waiting request (``n`` choices of one prompt are one request to the client)."""
         with self._lock:
             if self._closing:
                 raise ServerClosing()
             if self._num_in_flight - self._num_running >= self.max_waiting:
                 raise QueueFull()
-            self._num_in_flight += 1
-        self._inbox.put(("add", request_id, prompt_token_ids, params, sink, time.perf_counter()))
+            self._num_in_flight += len(entries)
+        now = time.perf_counter()
+        self._inbox.put(("group", [(rid, ids, params, sink, fork_of, now)
+                                   for rid, ids, params, sink, fork_of in entries]))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (no-op when it already finished); its blocks are freed before the next
@@ -146,10 +155,16 @@ class EngineLoop:
     def _handle(self, cmd: tuple) -> bool:
         """Apply one command; False for ``stop``."""
         kind = cmd[0]
-        if kind == "add":
-            _, rid, ids, params, sink, arrival = cmd
+        if kind == "group":
+            for entry in cmd[1]:
+                self._handle(("add", *entry))
+        elif kind == "add":
+            _, rid, ids, params, sink, fork_of, arrival = cmd
             try:
-                self.engine.add_request(rid, ids, params)
+                if fork_of is None:
+                    self.engine.add_request(rid, ids, params)
+                else:
+                    self.engine.add_request(rid, ids, params, fork_of=fork_of)
             except RequestError as e:
                 self._refuse(sink, e)
                 return True
@@ -259,6 +274,7 @@ class EngineLoop:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if cmd[0] == "add":
-                    self._refuse(cmd[4], ServerClosing())
+                if cmd[0] == "group":
+                    for entry in cmd[1]:
+                        self._refuse(entry[3], ServerClosing())
             self._refresh_stats()

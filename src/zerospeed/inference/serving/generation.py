@@ -8,6 +8,7 @@ The engine thread calls each request's sink; the sink moves the item onto this e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -63,19 +64,38 @@ class GenerationFailed(Exception):
 
 
 class Generation:
-    """Submits ``prompts`` to the engine loop and yields :class:`Delta` objects as tokens come."""
+    """Submits ``prompts`` to the engine loop and yields :class:`Delta` objects as tokens come.
+
+    ``n`` choices per prompt (choice ``i * n + j`` is prompt ``i``'s ``j``-th): choice ``j > 0`` is
+    forked from choice ``j = 0`` in the engine (one prompt computation, shared KV blocks), and
+    draws with ``seed + j`` when the request has a seed, so the choices differ and repeat."""
 
     def __init__(self, engine_loop: EngineLoop, tokenizer: TokenizerAdapter, request_id: str,
-                 prompts: list[list[int]], params: SamplingParams, prompt_field: str) -> None:
+                 prompts: list[list[int]], params: SamplingParams, prompt_field: str,
+                 n: int = 1) -> None:
         self._engine_loop = engine_loop
         self._prompt_field = prompt_field
         self._params = params
         self.request_id = request_id
         self.prompts = prompts
-        self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        self.choices = [_Choice(TextStream(tokenizer, params.stop)) for _ in prompts]
+        self.n = n
+        self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts) * n)]
+        self.choices = [_Choice(TextStream(tokenizer, params.stop)) for _ in self.engine_ids]
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._submitted = 0
+
+    def prompt_of(self, index: int) -> int:
+        """The prompt (index into ``prompts``) of choice ``index``."""
+        return index // self.n
+
+    def _entry(self, index: int) -> tuple[str, list[int], SamplingParams, Any, str | None]:
+        j = index % self.n
+        params, fork_of = self._params, None
+        if j:
+            seed = None if params.seed is None else (params.seed + j) % 2**63
+            params = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
+            fork_of = self.engine_ids[index - j]
+        return self.engine_ids[index], self.prompts[index // self.n], params, self._sink(index), fork_of
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,9 +123,8 @@ class Generation:
         :class:`ApiError` (429 when the waiting queue is full, 400 when the engine refuses a
         request, 503 when the server is closing) after aborting whatever was submitted."""
         try:
-            for i, ids in enumerate(self.prompts):
-                self._engine_loop.submit(self.engine_ids[i], ids, self._params, self._sink(i))
-                self._submitted += 1
+            self._engine_loop.submit_group([self._entry(i) for i in range(len(self.choices))])
+            self._submitted = len(self.choices)
         except QueueFull:
             self.abort()
             raise ApiError(429, "the server is at capacity (waiting queue full); retry later",

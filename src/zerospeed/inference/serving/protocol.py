@@ -2,6 +2,9 @@
 
 Decisions:
 
+* ``n`` choices per prompt share the prompt's KV blocks in the engine (forks); ``best_of``
+  generates that many and returns the ``n`` with the highest cumulative logprob, best first, as
+  OpenAI did (not streamable).
 * Request bodies are pydantic models with ``extra="ignore"``: OpenAI clients send fields we do not
   act on (``user``, ``metadata``...), and refusing them would break unchanged clients. Fields that
   *would* change the output and that we cannot honour (``n > 1``, penalties, ``logit_bias``,
@@ -29,6 +32,7 @@ from zerospeed.inference.api import SamplingParams
 MAX_STOP_SEQUENCES = 4
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits
 MAX_CHAT_TOP_LOGPROBS = 20
+MAX_N = 64  # choices per prompt (n, best_of): each one is a sequence in the engine
 
 
 class ApiError(Exception):
@@ -85,8 +89,8 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _check_common(self) -> None:
-        if self.n not in (None, 1):
-            raise bad_request("n", f"only n=1 is supported, got {self.n}")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise bad_request("n", f"must be in [1, {MAX_N}], got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise bad_request(name, "is not supported (only 0)")
@@ -156,8 +160,12 @@ class CompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self._check_common()
-        if self.best_of not in (None, 1):
-            raise bad_request("best_of", f"only best_of=1 is supported, got {self.best_of}")
+        n = self.n or 1
+        if self.best_of is not None:
+            if not n <= self.best_of <= MAX_N:
+                raise bad_request("best_of", f"must be in [n={n}, {MAX_N}], got {self.best_of}")
+            if self.stream and self.best_of > n:
+                raise bad_request("best_of", "cannot be streamed (the best are known at the end)")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_CHAT_TOP_LOGPROBS:
             raise bad_request("prompt_logprobs", f"must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got "
                               f"{self.prompt_logprobs}")
@@ -166,6 +174,10 @@ class CompletionRequest(_SamplingFields):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise bad_request("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got "
                               f"{self.logprobs}")
+
+    def num_candidates(self) -> int:
+        """Sequences generated per prompt: ``best_of`` (the best ``n`` are returned) or ``n``."""
+        return max(self.best_of or 1, self.n or 1)
 
     def engine_prompt_logprobs(self) -> int | None:
         """Alternatives per prompt token the engine computes: ``echo`` with ``logprobs`` needs the
