@@ -17,9 +17,12 @@ least-loaded rank of its bucket's group, largest Newton-Schulz cost first (LPT, 
 rank), so each rank does about 1/N of the FLOPs. :class:`MuonShardPlan` counts the FLOPs each rank ran
 (``ns_flops_done``), which is what the tests check.
 
-Decision: under ``offload_optimizer`` the offloaded buckets are updated by the CPU Adam of the offload
-tier, which does not run Muon; a Muon optimizer with offload is refused with one line saying so
-(rather than running Adam on the Muon matrices).
+Offload (``offload_optimizer.device: cpu``): the offload tier's step is Adam's, so for a Muon optimizer the
+chosen buckets are *host-held* instead (``ShardedOptimizerState.host_held``): their fp32 master and
+momentum / Adam states live in host memory and this optimizer steps them there, so the Newton-Schulz
+iteration of an offloaded bucket runs on the host, where its states live. The bucket's collectives run on
+the device its parameters use (NCCL cannot move host tensors): the update is copied there for the
+all-gather and back for the iteration. NVMe is refused (one line).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class _BucketMatrices:
     rank: int
     world_size: int
     owners: list[int]  # per slot
+    device: torch.device  # where the bucket's collectives run (its parameters' device)
 
 
 @dataclass
@@ -101,7 +105,7 @@ def bind_sharded_muon(optimizer: torch.optim.Optimizer, buckets: list[Any], mast
         b, group_rank_world = buckets[i], info[i]
         group, rank, world = group_rank_world
         bm = _BucketMatrices(b.layout, group, rank, world,
-                             [owner[(i, si)] for si in range(len(b.layout.slots))])
+                             [owner[(i, si)] for si in range(len(b.layout.slots))], b.param_shard().device)
         plan.buckets[id(masters[i])] = bm
         optimizer.bind_orthogonalizer(masters[i], _orthogonalizer(bm, plan, getattr(optimizer, "variant", "deepspeed")))
     optimizer.shard_plan = plan
@@ -113,8 +117,10 @@ def _orthogonalizer(bm: _BucketMatrices, plan: MuonShardPlan, variant: str) -> A
 
     def run(update: torch.Tensor, group_settings: Mapping[str, Any]) -> torch.Tensor:
         method = group_settings["ns_method"]
-        full = torch.empty(layout.padded_numel, dtype=update.dtype, device=update.device)
-        comm.all_gather(full, update.reshape(-1), group=bm.group)
+        home = update.device  # where the states live (host memory when offloaded)
+        full = torch.empty(layout.padded_numel, dtype=update.dtype, device=bm.device)
+        comm.all_gather(full, update.reshape(-1).to(bm.device), group=bm.group)
+        full = full.to(home)
         out = torch.zeros_like(full)
         for slot, owner in zip(layout.slots, bm.owners):
             if owner != bm.rank:
@@ -126,8 +132,8 @@ def _orthogonalizer(bm: _BucketMatrices, plan: MuonShardPlan, variant: str) -> A
                 out.narrow(0, slot.offset, slot.numel).copy_(o.reshape(-1))
             else:  # a vector the user forced onto Muon: DeepSpeed's NS needs 2-D; keep the plain update
                 out.narrow(0, slot.offset, slot.numel).copy_(piece)
-        mine = torch.empty_like(update).reshape(-1)
-        comm.reduce_scatter(mine, out, group=bm.group)
-        return mine.view_as(update)
+        mine = torch.empty(update.numel(), dtype=update.dtype, device=bm.device)
+        comm.reduce_scatter(mine, out.to(bm.device), group=bm.group)
+        return mine.to(home).view_as(update)
 
     return run

@@ -105,11 +105,16 @@ class ShardedOptimizerState:
         offload_cfg = getattr(options, "offload_optimizer", None)
         offloaded = set(choose_offloaded([b.param_shard().numel() for b in buckets], float(offload_cfg.ratio))) \
             if offload_cfg is not None else set()
+        #: buckets whose master and optimizer state live in host memory and that the user's optimizer itself
+        #: steps there: Muon's (the offload tier's step is Adam's), see zerospeed.zero.muon_shards
+        self.host_held: set[int] = set()
+        if offloaded and getattr(optimizer, "needs_whole_matrices", False):
+            self.host_held, offloaded = offloaded, set()
         self.masters: list[torch.Tensor] = []
         self._opt_tensors: list[list[torch.Tensor]] = []
         for bi, b in enumerate(buckets):
             shard = b.param_shard()
-            if bi in offloaded and (shard.device.type != "cpu" or b.dtype != master_dtype):
+            if (bi in offloaded or bi in self.host_held) and (shard.device.type != "cpu" or b.dtype != master_dtype):
                 pin = bool(offload_cfg.pin_memory) and torch.cuda.is_available()
                 master = torch.empty(shard.numel(), dtype=master_dtype, pin_memory=pin)
                 master.copy_(shard.detach())
@@ -204,12 +209,12 @@ class ShardedOptimizerState:
             for i in on_device:
                 b, master, tensors = self.buckets[i], self.masters[i], self._opt_tensors[i]
                 grad = b.reduced_grad()
-                if grad.dtype == master.dtype:
+                if grad.dtype == master.dtype and grad.device == master.device:
                     if factor != 1.0:
                         grad.mul_(factor)
                     master_grad = grad
                 else:
-                    master_grad = grad.to(master.dtype).mul_(factor)
+                    master_grad = grad.to(device=master.device, dtype=master.dtype).mul_(factor)
                 if self.sharded:
                     master.grad = master_grad
                 elif tensors[0] is b.params[0]:

@@ -40,7 +40,11 @@ def check_offload(options: Any, optimizer: torch.optim.Optimizer) -> None:
         if options.stage not in (1, 2, 3):
             raise ConfigError("zero_optimization.offload_optimizer",
                               f"optimizer offload needs zero_optimization.stage 1, 2 or 3, got stage {options.stage}")
-        if not isinstance(optimizer, OFFLOADABLE_OPTIMIZERS):
+        whole_matrices = getattr(optimizer, "needs_whole_matrices", False)  # Muon: steps on host (muon_shards)
+        if whole_matrices and opt_cfg.device == "nvme":
+            raise ConfigError("zero_optimization.offload_optimizer.device", "'nvme' with Muon is not built yet (its "
+                              "momentum buffers stay in host memory): use device 'cpu'")
+        if not isinstance(optimizer, OFFLOADABLE_OPTIMIZERS) and not whole_matrices:
             raise ConfigError("zero_optimization.offload_optimizer",
                               f"the offloaded optimizer step is CPU Adam/AdamW; {type(optimizer).__name__} is not "
                               "supported: use optimizer.type Adam or AdamW (or torch.optim.Adam/AdamW), or remove "
