@@ -24,7 +24,8 @@ from zerospeed.comm.collectives import (
     send,
 )
 from zerospeed.comm.counter import COUNTER, CommCounter, OpStats
-from zerospeed.comm.mesh import Mesh, MeshError, build_mesh, from_mpu, get_mesh, new_group, reset_mesh, set_mesh
+from zerospeed.comm.mesh import (Mesh, MeshError, build_mesh, current_mesh, from_mpu, get_mesh, new_group, reset_mesh,
+                                 set_mesh, world_mesh)
 from zerospeed.comm.dist import (
     destroy_process_group,
     device_for_backend,
@@ -43,7 +44,8 @@ from zerospeed.comm.dist import (
 __all__ = [
     "COUNTER", "CommCounter", "OpStats", "ReduceOp", "all_gather", "all_gather_object", "all_reduce",
     "barrier", "broadcast", "device_for_backend", "get_local_rank", "get_rank", "get_world_size",
-    "Mesh", "MeshError", "build_mesh", "from_mpu", "get_mesh", "new_group", "reset_mesh", "set_mesh",
+    "Mesh", "MeshError", "build_mesh", "current_mesh", "from_mpu", "get_mesh", "new_group", "reset_mesh", "set_mesh",
+    "world_mesh",
     "init_distributed", "irecv", "is_initialized", "isend", "recv", "reduce_scatter", "send",
     # DeepSpeed's names (deepspeed.comm)
     "all_gather_into_tensor", "all_to_all_single", "destroy_process_group", "get_all_ranks_from_group",

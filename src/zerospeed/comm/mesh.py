@@ -1,24 +1,39 @@
-"""The one (pp, dp, tp) device mesh: the world split once into pipeline, data and tensor groups.
+"""The one mesh: the world split once into pipeline, data, sequence and tensor groups, with the
+expert-parallel groups carved out of the data groups and the ranks grouped by host.
 
-``build_mesh(pp, tp)`` validates the degrees against the world size *before* any group is made
-(a degree that does not divide the world is one line naming the numbers), creates every group
+``build_mesh(pp, tp, sp=1)`` validates the degrees against the world size *before* any group is made
+(a degree that does not divide the world is one line naming the numbers), reads the host grouping
+from the launcher's environment (:mod:`zerospeed.comm.hosts`, validated too), creates every group
 through :func:`new_group` and records the result as the current mesh (:func:`get_mesh`). Every
 layer then receives the group it works on: ZeRO the ``dp_group``, tensor-parallel layers the
-``tp_group``, the pipeline the ``pp_group``. Nothing should read the global world size to mean
-"my data-parallel degree".
+``tp_group``, the pipeline the ``pp_group`` and ``dp_group``, MoE layers and ZeRO's expert buckets
+:meth:`Mesh.expert_groups`, hierarchical collectives :meth:`Mesh.host_groups`. Nothing should read the
+global world size to mean "my data-parallel degree".
 
 Decisions:
 
-* Rank layout is DeepSpeed's / Megatron's: axes ``["pipe", "data", "model"]`` in row-major order,
-  so tensor-parallel ranks are adjacent (tp fastest, then dp, then pp):
-  ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``. With pp=1, tp=2 at world 4 the tp groups are
-  [0, 1], [2, 3] and the dp groups [0, 2], [1, 3]. The arithmetic is
-  :class:`zerospeed.comm.topology.ProcessTopology` (shared with the pipeline's grid).
+* Rank layout is DeepSpeed's / Megatron's: axes ``["pipe", "data", "sequence", "model"]`` in row-major
+  order, so tensor-parallel ranks are adjacent (tp fastest, then sp, then dp, then pp):
+  ``rank = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank``. With pp=1, tp=2 at world 4 the tp
+  groups are [0, 1], [2, 3] and the dp groups [0, 2], [1, 3]. The arithmetic is
+  :class:`zerospeed.comm.topology.ProcessTopology` (shared with the pipeline's grid). The sequence degree
+  ``sp`` is 1 unless asked for (sequence parallelism itself is built elsewhere); at 1 the layout is
+  the (pp, dp, tp) one.
 * ``new_group`` is collective over the whole world, so every rank creates every group of every
-  axis in one fixed order (pipe, data, model). A group that spans the whole world is the default
-  group itself (``dist.group.WORLD``), which costs nothing to create.
-* Without an initialised process group the mesh is the trivial 1x1x1 one with ``None`` groups
-  (the collectives in :mod:`zerospeed.comm.collectives` treat ``None`` as the world of one).
+  axis in one fixed order (pipe, data, sequence, model) when the mesh is built. A group that spans
+  the whole world is the default group itself (``dist.group.WORLD``), which costs nothing to create.
+* Expert parallelism is not an axis of the grid: DeepSpeed carves expert-parallel groups out of each
+  data-parallel group, and a model may hold MoE layers of several ``ep_size``. :meth:`Mesh.expert_groups`
+  builds them per size on first use (collective, as the MoE layers are built on every rank in one
+  order) and checks that the size divides the dp degree (:mod:`zerospeed.comm.expert_groups`).
+* Hosts come from the launcher's environment (:mod:`zerospeed.comm.hosts`); their groups are made on
+  first use of :meth:`Mesh.host_groups` (collective).
+* Without an initialised process group the mesh is the trivial one with ``None`` groups (the
+  collectives in :mod:`zerospeed.comm.collectives` treat ``None`` as the world of one).
+* Plain data parallelism needs no mesh to be built: :func:`world_mesh` describes the world as one dp
+  group (``dp_group`` None, the default group, as every collective reads it) and creates the
+  single-rank groups of its other axes only if they are asked for. :func:`current_mesh` is the
+  current mesh or that one; it is never made current itself.
 * ``from_mpu`` wraps a Megatron-style mpu (``get_model_parallel_*``/``get_data_parallel_*``,
   optionally ``get_pipe_parallel_*``); its groups are used as given, its sizes checked against the
   world size. A :class:`Mesh` answers the same mpu methods, so it can be handed to code that
@@ -27,25 +42,24 @@ Decisions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch.distributed as dist
 
 from zerospeed.comm.dist import get_rank, get_world_size, is_initialized
-from zerospeed.comm.topology import ProcessTopology
+from zerospeed.comm.expert_groups import ExpertGroups, build_expert_groups, check_expert_degree
+from zerospeed.comm.hosts import HostLayout, host_layout
+from zerospeed.comm.topology import MeshError, ProcessTopology
 
-__all__ = ["AXES", "Mesh", "MeshError", "build_mesh", "from_mpu", "get_mesh", "new_group", "reset_mesh", "set_mesh",
-           "validate_degrees"]
+__all__ = ["AXES", "Mesh", "MeshError", "build_mesh", "current_mesh", "from_mpu", "get_mesh", "new_group",
+           "reset_mesh", "set_mesh", "validate_degrees", "world_mesh"]
 
-#: Axis names of the grid, slowest first (DeepSpeed's PipeModelDataParallelTopology order).
-AXES = ("pipe", "data", "model")
+#: Axis names of the grid, slowest first (DeepSpeed's PipeModelDataParallelTopology order, with the
+#: sequence axis between data and model).
+AXES = ("pipe", "data", "sequence", "model")
 
 _CURRENT: Mesh | None = None
-
-
-class MeshError(ValueError):
-    """The requested degrees (or the mpu's groups) do not fit the world; the message names the numbers."""
+_UNSET: Any = object()  # a group not created yet (made on first use, collectively)
 
 
 def new_group(ranks: Sequence[int], backend: str | None = None) -> Any:
@@ -69,55 +83,166 @@ def _degree(name: str, value: Any) -> int:
     return value
 
 
-def validate_degrees(world_size: int, pp: int = 1, tp: int = 1, dp: int | None = None) -> tuple[int, int, int]:
-    """``(pp, dp, tp)`` for ``world_size``: pp * tp must divide it (dp is the quotient, or must equal it)."""
+def _validate(world_size: int, pp: int, tp: int, dp: int | None, sp: int) -> tuple[int, int, int, int]:
+    """``(pp, dp, sp, tp)`` for ``world_size`` (see :func:`validate_degrees`)."""
     pp, tp = _degree("pipeline degree pp", pp), _degree("tensor-parallel degree tp", tp)
-    if world_size % (pp * tp):
-        raise MeshError(f"mesh: world size {world_size} is not divisible by pp={pp} x tp={tp} = {pp * tp}")
-    quotient = world_size // (pp * tp)
+    sp = _degree("sequence-parallel degree sp", sp)
+    fixed = pp * sp * tp
+    named = f"pp={pp} x sp={sp} x tp={tp}" if sp != 1 else f"pp={pp} x tp={tp}"
+    if world_size % fixed:
+        raise MeshError(f"mesh: world size {world_size} is not divisible by {named} = {fixed}")
+    quotient = world_size // fixed
     if dp is not None and _degree("data-parallel degree dp", dp) != quotient:
-        raise MeshError(f"mesh: pp={pp} x dp={dp} x tp={tp} = {pp * dp * tp} does not equal the world size "
-                        f"{world_size}")
-    return pp, quotient, tp
+        product = f"pp={pp} x dp={dp}" + (f" x sp={sp}" if sp != 1 else "") + f" x tp={tp}"
+        raise MeshError(f"mesh: {product} = {fixed * dp} does not equal the world size {world_size}")
+    return pp, quotient, sp, tp
 
 
-@dataclass(frozen=True)
+def validate_degrees(world_size: int, pp: int = 1, tp: int = 1, dp: int | None = None, *,
+                     sp: int = 1) -> tuple[int, int, int]:
+    """``(pp, dp, tp)`` for ``world_size``: pp * sp * tp must divide it (dp is the quotient, or must equal it)."""
+    pp, dp, _, tp = _validate(world_size, pp, tp, dp, sp)
+    return pp, dp, tp
+
+
 class Mesh:
-    """This rank's place in the (pp, dp, tp) grid and the three groups it belongs to."""
+    """This rank's place in the (pp, dp, sp, tp) grid, the groups it belongs to, its expert groups and host."""
 
-    pp_size: int
-    dp_size: int
-    tp_size: int
-    pp_rank: int
-    dp_rank: int
-    tp_rank: int
-    pp_group: Any = field(repr=False, compare=False)
-    dp_group: Any = field(repr=False, compare=False)
-    tp_group: Any = field(repr=False, compare=False)
-    rank: int = 0
-    topology: ProcessTopology | None = field(default=None, repr=False, compare=False)
+    def __init__(self, pp_size: int, dp_size: int, tp_size: int, pp_rank: int, dp_rank: int, tp_rank: int,
+                 pp_group: Any = _UNSET, dp_group: Any = _UNSET, tp_group: Any = _UNSET, rank: int = 0,
+                 topology: ProcessTopology | None = None, sp_size: int = 1, sp_rank: int = 0, sp_group: Any = _UNSET,
+                 hosts: HostLayout | None = None) -> None:
+        self.pp_size, self.dp_size, self.sp_size, self.tp_size = pp_size, dp_size, sp_size, tp_size
+        self.pp_rank, self.dp_rank, self.sp_rank, self.tp_rank = pp_rank, dp_rank, sp_rank, tp_rank
+        self.rank = rank
+        self.topology = topology
+        self._groups = {"pipe": pp_group, "data": dp_group, "sequence": sp_group, "model": tp_group}
+        self._hosts = hosts
+        self._host_groups: tuple[Any, Any] | None = None
+
+    # -- groups ------------------------------------------------------------------------------------
+    def _group(self, axis: str) -> Any:
+        group = self._groups[axis]
+        if group is _UNSET:  # made on first use, on every rank (collective)
+            group = self._groups[axis] = self._make_axis(axis)
+        return group
+
+    def _make_axis(self, axis: str) -> Any:
+        if self.topology is None:  # an mpu's mesh: only the axes it did not give, which have one rank
+            return _self_group()
+        mine = None
+        for ranks in self.topology.get_axis_comm_lists(axis):
+            group = new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    @property
+    def pp_group(self) -> Any:
+        return self._group("pipe")
+
+    @property
+    def dp_group(self) -> Any:
+        return self._group("data")
+
+    @property
+    def sp_group(self) -> Any:
+        return self._group("sequence")
+
+    @property
+    def tp_group(self) -> Any:
+        return self._group("model")
 
     @property
     def world_size(self) -> int:
-        return self.pp_size * self.dp_size * self.tp_size
+        return self.pp_size * self.dp_size * self.sp_size * self.tp_size
 
     @property
     def degrees(self) -> tuple[int, int, int]:
         """``(pp, dp, tp)``."""
         return self.pp_size, self.dp_size, self.tp_size
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Every dimension: ``{"pp", "dp", "sp", "tp", "hosts"}`` (expert groups are per ``ep_size``)."""
+        return {"pp": self.pp_size, "dp": self.dp_size, "sp": self.sp_size, "tp": self.tp_size,
+                "hosts": self.hosts.num_hosts}
+
     def group_ranks(self, axis: str) -> list[int]:
-        """Global ranks of this rank's group along ``axis`` (``"pipe"``, ``"data"`` or ``"model"``)."""
-        group = {"pipe": self.pp_group, "data": self.dp_group, "model": self.tp_group}.get(axis, ...)
-        if group is ...:
+        """Global ranks of this rank's group along ``axis`` (``"pipe"``, ``"data"``, ``"sequence"`` or ``"model"``)."""
+        if axis not in AXES:
             raise MeshError(f"axis: {axis!r} is not one of {list(AXES)}")
+        if self.topology is not None:
+            return next(list(r) for r in self.topology.get_axis_comm_lists(axis) if self.rank in r)
+        group = self._group(axis)
         if group is None:
             return [self.rank]
         return list(dist.get_process_group_ranks(group))
 
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """Global ranks of every group along ``axis`` (every mesh slice), in the order the groups are created."""
+        if self.topology is None:
+            return [self.group_ranks(axis)]
+        return [list(r) for r in self.topology.get_axis_comm_lists(axis)]
+
     def tp_src_rank(self) -> int:
         """Global rank of tensor-parallel rank 0 in this rank's tp group (the broadcast source)."""
         return self.group_ranks("model")[0]
+
+    # -- expert parallelism ------------------------------------------------------------------------
+    def expert_groups(self, ep_size: int) -> ExpertGroups:
+        """The expert-parallel and expert-data-parallel groups for ``ep_size`` (carved out of the dp groups;
+        created on first use of this size, collective). ``ep_size`` must divide the dp degree."""
+        dp_ranks = self.group_ranks("data") if is_initialized() else list(range(get_world_size()))
+        check_expert_degree(ep_size, len(dp_ranks))
+        all_dp = self.axis_groups("data") if self.topology is not None else [dp_ranks]
+        return build_expert_groups(ep_size, dp_ranks, all_dp, get_rank(), new_group if is_initialized() else None)
+
+    def validate_expert_degree(self, ep_size: int) -> None:
+        """Raise (the MoE layer's message) when ``ep_size`` does not divide the dp degree."""
+        check_expert_degree(ep_size, self.dp_size)
+
+    # -- hosts -------------------------------------------------------------------------------------
+    @property
+    def hosts(self) -> HostLayout:
+        """The world's ranks by host and this rank's host (from the launcher's environment)."""
+        if self._hosts is None:
+            self._hosts = host_layout(get_world_size(), get_rank())
+        return self._hosts
+
+    def host_groups(self) -> tuple[Any, Any]:
+        """``(intra-host group, inter-host group)`` of this rank: the ranks on its host, and the ranks at its
+        position on every host (created on first use, collective: every rank creates every host's groups)."""
+        if self._host_groups is None:
+            layout = self.hosts
+            intra = inter = None
+            for ranks in layout.hosts:
+                group = new_group(list(ranks))
+                if self.rank in ranks:
+                    intra = group
+            for position in range(layout.ranks_per_host):
+                ranks = [host[position] for host in layout.hosts]
+                group = new_group(ranks)
+                if self.rank in ranks:
+                    inter = group
+            self._host_groups = (intra, inter)
+        return self._host_groups
+
+    # -- value semantics (what the frozen dataclass it was gave) --------------------------------------
+    def _key(self) -> tuple[int, ...]:
+        return (self.pp_size, self.dp_size, self.sp_size, self.tp_size, self.pp_rank, self.dp_rank, self.sp_rank,
+                self.tp_rank, self.rank)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (f"Mesh(pp_size={self.pp_size}, dp_size={self.dp_size}, sp_size={self.sp_size}, "
+                f"tp_size={self.tp_size}, pp_rank={self.pp_rank}, dp_rank={self.dp_rank}, sp_rank={self.sp_rank}, "
+                f"tp_rank={self.tp_rank}, rank={self.rank})")
 
     # -- Megatron-style mpu interface (DeepSpeed's engine reads these) ----------------------------
     def get_model_parallel_rank(self) -> int:
@@ -151,29 +276,53 @@ class Mesh:
     def get_pipe_parallel_group(self) -> Any:
         return self.pp_group
 
+    def get_sequence_parallel_rank(self) -> int:
+        return self.sp_rank
 
-def build_mesh(pp: int = 1, tp: int = 1, dp: int | None = None) -> Mesh:
-    """Split the world into the (pp, dp, tp) grid, create its groups and make it the current mesh.
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.sp_size
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self.sp_group
+
+
+def build_mesh(pp: int = 1, tp: int = 1, dp: int | None = None, *, sp: int = 1, current: bool = True) -> Mesh:
+    """Split the world into the (pp, dp, sp, tp) grid, create its groups and make it the current mesh.
 
     Collective: every rank must call it with the same degrees. Raises :class:`MeshError` (before
-    creating any group) when ``pp * tp`` does not divide the world size, or ``dp`` is given and
-    ``pp * dp * tp`` is not the world size.
+    creating any group) when ``pp * sp * tp`` does not divide the world size, ``dp`` is given and
+    ``pp * dp * sp * tp`` is not the world size, or the launcher's host numbering does not fit the world.
+    ``current=False`` builds the mesh without making it the current one (the pipeline engine's own grid
+    when no mesh was asked for).
     """
     world = get_world_size()
-    pp, dp, tp = validate_degrees(world, pp=pp, tp=tp, dp=dp)
-    topo = ProcessTopology(list(AXES), [pp, dp, tp])
+    pp, dp, sp, tp = _validate(world, pp, tp, dp, sp)
     rank = get_rank()
+    hosts = host_layout(world, rank)
+    topo = ProcessTopology(list(AXES), [pp, dp, sp, tp])
     coord = topo.get_coord(rank)
-    groups: dict[str, Any] = {}
-    for axis in AXES:  # fixed order on every rank: new_group is collective
-        for ranks in topo.get_axis_comm_lists(axis):
-            group = new_group(ranks)
-            if rank in ranks:
-                groups[axis] = group
     mesh = Mesh(pp_size=pp, dp_size=dp, tp_size=tp, pp_rank=coord.pipe, dp_rank=coord.data, tp_rank=coord.model,
-                pp_group=groups["pipe"], dp_group=groups["data"], tp_group=groups["model"], rank=rank, topology=topo)
-    set_mesh(mesh)
+                rank=rank, topology=topo, sp_size=sp, sp_rank=coord.sequence, hosts=hosts)
+    for axis in AXES:  # fixed order on every rank: new_group is collective
+        mesh._group(axis)
+    if current:
+        set_mesh(mesh)
     return mesh
+
+
+def world_mesh() -> Mesh:
+    """The world as plain data parallelism (pp = sp = tp = 1, dp = world), with no group created: its
+    ``dp_group`` is the default group (None), its other groups have one rank and are made if asked for."""
+    world, rank = get_world_size(), get_rank()
+    topo = ProcessTopology(list(AXES), [1, world, 1, 1])
+    return Mesh(pp_size=1, dp_size=world, tp_size=1, pp_rank=0, dp_rank=rank, tp_rank=0, dp_group=None, rank=rank,
+                topology=topo)
+
+
+def current_mesh() -> Mesh:
+    """The current mesh, or :func:`world_mesh` when none was built (it is not made current)."""
+    mesh = get_mesh()
+    return mesh if mesh is not None else world_mesh()
 
 
 def _mpu_call(mpu: Any, names: tuple[str, ...], default: Any = ...) -> Any:

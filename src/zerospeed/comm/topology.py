@@ -12,7 +12,12 @@ from collections import namedtuple
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ProcessTopology"]
+__all__ = ["MeshError", "ProcessTopology"]
+
+
+class MeshError(ValueError):
+    """The requested degrees (or the mpu's groups, or the launcher's host numbering) do not fit the world; the
+    message names the numbers. Raised by :mod:`zerospeed.comm.mesh`, defined here below it."""
 
 
 def _positive(name: str, value: Any) -> int:

@@ -1,91 +1,25 @@
-"""Expert-parallel and expert-data-parallel process groups, carved out of the mesh's dp group.
+"""Expert-parallel and expert-data-parallel process groups for MoE layers: the mesh's.
 
-With a data-parallel group of ``D`` ranks (the mesh's ``dp_group``; the world without a mesh) and
-``ep_size`` dividing ``D``:
-
-* an **expert-parallel group** is ``ep_size`` consecutive dp ranks; together they hold all
-  ``num_experts`` experts (``num_experts / ep_size`` each) and exchange tokens by all-to-all;
-* an **expert-data-parallel group** holds the ranks with the same position in every
-  expert-parallel group (``D / ep_size`` of them): the replicas of the same experts, over which
-  expert gradients are reduced.
-
-With dp ranks [0, 1, 2, 3] and ``ep_size`` 2: expert-parallel groups [0, 1], [2, 3];
-expert-data-parallel groups [0, 2], [1, 3]. This is DeepSpeed's layout. Groups are created once
-per ``ep_size`` (creating a group is collective: every rank builds the same MoE layers in the same
-order) and named ``ep_size_<N>`` as DeepSpeed names them.
+The groups are the mesh's (:meth:`zerospeed.comm.mesh.Mesh.expert_groups`, carved out of its dp groups,
+DeepSpeed's layout; :mod:`zerospeed.comm.expert_groups` says how): the current mesh, or the world as one dp
+group when none was built. This module is the MoE-facing view: the groups of an ``ep_size``, the group an
+expert parameter's gradient is reduced over, and the names ZeRO-3's watchdog compares.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from zerospeed import comm
-from zerospeed.comm.mesh import get_mesh, new_group
+from zerospeed.comm.expert_groups import ExpertGroups, expert_groups_named, reset_expert_groups
+from zerospeed.comm.mesh import current_mesh
 
-
-@dataclass(frozen=True)
-class ExpertGroups:
-    name: str
-    ep_size: int
-    ep_rank: int
-    ep_group: Any
-    edp_size: int
-    edp_rank: int
-    edp_group: Any
-    dp_size: int
-
-
-_CACHE: dict[tuple[int, int], ExpertGroups] = {}
-_BY_NAME: dict[str, ExpertGroups] = {}
-
-
-def _dp_ranks() -> list[int]:
-    mesh = get_mesh()
-    if mesh is not None and comm.is_initialized():
-        return mesh.group_ranks("data")
-    return list(range(comm.get_world_size()))
+__all__ = ["ExpertGroups", "expert_groups", "model_has_experts", "rank_independent_names", "reduction_group_of",
+           "reset_expert_groups"]
 
 
 def expert_groups(ep_size: int) -> ExpertGroups:
-    """The groups for ``ep_size`` on this rank (created on first use; collective)."""
-    dp_ranks = _dp_ranks()
-    dp = len(dp_ranks)
-    if ep_size < 1 or dp % ep_size:
-        raise ValueError(f"MoE: ep_size={ep_size} does not divide the data-parallel world size {dp}")
-    key = (ep_size, hash(tuple(dp_ranks)))
-    if key in _CACHE:
-        return _CACHE[key]
-    me = comm.get_rank()
-    pos = dp_ranks.index(me) if me in dp_ranks else 0
-    # every rank creates every group of the world, in one order (new_group is collective); the dp
-    # groups of other mesh slices have the same shape, so enumerate them all
-    mesh = get_mesh()
-    all_dp = mesh.topology.get_axis_comm_lists("data") if mesh is not None and mesh.topology is not None \
-        else [dp_ranks]
-    mine_ep = mine_edp = None
-    for ranks in all_dp:
-        for start in range(0, dp, ep_size):
-            members = ranks[start:start + ep_size]
-            group = new_group(members) if comm.is_initialized() else None
-            if me in members:
-                mine_ep = group
-        for offset in range(ep_size):
-            members = ranks[offset::ep_size]
-            group = new_group(members) if comm.is_initialized() else None
-            if me in members:
-                mine_edp = group
-    result = ExpertGroups(name=f"ep_size_{ep_size}", ep_size=ep_size, ep_rank=pos % ep_size, ep_group=mine_ep,
-                          edp_size=dp // ep_size, edp_rank=pos // ep_size, edp_group=mine_edp, dp_size=dp)
-    _CACHE[key] = result
-    _BY_NAME[result.name] = result
-    return result
-
-
-def reset_expert_groups() -> None:
-    """Forget cached groups (after the process group was destroyed, e.g. between tests)."""
-    _CACHE.clear()
-    _BY_NAME.clear()
+    """The groups for ``ep_size`` on this rank, from the current mesh (created on first use; collective)."""
+    return current_mesh().expert_groups(ep_size)
 
 
 def reduction_group_of(param: Any) -> tuple[Any, int, int] | None:
@@ -98,7 +32,7 @@ def reduction_group_of(param: Any) -> tuple[Any, int, int] | None:
     name = expert_group_name(param)
     if name is None:
         return None
-    groups = _BY_NAME.get(name)
+    groups = expert_groups_named(name)
     if groups is None:
         raise RuntimeError(f"MoE: expert parameter of group {name!r} but no such expert group was created on this "
                            "rank (was the MoE layer built before torch.distributed was initialised?)")

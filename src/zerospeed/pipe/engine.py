@@ -65,7 +65,6 @@ from zerospeed.pipe.runtime_setup import (
     build_chunks,
     check_topology,
     forward_schedule,
-    new_groups,
     check_pipeline_config,
     train_schedule,
 )
@@ -121,9 +120,12 @@ def initialize_pipeline(model: PipelineModule, config: ZeroSpeedConfig, *, optim
 
         # a stage whose layers the split refuses must fail on every rank, not leave its peers waiting
         container = agree_on_build(lambda: prepare_model(container, mesh, tp_config, optimizer))
-    pipe_group, data_group = new_groups(layout)
-    if mesh is not None:
-        data_group = mesh.dp_group
+    # the groups are the mesh's: the one initialize built (tensor parallelism), else this pipeline's own
+    # (pp, dp) grid, built here and not made current; an mpu's mesh gives the dp group, the grid the pipe groups
+    grid = mesh if mesh is not None and mesh.topology is not None else comm.build_mesh(pp=layout.num_pp,
+                                                                                       current=False)
+    pipe_group = grid.pp_group
+    data_group = mesh.dp_group if mesh is not None else grid.dp_group
     tied = TiedWeights(chunks, model.tied_stages if layout.virtual == 1 else chunks[layout.pipe_rank].tied_stages,
                        num_pp=layout.num_pp, num_dp=layout.num_dp, pipe_rank=layout.pipe_rank,
                        dp_rank=layout.dp_rank, global_rank=layout.global_rank)

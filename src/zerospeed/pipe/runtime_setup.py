@@ -1,4 +1,4 @@
-"""Set-up of the pipeline engine: who is where, the schedules, the stage modules, process groups.
+"""Set-up of the pipeline engine: who is where, the schedules, the stage modules (the process groups are the mesh's).
 
 Everything here runs once in ``initialize_pipeline`` (``zerospeed.pipe.engine``), in the same
 order on every rank, and raises before any process group is created when the configuration
@@ -24,7 +24,7 @@ from zerospeed.pipe.schedule_comm import insert_communication
 from zerospeed.pipe.schedules import build_schedule
 
 __all__ = ["Layout", "agree_on_build", "broadcast_replicas", "build_chunks", "check_pipeline_config", "check_topology",
-           "forward_schedule", "new_groups", "train_schedule"]
+           "forward_schedule", "train_schedule"]
 
 class Layout:
     """Who is where: pipeline ranks, data-parallel replicas, virtual stages."""
@@ -143,22 +143,6 @@ def agree_on_build(build: Callable[[], dict[int, PipelineModule]]) -> dict[int, 
         rank, message = failures[0]
         raise PipelineSetupError(f"building the pipeline stages failed on rank {rank}: {message}")
     return chunks
-
-
-def new_groups(layout: Layout) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's pipeline group and data-parallel group (every rank creates all, in one order)."""
-    me = layout.global_rank(layout.pipe_rank)
-    pipe_group = data_group = None
-    for ranks in layout.topo.get_axis_comm_lists("pipe"):
-        group = dist.new_group(ranks)
-        if me in ranks:
-            pipe_group = group
-    for ranks in layout.topo.get_axis_comm_lists("data"):
-        group = dist.new_group(ranks)
-        if me in ranks:
-            data_group = group
-    assert pipe_group is not None and data_group is not None
-    return pipe_group, data_group
 
 
 @torch.no_grad()

@@ -58,21 +58,22 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         return _initialize_pipeline(model, prepared, mpu=mpu, mesh_param=mesh_param, optimizer=optimizer,
                                     model_parameters=model_parameters, training_data=training_data,
                                     lr_scheduler=lr_scheduler, collate_fn=collate_fn)
-    mesh = tp_setup.mesh_for(prepared.tensor_parallel, mpu=mpu, mesh_param=mesh_param, model=model)
-    dp_world_size = comm.get_world_size() if mesh is None else mesh.dp_size
-    dp_rank = comm.get_rank() if mesh is None else mesh.dp_rank
+    built = tp_setup.mesh_for(prepared.tensor_parallel, mpu=mpu, mesh_param=mesh_param, model=model)
+    mesh = built if built is not None else comm.world_mesh()  # no tp, pp or mesh_param: the world is one dp group
+    dp_world_size, dp_rank = mesh.dp_size, mesh.dp_rank
     cfg = prepared.resolve(dp_world_size)
+    _check_expert_degree(cfg, mesh)
     device = comm.device_for_backend()
     model.to(device)
-    if mesh is not None:
+    if built is not None:
         model = tp_setup.prepare_model(model, mesh, cfg.tensor_parallel, optimizer)
     from zerospeed.moe.autoep import apply_autoep  # expert_parallel.enabled: HF MoE blocks -> expert parallel
 
     model = apply_autoep(model, cfg.expert_parallel)
     groups = param_groups_of(model, model_parameters)
     opt = optimizer_from_config(cfg, optimizer, groups, model)
-    engine = ZeroSpeedEngine(model, cfg, opt, dp_group=None if mesh is None else mesh.dp_group)
-    if mesh is not None:
+    engine = ZeroSpeedEngine(model, cfg, opt, dp_group=mesh.dp_group)
+    if built is not None:
         tp_setup.attach(engine, mesh)
     engine.lr_scheduler = scheduler_from_config(cfg, lr_scheduler, opt)
     loader = None
@@ -102,3 +103,12 @@ def _initialize_pipeline(model: Any, prepared: PreparedConfig, *, mpu: Any, mesh
     cfg = prepared.resolve(world_size // tp_size // num_pp)
     return initialize_pipeline(model, cfg, mesh=mesh, **kwargs)
 
+
+def _check_expert_degree(cfg: Any, mesh: Any) -> None:
+    """AutoEP's degree against the mesh, before anything is built (the mesh carves its expert groups out of
+    the dp groups, so ``expert_parallel.autoep_size`` must divide the dp degree)."""
+    if cfg.expert_parallel.enabled:
+        try:
+            mesh.validate_expert_degree(cfg.expert_parallel.autoep_size)
+        except ValueError as exc:
+            raise ConfigError("expert_parallel.autoep_size", str(exc)) from None
