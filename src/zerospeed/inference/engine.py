@@ -55,7 +55,8 @@ import torch
 
 from zerospeed.inference.api import EngineStats, RequestError, RequestOutput, SamplingParams
 from zerospeed.inference.attention import AttentionMetadata, Workspace
-from zerospeed.inference.fast_path_choice import CpuKernels, ForwardPlanner, quiet_choices, set_model_kernels
+from zerospeed.inference.fast_path_choice import CpuKernels, quiet_choices, set_model_kernels
+from zerospeed.inference.forward_plan import ForwardPlanner
 from zerospeed.inference.kv_cache import BlockAllocator, KVCache, kv_cache_bytes
 from zerospeed.inference.models import CausalLM, ModelSpec, TPInfo, load_model
 from zerospeed.inference.sampling import is_greedy, make_generator, record_prompt_logprobs, sample, validate
