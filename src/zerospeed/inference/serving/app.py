@@ -84,20 +84,31 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None],
+                 on_disconnect: Callable[[], None] = lambda: None) -> None:
         self._chunks = chunks
         self._on_close = on_close
+        self._on_disconnect = on_disconnect
+        self._gone = False
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def _went_away(self) -> None:
+        if not self._gone:  # counted once, whichever side noticed first
+            self._gone = True
+            self._on_disconnect()
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        complete = False
         try:
             async with anyio.create_task_group() as tg:
 
                 async def watch_disconnect() -> None:
                     while (await receive())["type"] != "http.disconnect":
                         pass
+                    if not complete:
+                        self._went_away()
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch_disconnect)
@@ -107,9 +118,16 @@ class EventStream(Response):
                     await send({"type": "http.response.body", "body": chunk.encode(),
                                 "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+                complete = True
                 tg.cancel_scope.cancel()
-        except OSError:  # the client went away between two writes
-            pass
+        except OSError:  # the client went away between two writes: quiet, counted
+            if not complete:
+                self._went_away()
+        except BaseExceptionGroup as group:  # the same, seen through the task group
+            if not all(isinstance(e, OSError) for e in group.exceptions):
+                raise
+            if not complete:
+                self._went_away()
         finally:
             self._on_close()
             with anyio.CancelScope(shield=True):
@@ -224,7 +242,8 @@ class Handlers:
                   final: Callable[[Generation], dict[str, Any]]) -> Response:
         await gen.start()
         if stream:
-            return EventStream(chunks(gen), on_close=gen.abort)
+            return EventStream(chunks(gen), on_close=gen.abort,
+                               on_disconnect=self.s.engine_loop.metrics.disconnects.inc)
         try:
             collected = asyncio.ensure_future(self._collect(gen))
             disconnected = asyncio.ensure_future(_wait_disconnect(request))
@@ -232,6 +251,7 @@ class Handlers:
                                          return_when=asyncio.FIRST_COMPLETED)
             if collected not in done:
                 collected.cancel()
+                self.s.engine_loop.metrics.disconnects.inc()
                 return Response(status_code=499)  # nobody reads it
             disconnected.cancel()
             collected.result()
@@ -429,12 +449,14 @@ class Handlers:
             if not req.logprobs or lps is None:
                 return None
             content = []
+            tk = self.s.tokenizer
             for i, (t, lp) in enumerate(zip(token_ids, lps)):
-                tok = self.s.tokenizer.token_text(t)
-                alts = [{"token": k, "logprob": v, "bytes": list(k.encode())}
-                        for k, v in self.top_entries(top, i).items()]
-                content.append({"token": tok, "logprob": finite_logprob(lp),
-                                "bytes": list(tok.encode()), "top_logprobs": alts})
+                alts = [{"token": tk.token_text(a), "logprob": finite_logprob(v),
+                         "bytes": tk.token_bytes(a)}
+                        for a, v in sorted((top[i] if top and i < len(top) and top[i] else {}).items(),
+                                           key=lambda kv: -kv[1])]
+                content.append({"token": tk.token_text(t), "logprob": finite_logprob(lp),
+                                "bytes": tk.token_bytes(t), "top_logprobs": alts})
             return {"content": content}
 
         def chunks(g: Generation) -> AsyncIterator[str]:

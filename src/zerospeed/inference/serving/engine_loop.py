@@ -14,9 +14,12 @@ Decisions:
 
 * The engine thread drains all pending commands before each step, so an abort frees its KV blocks
   before the next forward, and new requests join the next ragged batch.
-* Admission is bounded: :meth:`submit` counts requests accepted but not yet running (the engine's
-  waiting queue plus commands in flight) and raises :class:`QueueFull` past ``max_waiting``; the
-  server answers 429. The count uses the last step's snapshot, so it may lag one step.
+* Admission is bounded: :meth:`submit` counts requests accepted beyond the engine's running slots
+  (``max_num_seqs``, or the running count when more run) and raises :class:`QueueFull` past
+  ``max_waiting``; the server answers 429. So ``max_num_seqs + max_waiting`` requests are taken at
+  once even when they all arrive before the engine stepped (counting against the last step's
+  running count alone admitted only ``max_waiting`` of a burst). A request the engine keeps
+  waiting for another reason (KV blocks, the decode K/V budget) still holds a slot here.
 * A ``step()`` that raises fails the requests that were in the engine (each gets an
   :class:`EngineFailure` and is aborted) and the loop goes on: one bad request or a transient
   fault never takes the server down.
@@ -83,6 +86,8 @@ class EngineLoop:
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._stats: EngineStats = engine.stats()
         self._num_running = 0
+        scheduler = getattr(engine, "scheduler", None)
+        self._num_slots = int(getattr(scheduler, "max_num_seqs", 0) or getattr(engine, "max_num_seqs", 0) or 0)
         self.metrics = ServingMetrics(self.snapshot)
         self._thread = threading.Thread(target=self._run, name="zerospeed-engine", daemon=True)
         self._failure: BaseException | None = None
@@ -113,7 +118,7 @@ class EngineLoop:
         with self._lock:
             if self._closing:
                 raise ServerClosing()
-            if self._num_in_flight - self._num_running >= self.max_waiting:
+            if self._num_in_flight - max(self._num_running, self._num_slots) >= self.max_waiting:
                 raise QueueFull()
             self._num_in_flight += len(entries)
         now = time.perf_counter()

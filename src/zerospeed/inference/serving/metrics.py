@@ -78,6 +78,9 @@ class ServingMetrics:
         self.rejected = Counter(f"{PREFIX}_requests_rejected",
                                 "Requests refused before generation, by HTTP status.",
                                 ["status"], registry=self.registry)
+        self.disconnects = Counter(f"{PREFIX}_client_disconnects",
+                                   "Requests whose client went away before the answer was complete.",
+                                   registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

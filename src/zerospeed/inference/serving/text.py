@@ -52,12 +52,65 @@ class TokenizerAdapter:
         except TypeError:
             return self.tokenizer.decode(list(ids))
 
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The UTF-8 bytes one token stands for (chat logprobs' ``bytes``): its decoded text's
+        bytes when it decodes to whole characters; for a token inside a multi-byte character
+        (decoded as U+FFFD), the bytes of its vocabulary entry: byte-level BPE's stand-in
+        characters, or SentencePiece's ``<0xNN>`` byte tokens."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text or self.tokenizer is None:
+            return list(text.encode())
+        piece = _piece(self.tokenizer, token_id)
+        if piece:
+            if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+                try:
+                    return [int(piece[3:5], 16)]
+                except ValueError:
+                    pass
+            if all(ch in _BYTE_LEVEL for ch in piece):
+                return [_BYTE_LEVEL[ch] for ch in piece]
+        return list(text.encode())
+
     def token_text(self, token_id: int) -> str:
         """One token's text for log-probability entries (its decoded text, as OpenAI gives it;
         ``token_id:N`` without a tokenizer)."""
         if self.tokenizer is None:
             return f"token_id:{int(token_id)}"
         return self.decode([token_id])
+
+
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins (GPT-2's): bytes that print as themselves keep their
+    character, the others take 256, 257, ... in byte order. Character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def _piece(tokenizer: Any, token_id: int) -> str | None:
+    """The vocabulary entry of ``token_id`` (before decoding), whatever the tokenizer object."""
+    for obj in (tokenizer, getattr(tokenizer, "backend", None)):
+        if obj is None:
+            continue
+        for name in ("id_to_token", "convert_ids_to_tokens"):
+            fn = getattr(obj, name, None)
+            if fn is not None:
+                try:
+                    piece = fn(int(token_id))
+                except Exception:  # noqa: BLE001 - an id the tokenizer does not know
+                    return None
+                return piece if isinstance(piece, str) else None
+    return None
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:

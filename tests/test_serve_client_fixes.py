@@ -1,0 +1,94 @@
+"""Smaller client-facing fixes of issue #31: admission as documented (``--max-waiting 2
+--max-num-seqs 2`` takes 4 of 12 simultaneous requests), quiet and counted client disconnects,
+the chat stream's role sent with the first token, and chat logprobs' ``bytes`` for tokens inside a
+multi-byte character."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from serve_cases import ServerProcess, build_model_dir, build_tokenizer, metric, serve_argv
+from zerospeed.inference.serving.text import TokenizerAdapter
+
+pytestmark = pytest.mark.timeout(180)
+NUM_BLOCKS = 96
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model_dir(tmp_path_factory.mktemp("serve_fixes") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = ServerProcess(serve_argv(model_dir, "--num-blocks", str(NUM_BLOCKS), "--block-size", "8",
+                                   "--max-num-seqs", "2", "--max-waiting", "2"))
+    yield srv
+    assert srv.stop() == 0, srv.output
+    assert "Traceback" not in srv.output, srv.output
+
+
+def test_token_bytes_inside_multibyte_characters(tmp_path):
+    tok = build_tokenizer(tmp_path)
+    adapter = TokenizerAdapter(tok)
+    for text in ("東京は大きい都市です。", "Où est la gare?", "plain"):
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert b"".join(bytes(adapter.token_bytes(i)) for i in ids) == text.encode()
+    assert any("\ufffd" in adapter.token_text(i) for i in tok.encode("東京", add_special_tokens=False).ids)
+
+
+def test_twelve_simultaneous_requests_admit_four(server):
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one():
+                return await client.post(server.url + "/v1/completions", json={
+                    "prompt": "hi", "max_tokens": 120, "ignore_eos": True, "temperature": 0})
+            return await asyncio.gather(*(one() for _ in range(12)))
+
+    statuses = sorted(r.status_code for r in asyncio.run(main()))
+    # 2 running slots + 2 waiting: 4 taken, the other 8 get 429 (before the fix: 2)
+    assert statuses == [200] * 4 + [429] * 8, statuses
+
+
+def test_disconnects_are_quiet_and_counted(server):
+    before = metric(httpx.get(server.url + "/metrics").text, "zerospeed_client_disconnects_total")
+    body = {"prompt": "hi", "max_tokens": 120, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=dict(body, stream=True), timeout=60) as r:
+        next(r.iter_lines())  # one chunk, then hang up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.05)
+    deadline = time.monotonic() + 30
+    while True:
+        m = httpx.get(server.url + "/metrics").text
+        if (metric(m, "zerospeed_client_disconnects_total") == before + 2
+                and metric(m, "zerospeed_kv_blocks_free") == NUM_BLOCKS):
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+    assert "Traceback" not in server.output, server.output
+
+
+def test_chat_stream_role_comes_with_the_first_token_and_bytes_add_up(server):
+    import json
+
+    body = {"messages": [{"role": "user", "content": "東京"}], "max_tokens": 12, "stream": True,
+            "logprobs": True, "top_logprobs": 2, "ignore_eos": True, "seed": 5}
+    chunks = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    first = chunks[0]["choices"][0]
+    assert first["delta"]["role"] == "assistant" and first["logprobs"]["content"]  # a token came with it
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    content = [e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+    assert len(content) == 12
+    if "\ufffd" not in text:
+        assert b"".join(bytes(e["bytes"]) for e in content) == text.encode()
+    for e in content:
+        assert len(e["top_logprobs"]) == 2
