@@ -121,23 +121,14 @@ def test_defaults_and_group_overrides():
 
 
 def test_engine_single_process_equals_plain_loop():
-    import zerospeed
-    from muon_cases import config, reference_run, max_rel_err
+    from muon_cases import config, engine_run, max_rel_err, reference_run
     from zerospeed.testing import run_distributed
 
     ref_losses, ref_weights = reference_run()
-
-    r = run_distributed(_engine_run, 1, config(0))[0]
+    r = run_distributed(engine_run, 1, config(0))[0]
     assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses)) < 1e-6
     assert max_rel_err(r["weights"], ref_weights) < 1e-6
     assert r["num_muon_tensors"] == 2
-    del zerospeed
-
-
-def _engine_run(cfg):
-    from muon_cases import engine_run
-
-    return engine_run(cfg)
 
 
 @pytest.mark.parametrize("params, key, text", [

@@ -46,8 +46,6 @@ def test_muon_matches_single_process(stage, world):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_newton_schulz_flops_are_spread_over_ranks(stage):
     # eight 16x16 hidden matrices of equal cost: 2 ranks do 4 each (exactly half the total)
-    from muon_cases import GLOBAL_BATCH
-
     results = run_distributed(_deep_run, 2, stage, timeout=150)
     total = results[0]["ns_flops_total"]
     done = [r["ns_flops_done"] for r in results]
@@ -55,7 +53,6 @@ def test_newton_schulz_flops_are_spread_over_ranks(stage):
     assert sum(done) == total * steps
     for d in done:
         assert d == total * steps // 2
-    del GLOBAL_BATCH
 
 
 def _deep_run(stage):
