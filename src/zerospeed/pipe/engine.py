@@ -143,7 +143,7 @@ def initialize_pipeline(model: PipelineModule, config: ZeroSpeedConfig, *, optim
             logger.warning("zerospeed: model_parameters is ignored with virtual stages: the engine builds the "
                            "stage chunks and optimizes all their trainable parameters")
         groups = param_groups_of(container, None)
-    opt = optimizer_from_config(cfg, optimizer, groups)
+    opt = optimizer_from_config(cfg, optimizer, groups, container)  # names for Muon's tagging
     engine = PipelineEngine(container, chunks, cfg, opt, layout=layout, actions=actions, tied=tied,
                             pipe_group=pipe_group, data_group=data_group, loss_fn=model.loss_fn,
                             dynamic_shape=model.dynamic_shape)
