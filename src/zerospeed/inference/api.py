@@ -59,6 +59,9 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # structured output: a grammar in llguidance's format (zerospeed.inference.constraints.grammar_for);
+    # only tokens it allows are sampled, and the sequence stops ("stop") when the grammar is complete
+    guide: str | None = None
 
 
 @dataclass

@@ -55,6 +55,7 @@ import torch
 
 from zerospeed.inference.api import EngineStats, RequestError, RequestOutput, SamplingParams
 from zerospeed.inference.attention import AttentionMetadata, Workspace
+from zerospeed.inference.constraints import Guides
 from zerospeed.inference.fast_path_choice import CpuKernels, quiet_choices, set_model_kernels
 from zerospeed.inference.forward_plan import ForwardPlanner
 from zerospeed.inference.kv_cache import BlockAllocator, KVCache, kv_cache_bytes
@@ -175,6 +176,7 @@ class InferenceEngine:
         self._num_forwards = 0
         self._forward_s = 0.0
         self._prompt_parts: list[tuple[Sequence, int, int]] = []  # the last forward's prompt rows
+        self.guides = Guides(tokenizer, spec.vocab_size, list(spec.eos_token_ids))
         self._worker_hook = None  # set by tp_runtime on rank 0: broadcasts each batch
         self.spmd = False  # every rank schedules and samples the same (init_inference); no broadcast
 
@@ -262,8 +264,12 @@ class InferenceEngine:
         stop_set = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_set.update(self.eos_token_ids)
+        if params.guide is not None and not isinstance(params.guide, str):
+            raise RequestError("guide", f"must be a grammar string or None, got {type(params.guide).__name__}")
+        matcher = self.guides.matcher(params.guide) if params.guide is not None else None
         gen = make_generator(params.seed) if params.do_sample and params.temperature > 0 else None
         seq = Sequence(request_id, prompt, params, next(self._arrival), gen, frozenset(stop_set))
+        seq.matcher = matcher
         self._seqs[request_id] = seq
         if parent is not None:
             self.scheduler.add_fork(seq, parent)
@@ -311,6 +317,9 @@ class InferenceEngine:
         if logits.dim() == 1:  # the greedy tokens themselves (see run_forward)
             tokens, chosen, tops = logits.tolist(), [None] * len(need), [None] * len(need)
         else:
+            guided = [(i, s.matcher) for i, s in enumerate(need) if s.matcher is not None]
+            if guided:  # one batched mask over every guided row of this forward
+                self.guides.mask(logits, [i for i, _ in guided], [m for _, m in guided])
             tokens, chosen, tops = sample(logits, need)
         for seq, tok, lp, top in zip(need, tokens, chosen, tops):
             seq.tokens.append(tok)
@@ -346,6 +355,10 @@ class InferenceEngine:
                 if s in text:
                     reason, seq.stop_reason = "stop", s
                     break
+        if reason is None and seq.matcher is not None:
+            seq.matcher.consume_token(tok)
+            if seq.matcher.is_stopped():  # the grammar is complete (or refused the token: never sampled)
+                reason, seq.stop_reason = "stop", None
         if reason is None and n >= p.max_new_tokens:
             reason = "length"
         if reason is not None:
@@ -393,7 +406,7 @@ class InferenceEngine:
             self._worker_hook(ids, items, batch.num_decodes, batch.copies, rows)
         # every sampled row greedy, no logprobs, no stop token masked by min_new_tokens: the model may
         # give the argmax tokens without all the logits
-        greedy = not prompt_rows and all(is_greedy(s.params) and s.params.logprobs is None
+        greedy = not prompt_rows and all(is_greedy(s.params) and s.params.logprobs is None and s.matcher is None
                      and not (s.stop_set and s.num_generated < s.params.min_new_tokens)
                      for s, n in batch.items if s.num_computed + n == len(s.tokens))
         return self.run_forward(ids, items, batch.num_decodes, batch.copies, rows, greedy=greedy)

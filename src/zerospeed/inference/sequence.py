@@ -24,7 +24,7 @@ class Sequence:
     __slots__ = ("request_id", "tokens", "prompt_len", "params", "arrival", "num_computed", "blocks",
                  "block_hashes", "status", "generator", "num_preemptions", "finish_reason", "stop_reason",
                  "stop_set", "num_emitted", "pending_logprobs", "pending_top",
-                 "prompt_lps", "prompt_tops", "prompt_sent", "forks")
+                 "prompt_lps", "prompt_tops", "prompt_sent", "forks", "matcher")
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, arrival: int,
                  generator: torch.Generator | None, stop_set: frozenset[int]) -> None:
@@ -51,6 +51,7 @@ class Sequence:
         # sequences forked from this one's prompt (engine add_request(fork_of=)), waiting until its
         # prompt K/V is computed; they then share its prompt blocks
         self.forks: list[Sequence] = []
+        self.matcher = None  # params.guide's grammar state (constraints.Guides.matcher)
 
     @property
     def needs_prompt_logits(self) -> bool:

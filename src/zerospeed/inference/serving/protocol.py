@@ -84,6 +84,54 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    # structured output: OpenAI's response_format, and vLLM's guided_* extras
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def guide(self) -> str | None:
+        """The engine's grammar (llguidance format) for the structured-output fields, None for
+        free text; a 400 naming the field when it is malformed or its grammar invalid."""
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") != "text":
+            kind = rf.get("type")
+            if kind == "json_object":
+                asked.append(("response_format", "json_object", None))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise bad_request("response_format.json_schema.schema", "must be a JSON schema object")
+                asked.append(("response_format", "json_schema", schema))
+            else:
+                raise bad_request("response_format.type", f"must be text, json_object or json_schema, "
+                                  f"got {kind!r}")
+        for field_name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                                 ("guided_choice", "choice"), ("guided_grammar", "lark")):
+            value = getattr(self, field_name)
+            if value is not None:
+                asked.append((field_name, kind, value))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise bad_request(asked[1][0], f"only one structured-output field at a time (also {asked[0][0]})")
+        field_name, kind, spec = asked[0]
+        if kind == "choice" and (not spec or not all(isinstance(c, str) for c in spec)):
+            raise bad_request(field_name, "must be a non-empty list of strings")
+        from zerospeed.inference.api import RequestError
+        from zerospeed.inference.constraints import grammar_for, validation_error
+
+        try:
+            grammar = grammar_for(kind, spec)
+            problem = validation_error(grammar)
+        except (RequestError, ValueError, TypeError) as e:
+            problem = str(e)
+        if problem:
+            raise bad_request(field_name, f"invalid {kind.replace('_', ' ')}: {problem}")
+        return grammar
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -143,6 +191,7 @@ class _SamplingFields(BaseModel):
             seed=None if self.seed is None else self.seed % 2**63,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            guide=self.guide(),
         )
 
 
@@ -225,14 +274,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         self._check_common()
         if self.tools:
             raise bad_request("tools", "tool calling is not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format", "only {'type': 'text'} is supported")
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
                 raise bad_request("top_logprobs", f"must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got "
@@ -295,6 +341,7 @@ ENGINE_FIELD_TO_HTTP = {
     "min_new_tokens": "min_tokens",
     "prompt_token_ids": "prompt",
     "do_sample": "temperature",
+    "guide": "response_format",
 }
 
 

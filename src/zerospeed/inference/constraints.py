@@ -1,0 +1,116 @@
+"""Structured output: grammars that constrain which tokens a sequence may sample (issue #31).
+
+A request's ``SamplingParams.guide`` is a grammar in llguidance's format (built by
+:func:`grammar_for` from a JSON schema, a regex, a list of choices or a Lark grammar). The engine
+gives each guided sequence an ``LLMatcher`` over the model's tokenizer; before sampling, the masks of
+every guided row of the forward are computed together (``LLExecutor``, in parallel across requests)
+into one int32 bitmask ``[rows, ceil(V / 32)]`` and applied to the logits in one batched op; after
+sampling, each matcher consumes its token, and a matcher that reached the end of its grammar
+finishes the sequence (``finish_reason`` "stop"). Tokens outside the grammar get ``-inf``, so the
+output always parses, greedy or sampled.
+
+Why llguidance: it installs as one wheel with no torch dependency (xgrammar pulls triton and a TVM
+runtime here; outlines-core would also do), computes a mask in tens of microseconds for JSON
+schemas, and its grammar formats cover JSON schema, regex, choices and Lark.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from zerospeed.inference.api import RequestError
+
+GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+# JSON as json.dumps writes it (", " and ": ", no other whitespace): flexible whitespace lets a model
+# spend its tokens on blanks (a small model sampled dozens before the first key); a schema's own
+# "x-guidance" options override this
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:  # pragma: no cover - the serve extra installs it
+        raise RequestError("guide", "structured output needs the llguidance package "
+                                    "(pip install 'zerospeed[serve]')") from None
+    return llguidance
+
+
+def grammar_for(kind: str, spec: Any) -> str:
+    """A llguidance grammar: ``kind`` one of :data:`GUIDE_KINDS`; ``spec`` the schema (dict or JSON
+    text), the regex, the list of strings, or the Lark text (ignored for ``json_object``)."""
+    ll = _llguidance()
+    if kind == "json_object":
+        return ll.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+    if kind == "json_schema":
+        return ll.LLMatcher.grammar_from_json_schema(spec if isinstance(spec, str) else json.dumps(spec),
+                                                     defaults=JSON_LAYOUT)
+    if kind == "regex":
+        return ll.LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":
+        return ll.grammar_from("choice", json.dumps(list(spec)))
+    if kind == "lark":
+        return ll.LLMatcher.grammar_from_lark(spec)
+    raise ValueError(f"kind: {kind!r} is not one of {', '.join(GUIDE_KINDS)}")
+
+
+def validation_error(grammar: str) -> str:
+    """llguidance's message for an invalid grammar (checked without a tokenizer), "" when valid."""
+    message = _llguidance().LLMatcher.validate_grammar(grammar)
+    return "" if not message or message.startswith("WARNING") else message
+
+
+class Guides:
+    """The engine's grammar side: one llguidance tokenizer (built when the first guided request
+    comes, ~0.1-1 s) and an executor that computes a forward's masks in parallel."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._ll_tokenizer: Any = None
+        self._executor: Any = None
+
+    def _tokenizer_json(self) -> str:
+        t = self._tokenizer
+        for obj in (getattr(t, "backend", None), t):
+            if obj is None:
+                continue
+            for owner in (obj, getattr(obj, "backend_tokenizer", None)):
+                to_str = getattr(owner, "to_str", None)
+                if to_str is not None:
+                    return to_str()
+        raise RequestError("guide", "structured output needs a fast (tokenizer.json) tokenizer")
+
+    def matcher(self, grammar: str) -> Any:
+        """A fresh matcher for ``grammar``; :class:`RequestError` ("guide") when it is invalid."""
+        ll = _llguidance()
+        if self._tokenizer is None:
+            raise RequestError("guide", "structured output needs the model folder's tokenizer")
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = ll.LLTokenizer(self._tokenizer_json(), n_vocab=self._vocab_size,
+                                                eos_token=self._eos or None)
+            self._executor = ll.LLExecutor()
+        message = ll.LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
+        if message:
+            raise RequestError("guide", f"invalid grammar: {message}")
+        m = ll.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise RequestError("guide", f"invalid grammar: {m.get_error()}")
+        return m
+
+    def mask(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
+        """Set ``logits[rows[i], t] = -inf`` for every token ``t`` that ``matchers[i]`` refuses:
+        one parallel mask computation and one batched masked_fill for all guided rows."""
+        words = (logits.shape[1] + 31) // 32
+        bitmask = torch.empty((len(rows), words), dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
+                                               bitmask.data_ptr(), words * 4, len(rows))
+        shifts = torch.arange(32, dtype=torch.int32)
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), words * 32)
+        allowed = allowed[:, :logits.shape[1]].to(device=logits.device, dtype=torch.bool)
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
