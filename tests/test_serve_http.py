@@ -205,7 +205,7 @@ def test_seed_stop_and_token_prompts(client, tokenizer):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "max_completion_tokens": 10**5}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function"}]}, 400, "tools"),
+                              "tools": [{"type": "function"}]}, 400, "tools[0]"),
 ])
 def test_bad_requests_name_the_field(server, path, body, status, param):
     r = _http(server, "POST", path, json={"model": MODEL, **body})

@@ -21,6 +21,7 @@ Decisions:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -36,6 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from zerospeed.inference.constraints import grammar_for, validation_error
 from zerospeed.inference.serving.chat_template import ChatTemplate, require
 from zerospeed.inference.serving.engine_loop import EngineLoop
 from zerospeed.inference.serving.generation import (
@@ -53,6 +55,7 @@ from zerospeed.inference.serving.protocol import (
     bad_request,
 )
 from zerospeed.inference.serving.text import TokenizerAdapter
+from zerospeed.inference.serving.tools import call_schema, check_messages, parse_calls, plan_tools
 
 log = logging.getLogger("zerospeed.serve")
 
@@ -423,7 +426,10 @@ class Handlers:
         req.check()
         self.check_model(req.model)
         template = require(self.s.chat_template)
-        text = template.render(req.template_messages())
+        plan = plan_tools(req.tools, req.tool_choice)
+        messages = req.template_messages()
+        check_messages(messages)
+        text = template.render(messages, tools=plan.tools or None)
         ids = self.encode(text, "messages", add_special_tokens=not template.adds_bos)
         self.check_prompt(ids, "messages")
         requested = req.requested_max_tokens()
@@ -432,6 +438,18 @@ class Handlers:
         try:
             params = req.sampling_params(max_tokens, req.engine_logprobs())
             self.check_fits(ids, max_tokens)
+            schema = call_schema(plan)
+            if schema is not None:  # "required" / a named function: the call always parses
+                if params.guide is not None:
+                    raise bad_request("tool_choice", "cannot be combined with structured output")
+                try:
+                    grammar = grammar_for("json_schema", schema)
+                    problem = validation_error(grammar)
+                except (ValueError, TypeError) as e:
+                    problem = str(e)
+                if problem:
+                    raise bad_request("tools", f"a parameters schema is invalid: {problem}")
+                params = dataclasses.replace(params, guide=grammar)
         except ApiError as e:
             if e.param == "max_tokens" and field != "max_tokens":
                 raise ApiError(400, f"{field}: {e.message.split(': ', 1)[1]}", param=field,
@@ -468,6 +486,22 @@ class Handlers:
                     c["usage"] = None
                 return sse(c)
 
+            async def tool_deltas() -> AsyncIterator[str]:
+                # with tools, a reply is sent when complete: its calls cannot be told from text
+                # before (see serving/tools.py)
+                async for d in coalesce(g.events()):
+                    if d.finish_reason is None:
+                        continue
+                    c = g.choices[d.index]
+                    message, finish = reply(c)
+                    delta = {"role": "assistant", "content": message["content"]}
+                    if "tool_calls" in message:
+                        delta["tool_calls"] = [dict(call, index=j)
+                                               for j, call in enumerate(message["tool_calls"])]
+                    yield chunk(d.index, delta, None,
+                                logprobs_of(c.token_ids, c.logprobs, c.top_logprobs))
+                    yield chunk(d.index, {}, finish)
+
             async def deltas() -> AsyncIterator[str]:
                 # the role goes with each choice's first token (as vLLM sends it), so a client's
                 # time to first chunk is its time to first token, not the time to admission
@@ -484,17 +518,28 @@ class Handlers:
                     if d.finish_reason is not None:
                         yield chunk(d.index, {}, d.finish_reason)
 
-            return sse_stream(g, deltas(), base, req.include_usage())
+            return sse_stream(g, tool_deltas() if plan.active else deltas(), base,
+                              req.include_usage())
+
+        def reply(c: Any) -> tuple[dict[str, Any], str | None]:
+            """One choice's message and finish reason (tool calls parsed when tools are on)."""
+            if not plan.active:
+                return {"role": "assistant", "content": c.stream.text}, c.finish_reason
+            content, calls = parse_calls(c.stream.text, plan)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+                return message, "tool_calls"
+            return message, c.finish_reason
 
         def final(g: Generation) -> dict[str, Any]:
+            choices = []
+            for i, c in enumerate(g.choices):
+                message, finish = reply(c)
+                choices.append({"index": i, "message": message, "finish_reason": finish,
+                                "logprobs": logprobs_of(c.token_ids, c.logprobs, c.top_logprobs)})
             return {"id": rid, "object": "chat.completion", "created": created,
-                    "model": self.s.model_name,
-                    "choices": [{"index": i,
-                                 "message": {"role": "assistant", "content": c.stream.text},
-                                 "logprobs": logprobs_of(c.token_ids, c.logprobs, c.top_logprobs),
-                                 "finish_reason": c.finish_reason}
-                                for i, c in enumerate(g.choices)],
-                    "usage": g.usage()}
+                    "model": self.s.model_name, "choices": choices, "usage": g.usage()}
 
         return await self.run(request, gen, bool(req.stream), chunks, final)
 

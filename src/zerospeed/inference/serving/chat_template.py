@@ -89,13 +89,16 @@ class ChatTemplate:
         eos = _token_text(cfg.get("eos_token")) or _token_text(special.get("eos_token"))
         return cls(source, bos, eos)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """``tools``: OpenAI's tool list, given to the template as ``tools`` (None: not defined)."""
         import jinja2
 
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "",
-                                         eos_token=self.eos_token or "")
+                                         eos_token=self.eos_token or "", **extra)
         except jinja2.exceptions.TemplateError as e:
             raise bad_request("messages", f"the chat template refused them: {e}") from e
 

@@ -277,8 +277,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self._check_common()
-        if self.tools:
-            raise bad_request("tools", "tool calling is not supported")
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
                 raise bad_request("top_logprobs", f"must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got "
