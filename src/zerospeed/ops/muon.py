@@ -47,7 +47,9 @@ weight_decay 0 - zerospeed keeps DeepSpeed's defaults for both variants.
 Sharding: the element-wise parts (momentum, nesterov blend, decay, Adam) run on whatever tensor the
 optimizer holds, a whole parameter or a flat ZeRO shard. The orthogonalisation needs whole matrices;
 for a flat shard, ZeRO binds an *orthogonaliser* (:meth:`Muon.bind_orthogonalizer`, see
-:mod:`zerospeed.zero.muon_shards`) that returns this rank's piece of ``NS(U) * scale`` for the bucket.
+:mod:`zerospeed.zero.muon_shards`) that returns this rank's piece of ``NS(U) * scale`` for the bucket;
+at ZeRO-0 with more than one rank it binds one per bucket too, so that each matrix is orthogonalised by
+one rank and the results all-reduced, instead of every rank repeating every matrix.
 """
 
 from __future__ import annotations
@@ -183,8 +185,8 @@ def tag_use_muon(groups: list[dict[str, Any]], names: Mapping[int, str],
     return out
 
 
-#: returns this rank's piece of NS(U) * scale for the flat tensor it was bound to
-Orthogonalizer = Callable[[torch.Tensor, Mapping[str, Any]], torch.Tensor]
+#: (the unit's updates, the param group) -> NS(U) * scale for each of the unit's tensors (this rank's piece)
+Orthogonalizer = Callable[[list[torch.Tensor], Mapping[str, Any]], list[torch.Tensor]]
 
 
 class Muon(torch.optim.Optimizer):
@@ -220,14 +222,17 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, {})
         self.adam_w_mode = adam_w_mode
         self.variant = variant
-        #: id(flat tensor) -> its orthogonaliser; set by ZeRO for flat shards
-        self._orthogonalizers: dict[int, Orthogonalizer] = {}
+        #: id(tensor) -> (the tensors of its unit, their orthogonaliser); set by ZeRO, one unit per bucket
+        self._unit_of: dict[int, tuple[list[torch.Tensor], Orthogonalizer]] = {}
         #: the object ZeRO bound (owner plan, per-rank FLOP counter); None when not sharded
         self.shard_plan: Any = None
 
-    def bind_orthogonalizer(self, tensor: torch.Tensor, fn: Orthogonalizer) -> None:
-        """Use ``fn(update, group)`` instead of a whole-matrix NS for the flat ``tensor``."""
-        self._orthogonalizers[id(tensor)] = fn
+    def bind_orthogonalizer(self, tensors: list[torch.Tensor], fn: Orthogonalizer) -> None:
+        """Use ``fn(updates, group)`` (one update per tensor, in order; returns ``NS(U) * scale`` for each)
+        instead of a whole-matrix NS per tensor: ZeRO binds one unit per bucket, either its flat shard
+        (stages 1-3) or its parameters (stage 0), so the unit's collectives are one per bucket."""
+        for t in tensors:
+            self._unit_of[id(t)] = (list(tensors), fn)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -244,19 +249,30 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_group(self, group: dict[str, Any]) -> None:
         beta, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        updates: dict[int, torch.Tensor] = {}
         for p in group["params"]:
-            fn = self._orthogonalizers.get(id(p))
-            if p.grad is None and fn is None:
+            bound = id(p) in self._unit_of
+            if p.grad is None and not bound:
                 continue
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)  # a shard: its owner still needs it
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)  # bound: its unit's owner needs it
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - beta)
-            update = grad.lerp(buf, beta)
-            if fn is not None:
-                o = fn(update, group)
+            updates[id(p)] = grad.lerp(buf, beta)
+        results: dict[int, torch.Tensor] = {}
+        for p in group["params"]:
+            if id(p) not in updates:
+                continue
+            unit = self._unit_of.get(id(p))
+            if unit is not None and id(p) not in results:  # one call per unit (a ZeRO bucket), in order
+                tensors, fn = unit
+                for t, o in zip(tensors, fn([updates[id(t)] for t in tensors], group)):
+                    results[id(t)] = o
+            update = updates[id(p)]
+            if unit is not None:
+                o = results[id(p)]
             elif p.dim() < 2:  # a vector the user forced onto Muon: NS needs a matrix (DeepSpeed: the same)
                 o = update
             else:

@@ -1,5 +1,8 @@
 """Muon on flat ZeRO shards (stages 1, 2, 3): each matrix is orthogonalised once, by its owner rank.
 
+At ZeRO-0 on several ranks each matrix likewise has one owner, and one all-reduce per bucket shares
+the results (every rank already holds every update there).
+
 Newton-Schulz needs a whole matrix while a ZeRO bucket's shard holds ``[r*L/N, (r+1)*L/N)`` of a flat
 layout, so a matrix can straddle ranks. The element-wise parts of Muon (momentum, nesterov blend,
 decay, the step) run on the shard as for any optimizer; for the orthogonalisation
@@ -70,27 +73,34 @@ def _assign_owners(entries: list[tuple[int, int, int]], world_size: int) -> dict
 
 
 def bind_sharded_muon(optimizer: torch.optim.Optimizer, buckets: list[Any], masters: list[torch.Tensor],
-                      dp_group: Any, offloaded: set[int]) -> MuonShardPlan | None:
-    """Bind an orthogonaliser to each flat Muon master of ``optimizer`` (a no-op for other optimizers)."""
+                      dp_group: Any, offloaded: set[int], opt_tensors: list[list[torch.Tensor]] | None = None,
+                      sharded: bool = True, dp_world_size: int = 1) -> MuonShardPlan | None:
+    """Bind an orthogonaliser to each Muon bucket of ``optimizer`` (a no-op for other optimizers).
+
+    Sharded (stages 1-3): the unit is the bucket's flat master shard. Replicated (stage 0, ``opt_tensors``
+    are the bucket's parameter-shaped tensors): every rank holds every update already, so owners
+    orthogonalise their matrices and one all-reduce per bucket shares the results; a single rank binds
+    nothing (the whole-matrix path is the same computation).
+    """
     if not getattr(optimizer, "needs_whole_matrices", False):
         return None
     groups = optimizer.param_groups
     muon_buckets = [i for i, b in enumerate(buckets) if groups[b.layout.group_index].get("use_muon")]
-    if any(i in offloaded for i in muon_buckets):
-        from zerospeed.config.errors import ConfigError
-
-        raise ConfigError("zero_optimization.offload_optimizer", "Muon cannot run on offloaded buckets yet (the "
-                          "offload tier's CPU step is Adam's); turn offload_optimizer off, or use Adam/AdamW")
-    plan = MuonShardPlan()
-    entries, info = [], {}
+    if any(i in offloaded for i in muon_buckets):  # ShardedOptimizerState keeps Muon's buckets host-held
+        raise AssertionError("Muon buckets must not be given to the Adam offload tier")
+    info = {}
     for i in muon_buckets:
         b = buckets[i]
         group = getattr(b, "comm_group", dp_group)
-        world = b.layout.world_size
-        rank = comm.get_rank(group) if world > 1 else 0
-        info[i] = (group, rank, world)
-        method = groups[b.layout.group_index]["ns_method"]
-        for si, slot in enumerate(b.layout.slots):
+        world = b.layout.world_size if sharded else int(getattr(b, "comm_size", dp_world_size))
+        info[i] = (group, comm.get_rank(group) if world > 1 else 0, world)
+    if not sharded and all(world == 1 for _, _, world in info.values()):
+        return None
+    plan = MuonShardPlan()
+    entries = []
+    for i in muon_buckets:
+        method = groups[buckets[i].layout.group_index]["ns_method"]
+        for si, slot in enumerate(buckets[i].layout.slots):
             cost = ns_flops(slot.shape, method) if len(slot.shape) >= 2 else slot.numel
             entries.append((i, si, cost))
             plan.ns_flops_total += cost if len(slot.shape) >= 2 else 0
@@ -101,21 +111,35 @@ def bind_sharded_muon(optimizer: torch.optim.Optimizer, buckets: list[Any], mast
     owner: dict[tuple[int, int], int] = {}
     for world, es in by_world.items():
         owner.update(_assign_owners(es, world))
+    variant = getattr(optimizer, "variant", "deepspeed")
     for i in muon_buckets:
-        b, group_rank_world = buckets[i], info[i]
-        group, rank, world = group_rank_world
+        b = buckets[i]
+        group, rank, world = info[i]
         bm = _BucketMatrices(b.layout, group, rank, world,
                              [owner[(i, si)] for si in range(len(b.layout.slots))], b.param_shard().device)
         plan.buckets[id(masters[i])] = bm
-        optimizer.bind_orthogonalizer(masters[i], _orthogonalizer(bm, plan, getattr(optimizer, "variant", "deepspeed")))
+        if sharded:
+            optimizer.bind_orthogonalizer([masters[i]], _sharded(bm, plan, variant))
+        else:
+            assert opt_tensors is not None
+            optimizer.bind_orthogonalizer(opt_tensors[i], _replicated(bm, plan, variant))
     optimizer.shard_plan = plan
     return plan
 
 
-def _orthogonalizer(bm: _BucketMatrices, plan: MuonShardPlan, variant: str) -> Any:
+def _ns(piece: torch.Tensor, shape: tuple[int, ...], method: str, variant: str, plan: MuonShardPlan) -> torch.Tensor:
+    """``NS(U) * scale`` of one matrix, flat (a vector the user forced onto Muon passes through)."""
+    if len(shape) < 2:
+        return piece.reshape(-1)
+    plan.ns_flops_done += ns_flops(shape, method)
+    return (newton_schulz(piece.reshape(shape[0], -1), method, variant=variant) * muon_scale(shape)).reshape(-1)
+
+
+def _sharded(bm: _BucketMatrices, plan: MuonShardPlan, variant: str) -> Any:
     layout = bm.layout
 
-    def run(update: torch.Tensor, group_settings: Mapping[str, Any]) -> torch.Tensor:
+    def run(updates: list[torch.Tensor], group_settings: Mapping[str, Any]) -> list[torch.Tensor]:
+        (update,) = updates
         method = group_settings["ns_method"]
         home = update.device  # where the states live (host memory when offloaded)
         full = torch.empty(layout.padded_numel, dtype=update.dtype, device=bm.device)
@@ -123,17 +147,29 @@ def _orthogonalizer(bm: _BucketMatrices, plan: MuonShardPlan, variant: str) -> A
         full = full.to(home)
         out = torch.zeros_like(full)
         for slot, owner in zip(layout.slots, bm.owners):
-            if owner != bm.rank:
-                continue
-            piece = full.narrow(0, slot.offset, slot.numel)
-            if len(slot.shape) >= 2:
-                o = newton_schulz(piece.view(slot.shape[0], -1), method, variant=variant) * muon_scale(slot.shape)
-                plan.ns_flops_done += ns_flops(slot.shape, method)
-                out.narrow(0, slot.offset, slot.numel).copy_(o.reshape(-1))
-            else:  # a vector the user forced onto Muon: DeepSpeed's NS needs 2-D; keep the plain update
-                out.narrow(0, slot.offset, slot.numel).copy_(piece)
+            if owner == bm.rank:
+                piece = full.narrow(0, slot.offset, slot.numel)
+                out.narrow(0, slot.offset, slot.numel).copy_(_ns(piece, slot.shape, method, variant, plan))
         mine = torch.empty(update.numel(), dtype=update.dtype, device=bm.device)
         comm.reduce_scatter(mine, out.to(bm.device), group=bm.group)
-        return mine.to(home).view_as(update)
+        return [mine.to(home).view_as(update)]
+
+    return run
+
+
+def _replicated(bm: _BucketMatrices, plan: MuonShardPlan, variant: str) -> Any:
+    layout = bm.layout
+
+    def run(updates: list[torch.Tensor], group_settings: Mapping[str, Any]) -> list[torch.Tensor]:
+        method = group_settings["ns_method"]
+        home = updates[0].device
+        out = torch.zeros(layout.numel, dtype=updates[0].dtype, device=home)
+        for slot, owner, u in zip(layout.slots, bm.owners, updates):
+            if owner == bm.rank:
+                out.narrow(0, slot.offset, slot.numel).copy_(_ns(u, slot.shape, method, variant, plan))
+        shared = out.to(bm.device)
+        comm.all_reduce(shared, group=bm.group)  # one non-zero term per element: exact
+        shared = shared.to(home)
+        return [shared.narrow(0, slot.offset, slot.numel).view_as(u) for slot, u in zip(layout.slots, updates)]
 
     return run

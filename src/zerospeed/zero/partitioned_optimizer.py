@@ -131,10 +131,11 @@ class ShardedOptimizerState:
         for gi, group in enumerate(optimizer.param_groups):
             group["params"] = [t for b, ts in zip(buckets, self._opt_tensors) if b.layout.group_index == gi for t in ts]
         self.offloaded = offloaded
-        if sharded:  # Muon: each matrix orthogonalised by one owner rank (zerospeed.zero.muon_shards)
-            from zerospeed.zero.muon_shards import bind_sharded_muon
+        # Muon: each matrix orthogonalised by one owner rank (zerospeed.zero.muon_shards)
+        from zerospeed.zero.muon_shards import bind_sharded_muon
 
-            bind_sharded_muon(optimizer, buckets, self.masters, dp_group, offloaded)
+        bind_sharded_muon(optimizer, buckets, self.masters, dp_group, offloaded, self._opt_tensors, sharded,
+                          dp_world_size)
         #: stage 3 with ``offload_param``: keeps parameter shards resident while they are updated
         #: (``hold(buckets, dirty=)`` / ``acquire`` / ``release`` / ``prefetch``); None otherwise
         self.residency: Any = None
