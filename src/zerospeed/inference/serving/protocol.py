@@ -7,8 +7,7 @@ Decisions:
   OpenAI did (not streamable).
 * Request bodies are pydantic models with ``extra="ignore"``: OpenAI clients send fields we do not
   act on (``user``, ``metadata``...), and refusing them would break unchanged clients. Fields that
-  *would* change the output and that we cannot honour (``n > 1``, penalties, ``logit_bias``,
-  ``tools``, ``suffix``...) are refused with a 400 naming the field instead of being silently dropped.
+  *would* change the output and that we cannot honour (penalties, ``logit_bias``, ``suffix``...) are refused with a 400 naming the field instead of being silently dropped.
 * OpenAI's defaults are kept: ``temperature`` 1.0 (so sampling unless the client asks for 0),
   ``max_tokens`` 16 for completions and "the rest of the context" for chat.
 * vLLM's extra fields that clients pass through ``extra_body`` are accepted: ``top_k`` (0 or -1: off),
