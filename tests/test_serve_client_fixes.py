@@ -92,3 +92,31 @@ def test_chat_stream_role_comes_with_the_first_token_and_bytes_add_up(server):
         assert b"".join(bytes(e["bytes"]) for e in content) == text.encode()
     for e in content:
         assert len(e["top_logprobs"]) == 2
+
+
+def test_streamed_ttft_measured_by_a_client_matches_the_server_metric(server):
+    """The first chunk carries the first token, so a client's time to first chunk is the server's
+    time to first token plus the HTTP path (request parsing before arrival, one chunk's write after):
+    never less (minus the client's timer resolution), and within a loopback HTTP round trip more."""
+    import json
+
+    def ttft_sum():
+        return metric(httpx.get(server.url + "/metrics").text, "zerospeed_time_to_first_token_seconds_sum")
+
+    before = ttft_sum()
+    body = {"messages": [{"role": "user", "content": "The quick brown fox " * 6}], "max_tokens": 4,
+            "stream": True}
+    with httpx.Client(timeout=60) as client:
+        client.get(server.url + "/health")  # connection made before the clock starts
+        start = time.perf_counter()
+        first = None
+        with client.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                    first = json.loads(line[6:])
+                    client_ttft = time.perf_counter() - start
+    server_ttft = ttft_sum() - before
+    assert first["choices"][0]["delta"]["role"] == "assistant" and "content" in first["choices"][0]["delta"]
+    resolution = time.get_clock_info("perf_counter").resolution
+    assert client_ttft >= server_ttft - resolution, (client_ttft, server_ttft)
+    assert client_ttft - server_ttft < 0.25, (client_ttft, server_ttft)
