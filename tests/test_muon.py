@@ -137,6 +137,7 @@ def test_engine_single_process_equals_plain_loop():
     ({"muon_lr": -1}, "optimizer.params.muon_lr", "must be a finite number >= 0"),
     ({"momentum": 1.5}, "optimizer.params.momentum", "must be in [0, 1)"),
     ({"nesterov": False}, "optimizer.params.nesterov", "unknown parameter for Muon"),
+    ({"per_head_muon": True}, "optimizer.params.per_head_muon", "true is not supported by zerospeed yet"),
 ])
 def test_bad_params_name_the_key(params, key, text):
     model = make_model()

@@ -140,6 +140,11 @@ def _check_values(spec: _OptimizerSpec, params: Mapping[str, Any]) -> None:
                 _key(name), "not supported as an optimizer parameter (as in DeepSpeed); use the top-level "
                 "'gradient_clipping' instead",
             )
+        if spec.name == "Muon" and name == "per_head_muon" and value:
+            raise ConfigError(_key(name), "true is not supported by zerospeed yet (DeepSpeed 0.19's per-attention-"
+                              "head Newton-Schulz); leave it false or unset")
+        if spec.name == "Muon" and name == "per_head_muon":
+            continue
         if name not in allowed:
             raise ConfigError(_key(str(name)), f"unknown parameter for {spec.name}; allowed: {', '.join(allowed)}")
         if name in _BOOLEAN and not (isinstance(value, bool) or (name in ("foreach", "fused") and value is None)):
@@ -317,6 +322,7 @@ def build_optimizer(
     if spec.name == "Muon":
         # the auxiliary Adam is Muon's own (DeepSpeed's inline adam_update), not fast_paths.adam_kernel:
         # the same arithmetic on whole tensors and on ZeRO shards
+        kwargs.pop("per_head_muon", None)
         return _muon.Muon(_muon_groups(groups, kwargs, names, shapes), adam_w_mode=kwargs.get("adam_w_mode", True),
                           variant=kwargs.get("variant", "deepspeed"))
     if spec.name in MU_OPTIMIZERS:
