@@ -79,13 +79,16 @@ def engine_run(cfg: dict, steps: int = STEPS) -> dict:
     model = make_model()
     engine, opt, _, _ = zerospeed.initialize(model=model, config=cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
+    gas = engine.gradient_accumulation_steps()
     losses = []
     for step in range(steps):
         x, y = global_batch(step)
-        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
+        total = torch.zeros(())
+        for xm, ym in zip(x.chunk(world)[rank].chunk(gas), y.chunk(world)[rank].chunk(gas)):
+            loss = engine(xm, ym)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float() / gas
         dist.all_reduce(total)
         losses.append(total.item() / world)
     with _gathered(engine):

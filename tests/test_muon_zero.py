@@ -151,3 +151,14 @@ def test_bf16_stage0_equals_sharded_stages():
     for r in runs[1:]:
         assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], runs[0]["losses"])) < TOL
         assert max_rel_err(r["weights"], runs[0]["weights"]) < TOL
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [0, 2])
+def test_gradient_accumulation(stage):
+    # 2 micro-batches per rank: Muon steps once per boundary on the accumulated gradient
+    ref_losses, ref_weights = reference_run()
+    cfg = config(stage, gradient_accumulation_steps=2)
+    for r in run_distributed(engine_run, 2, cfg, timeout=150):
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses)) < REF_TOL
+        assert max_rel_err(r["weights"], ref_weights) < REF_TOL
