@@ -162,3 +162,15 @@ def test_gradient_accumulation(stage):
     for r in run_distributed(engine_run, 2, cfg, timeout=150):
         assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses)) < REF_TOL
         assert max_rel_err(r["weights"], ref_weights) < REF_TOL
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_mixture_of_experts(stage):
+    # expert parameters live in groups of their own (reduced over expert-data-parallel); Muon splits each
+    # into its halves and orthogonalises expert matrices within their group
+    from muon_cases import moe_parity
+
+    for r in run_distributed(moe_parity, 2, stage, 2, timeout=150):
+        assert r["worst"] < REF_TOL
+        assert r["num_muon_groups"] == 2  # the dense group's and the experts' group's Muon halves

@@ -195,18 +195,22 @@ def _muon_groups(groups: list[Any], params: Mapping[str, Any], names: Mapping[in
     for d in dicts:
         d["params"] = [d["params"]] if isinstance(d["params"], torch.Tensor) else list(d["params"])
     flags = _muon.tag_use_muon(dicts, names, shapes)
-    halves = ((True, _muon.MUON_KEYS, "muon_lr"), (False, _muon.ADAM_KEYS, "adam_lr"))
+    halves = ((True, _muon.MUON_KEYS, "muon_lr", "muon"), (False, _muon.ADAM_KEYS, "adam_lr", "adam"))
+    settings_keys = set(_muon.MUON_KEYS) | set(_muon.ADAM_KEYS)
     out: list[dict[str, Any]] = []
     for d, on_muon in zip(dicts, flags):
         own = {k: v for k, v in d.items() if k not in ("params", "use_muon")}
-        for use_muon, keys, lr_key in halves:
+        for use_muon, keys, lr_key, label in halves:
             half = [p for p, f in zip(d["params"], on_muon) if f is use_muon]
             if not half:
                 continue
             settings = {k: params[k] for k in keys if k in params}
             if lr_key in params:
                 settings["lr"] = params[lr_key]
-            settings.update({k: v for k, v in own.items() if k in keys or k == "name"})
+            # the group's own settings for this half, and its other keys (MoE's "moe", "name") as they are
+            settings.update({k: v for k, v in own.items() if k in keys or k not in settings_keys})
+            if "name" in own:  # two halves of one named group (MoE regrouping keys by name): DeepSpeed's names
+                settings["name"] = f"{own['name']}-{label}-params"
             out.append({"params": half, "use_muon": use_muon, **settings})
     return out
 

@@ -57,8 +57,9 @@ class MuonShardPlan:
     ns_flops_done: int = 0
     ns_flops_total: int = 0  # of one step, over all ranks (for the 1/N check)
 
-    def owned(self, rank: int) -> list[str]:
-        return [s.name for bm in self.buckets.values() for s, o in zip(bm.layout.slots, bm.owners) if o == rank]
+    def owned(self) -> list[str]:
+        """Names of the matrices this rank orthogonalises (owners are ranks of each bucket's own group)."""
+        return [s.name for bm in self.buckets.values() for s, o in zip(bm.layout.slots, bm.owners) if o == bm.rank]
 
 
 def _assign_owners(entries: list[tuple[int, int, int]], world_size: int) -> dict[tuple[int, int], int]:
