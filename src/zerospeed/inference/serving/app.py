@@ -21,12 +21,9 @@ Decisions:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import json
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,15 +34,11 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from zerospeed.inference.constraints import grammar_for, validation_error
+from zerospeed.inference.serving.chat import chat as chat_endpoint
 from zerospeed.inference.serving.chat_template import ChatTemplate, require
+from zerospeed.inference.serving.completions import completions as completions_endpoint
 from zerospeed.inference.serving.engine_loop import EngineLoop
-from zerospeed.inference.serving.generation import (
-    Generation,
-    GenerationFailed,
-    coalesce,
-    finite_logprob,
-)
+from zerospeed.inference.serving.generation import Generation, GenerationFailed, finite_logprob
 from zerospeed.inference.serving.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -55,7 +48,6 @@ from zerospeed.inference.serving.protocol import (
     bad_request,
 )
 from zerospeed.inference.serving.text import TokenizerAdapter
-from zerospeed.inference.serving.tools import call_schema, check_messages, parse_calls, plan_tools
 
 log = logging.getLogger("zerospeed.serve")
 
@@ -137,29 +129,6 @@ class EventStream(Response):
                 aclose = getattr(self._chunks, "aclose", None)
                 if aclose is not None:
                     await aclose()
-
-
-def sse(data: dict[str, Any] | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-async def sse_stream(g: Generation, deltas: AsyncIterator[str], base: dict[str, Any],
-                     include_usage: bool) -> AsyncIterator[str]:
-    """An OpenAI event stream: the endpoint's chunks, then the usage chunk (when asked) and
-    ``[DONE]``; a failed generation ends the stream with an error event and ``[DONE]``."""
-    try:
-        async for chunk in deltas:
-            yield chunk
-    except GenerationFailed as e:
-        yield sse({"error": {"message": e.message, "type": "server_error", "param": None,
-                             "code": "engine_error"}})
-        yield sse("[DONE]")
-        return
-    finally:
-        await deltas.aclose()  # a client that went away closes this stream: close the endpoint's too
-    if include_usage:
-        yield sse(dict(base, choices=[], usage=g.usage()))
-    yield sse("[DONE]")
 
 
 # -- request parsing ---------------------------------------------------------------------------------
@@ -269,280 +238,11 @@ class Handlers:
         async for _ in gen.events():
             pass
 
-    # -- completions -----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        req: CompletionRequest = await parse_body(request, CompletionRequest)
-        req.check()
-        self.check_model(req.model)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        prompt_lps = req.engine_prompt_logprobs()
-        k = req.num_candidates()
-        n = req.n or 1
-        ranking = k > n  # best_of: the engine returns every chosen token's logprob to rank them
-        params = req.sampling_params(max_tokens, req.logprobs if req.logprobs is not None
-                                     else (0 if ranking else None), prompt_lps)
-        prompts, echoes = [], []
-        for p in req.prompts():
-            ids = self.encode(p, "prompt") if isinstance(p, str) else list(p)
-            self.check_prompt(ids, "prompt", scoring=max_tokens == 0)
-            prompts.append(ids)
-            echoes.append(p if isinstance(p, str) else self.s.tokenizer.decode(ids))
-        for ids in prompts:
-            self.check_fits(ids, max_tokens)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        gen = Generation(self.s.engine_loop, self.s.tokenizer, rid, prompts, params, "prompt", n=k)
-        want_logprobs = req.logprobs is not None
-        echo = bool(req.echo)
-        base = {"id": rid, "object": "text_completion", "created": created,
-                "model": self.s.model_name}
+        return await completions_endpoint(self, request, await parse_body(request, CompletionRequest))
 
-        def logprobs_of(token_ids: list[int], lps: list[float | None] | None,
-                        top: list[dict[int, float] | None] | None,
-                        offset: int = 0) -> dict[str, Any] | None:
-            """OpenAI's completion logprobs; ``text_offset`` counts characters of the choice's
-            text from ``offset`` (each token's decoded text in turn, as vLLM counts them)."""
-            if not want_logprobs or lps is None:
-                return None
-            tokens = [self.s.tokenizer.token_text(t) for t in token_ids]
-            offsets = []
-            for tok in tokens:
-                offsets.append(offset)
-                offset += len(tok)
-            tops: list[dict[str, float] | None] = []
-            for i, (tok, x) in enumerate(zip(tokens, lps)):
-                if x is None:  # the prompt's first token: nothing before it to score it
-                    tops.append(None)
-                    continue
-                # the chosen token is always listed (so logprobs=0 gives it alone, and a client
-                # checking "was this the argmax" finds it), plus the requested alternatives
-                entries = {tok: finite_logprob(x)}
-                entries.update(self.top_entries(top, i, req.logprobs))
-                tops.append(entries)
-            return {"tokens": tokens,
-                    "token_logprobs": [None if x is None else finite_logprob(x) for x in lps],
-                    "top_logprobs": tops, "text_offset": offsets}
-
-        def echo_part(i: int, c: Any) -> tuple[str, dict[str, Any] | None]:
-            """The echoed prompt of choice ``i``: its text and its logprobs (computed by the
-            prompt's first choice; the forks share them)."""
-            p = gen.prompt_of(i)
-            first = gen.choices[p * k]
-            lp = logprobs_of(prompts[p], first.prompt_logprobs or [None] * len(prompts[p]),
-                             first.prompt_top_logprobs)
-            return echoes[p], lp
-
-        def joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
-            if a is None or b is None:
-                return a or b
-            return {k: a[k] + b[k] for k in a}
-
-        def prompt_logprobs_field(i: int, c: Any) -> list[Any] | None:
-            """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id:
-            {logprob, rank, decoded_token}} with the prompt's token and the top alternatives (rank
-            known for those only)."""
-            p = gen.prompt_of(i)
-            c = gen.choices[p * k]
-            if req.prompt_logprobs is None or c.prompt_logprobs is None:
-                return None
-            out: list[Any] = [None]
-            for j in range(1, len(prompts[p])):
-                top = c.prompt_top_logprobs[j] or {}
-                ranked = sorted(top.items(), key=lambda kv: -kv[1])[:req.prompt_logprobs]
-                entry = {str(t): {"logprob": finite_logprob(v), "rank": r + 1,
-                                  "decoded_token": self.s.tokenizer.token_text(t)}
-                         for r, (t, v) in enumerate(ranked)}
-                tid = prompts[p][j]
-                if str(tid) not in entry:
-                    entry = {str(tid): {"logprob": finite_logprob(c.prompt_logprobs[j]),
-                                        "rank": None,
-                                        "decoded_token": self.s.tokenizer.token_text(tid)},
-                             **entry}
-                out.append(entry)
-            return out
-
-        async def deltas(g: Generation) -> AsyncIterator[str]:
-            started = [False] * len(g.choices)
-            sent = [0] * len(g.choices)
-            async for d in coalesce(g.events()):
-                text = d.text
-                lp = logprobs_of(d.token_ids, d.logprobs, d.top_logprobs, sent[d.index])
-                extra: dict[str, Any] = {}
-                if not started[d.index]:
-                    started[d.index] = True
-                    c = g.choices[d.index]
-                    if echo:
-                        etext, elp = echo_part(d.index, c)
-                        text = etext + text
-                        lp = joined(elp, logprobs_of(d.token_ids, d.logprobs, d.top_logprobs,
-                                                     len(etext)))
-                    if req.prompt_logprobs is not None:
-                        extra["prompt_logprobs"] = prompt_logprobs_field(d.index, c)
-                if lp and lp["tokens"]:  # offsets count token texts, as the full answer's do
-                    sent[d.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                chunk = dict(base, choices=[{
-                    "index": d.index, "text": text, "logprobs": lp,
-                    "finish_reason": d.finish_reason, **extra}])
-                if req.include_usage():
-                    chunk["usage"] = None
-                yield sse(chunk)
-
-        def chunks(g: Generation) -> AsyncIterator[str]:
-            return sse_stream(g, deltas(g), base, req.include_usage())
-
-        def final(g: Generation) -> dict[str, Any]:
-            choices = []
-            for i, c in enumerate(g.choices):
-                text, lp = c.stream.text, logprobs_of(c.token_ids, c.logprobs, c.top_logprobs)
-                if echo:
-                    etext, elp = echo_part(i, c)
-                    text = etext + text
-                    lp = joined(elp, logprobs_of(c.token_ids, c.logprobs, c.top_logprobs,
-                                                 len(etext)))
-                choice = {"index": i, "text": text, "logprobs": lp,
-                          "finish_reason": c.finish_reason}
-                if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs_field(i, c)
-                choices.append(choice)
-            if ranking:  # best_of: each prompt's n best candidates by cumulative logprob
-                kept = []
-                for p in range(len(prompts)):
-                    group = list(range(p * k, (p + 1) * k))
-                    group.sort(key=lambda i: -sum(g.choices[i].logprobs))
-                    for r, i in enumerate(group[:n]):
-                        choice = choices[i]
-                        choice["index"] = p * n + r
-                        if not want_logprobs:
-                            choice["logprobs"] = None
-                        kept.append(choice)
-                choices = kept
-            return dict(base, choices=choices, usage=g.usage())
-
-        return await self.run(request, gen, bool(req.stream), chunks, final)
-
-    # -- chat ------------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
-        req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
-        req.check()
-        self.check_model(req.model)
-        template = require(self.s.chat_template)
-        plan = plan_tools(req.tools, req.tool_choice)
-        messages = req.template_messages()
-        check_messages(messages)
-        text = template.render(messages, tools=plan.tools or None)
-        ids = self.encode(text, "messages", add_special_tokens=not template.adds_bos)
-        self.check_prompt(ids, "messages")
-        requested = req.requested_max_tokens()
-        max_tokens = self.s.max_model_len - len(ids) if requested is None else requested
-        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        try:
-            params = req.sampling_params(max_tokens, req.engine_logprobs())
-            self.check_fits(ids, max_tokens)
-            schema = call_schema(plan)
-            if schema is not None:  # "required" / a named function: the call always parses
-                if params.guide is not None:
-                    raise bad_request("tool_choice", "cannot be combined with structured output")
-                try:
-                    grammar = grammar_for("json_schema", schema)
-                    problem = validation_error(grammar)
-                except (ValueError, TypeError) as e:
-                    problem = str(e)
-                if problem:
-                    raise bad_request("tools", f"a parameters schema is invalid: {problem}")
-                params = dataclasses.replace(params, guide=grammar)
-        except ApiError as e:
-            if e.param == "max_tokens" and field != "max_tokens":
-                raise ApiError(400, f"{field}: {e.message.split(': ', 1)[1]}", param=field,
-                               code=e.code) from None
-            raise
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        gen = Generation(self.s.engine_loop, self.s.tokenizer, rid, [ids], params, "messages",
-                         n=req.n or 1)
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": self.s.model_name}
-
-        def logprobs_of(token_ids: list[int], lps: list[float] | None,
-                        top: list[dict[int, float]] | None) -> dict[str, Any] | None:
-            if not req.logprobs or lps is None:
-                return None
-            content = []
-            tk = self.s.tokenizer
-            for i, (t, lp) in enumerate(zip(token_ids, lps)):
-                alts = [{"token": tk.token_text(a), "logprob": finite_logprob(v),
-                         "bytes": tk.token_bytes(a)}
-                        for a, v in sorted((top[i] if top and i < len(top) and top[i] else {}).items(),
-                                           key=lambda kv: -kv[1])]
-                content.append({"token": tk.token_text(t), "logprob": finite_logprob(lp),
-                                "bytes": tk.token_bytes(t), "top_logprobs": alts})
-            return {"content": content}
-
-        def chunks(g: Generation) -> AsyncIterator[str]:
-            def chunk(index: int, delta: dict[str, Any], finish: str | None,
-                      lp: Any = None) -> str:
-                c = dict(base, choices=[{"index": index, "delta": delta, "logprobs": lp,
-                                         "finish_reason": finish}])
-                if req.include_usage():
-                    c["usage"] = None
-                return sse(c)
-
-            async def tool_deltas() -> AsyncIterator[str]:
-                # with tools, a reply is sent when complete: its calls cannot be told from text
-                # before (see serving/tools.py)
-                async for d in coalesce(g.events()):
-                    if d.finish_reason is None:
-                        continue
-                    c = g.choices[d.index]
-                    message, finish = reply(c)
-                    delta = {"role": "assistant", "content": message["content"]}
-                    if "tool_calls" in message:
-                        delta["tool_calls"] = [dict(call, index=j)
-                                               for j, call in enumerate(message["tool_calls"])]
-                    yield chunk(d.index, delta, None,
-                                logprobs_of(c.token_ids, c.logprobs, c.top_logprobs))
-                    yield chunk(d.index, {}, finish)
-
-            async def deltas() -> AsyncIterator[str]:
-                # the role goes with each choice's first token (as vLLM sends it), so a client's
-                # time to first chunk is its time to first token, not the time to admission
-                started = [False] * len(g.choices)
-                async for d in coalesce(g.events()):
-                    delta: dict[str, Any] = {}
-                    if not started[d.index]:
-                        started[d.index] = True
-                        delta["role"] = "assistant"
-                    if d.text or d.logprobs or delta:
-                        delta["content"] = d.text
-                        yield chunk(d.index, delta, None,
-                                    logprobs_of(d.token_ids, d.logprobs, d.top_logprobs))
-                    if d.finish_reason is not None:
-                        yield chunk(d.index, {}, d.finish_reason)
-
-            return sse_stream(g, tool_deltas() if plan.active else deltas(), base,
-                              req.include_usage())
-
-        def reply(c: Any) -> tuple[dict[str, Any], str | None]:
-            """One choice's message and finish reason (tool calls parsed when tools are on)."""
-            if not plan.active:
-                return {"role": "assistant", "content": c.stream.text}, c.finish_reason
-            content, calls = parse_calls(c.stream.text, plan)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = calls
-                return message, "tool_calls"
-            return message, c.finish_reason
-
-        def final(g: Generation) -> dict[str, Any]:
-            choices = []
-            for i, c in enumerate(g.choices):
-                message, finish = reply(c)
-                choices.append({"index": i, "message": message, "finish_reason": finish,
-                                "logprobs": logprobs_of(c.token_ids, c.logprobs, c.top_logprobs)})
-            return {"id": rid, "object": "chat.completion", "created": created,
-                    "model": self.s.model_name, "choices": choices, "usage": g.usage()}
-
-        return await self.run(request, gen, bool(req.stream), chunks, final)
-
+        return await chat_endpoint(self, request, await parse_body(request, ChatCompletionRequest))
 
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -236,3 +237,29 @@ async def coalesce(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
 def finite_logprob(x: float) -> float:
     """JSON has no -inf; clamp to a very unlikely value as OpenAI-compatible servers do."""
     return x if math.isfinite(x) else -9999.0
+
+
+# -- server-sent events ------------------------------------------------------------------------------
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def sse_stream(g: Generation, deltas: AsyncIterator[str], base: dict[str, Any],
+                     include_usage: bool) -> AsyncIterator[str]:
+    """An OpenAI event stream: the endpoint's chunks, then the usage chunk (when asked) and
+    ``[DONE]``; a failed generation ends the stream with an error event and ``[DONE]``."""
+    try:
+        async for chunk in deltas:
+            yield chunk
+    except GenerationFailed as e:
+        yield sse({"error": {"message": e.message, "type": "server_error", "param": None,
+                             "code": "engine_error"}})
+        yield sse("[DONE]")
+        return
+    finally:
+        await deltas.aclose()  # a client that went away closes this stream: close the endpoint's too
+    if include_usage:
+        yield sse(dict(base, choices=[], usage=g.usage()))
+    yield sse("[DONE]")
