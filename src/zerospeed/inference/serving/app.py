@@ -1,5 +1,6 @@
-"""The FastAPI application: OpenAI's completions, chat completions and models endpoints, plus
-``/health`` and ``/metrics``.
+"""The FastAPI application: OpenAI's completions (serving/completions.py), chat completions
+(serving/chat.py) and models endpoints, vLLM's ``/tokenize``, ``/detokenize`` and
+``/tokenizer_info``, plus ``/health`` and ``/metrics``.
 
 Decisions:
 
