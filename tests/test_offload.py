@@ -200,7 +200,9 @@ def _bad_path_errors(missing: str, read_only: str, root: str) -> dict:
 def test_config_combinations_that_cannot_work_are_named(tmp_path):
     msgs = run_distributed(_combination_errors, 1, str(tmp_path), timeout=50)[0]
     assert "zero_optimization.offload_optimizer" in msgs["stage0"] and "stage 1, 2 or 3" in msgs["stage0"]
-    assert "zero_optimization.offload_optimizer" in msgs["sgd"] and "SGD" in msgs["sgd"]
+    assert "zero_optimization.offload_optimizer" in msgs["lamb"] and "Lamb" in msgs["lamb"]
+    # SGD, Lion, Muon...: host-held in host memory (device cpu); NVMe swaps only Adam's states
+    assert "zero_optimization.offload_optimizer.device" in msgs["sgd_nvme"] and "SGD" in msgs["sgd_nvme"]
     assert "zero_optimization.offload_param" in msgs["param_stage2"] and "stage 3" in msgs["param_stage2"]
     assert "zero_optimization.offload_optimizer.buffer_count" in msgs["buffers"]
 
@@ -209,11 +211,15 @@ def _combination_errors(root: str) -> dict:
     make, block = offload_cases.make_config, offload_cases.offload_block
     stage0 = make(1, block("cpu"))
     stage0["zero_optimization"]["stage"] = 0
-    sgd = make(2, block("cpu"))
+    lamb = make(2, block("cpu"))
+    lamb["optimizer"] = {"type": "Lamb", "params": {"lr": 0.1}}
+    lamb["zero_allow_untested_optimizer"] = True
+    sgd = make(2, block("nvme", 1.0, root))
     sgd["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
     param2 = make(2, None)
     param2["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    return {"stage0": offload_cases.error_of(stage0), "sgd": offload_cases.error_of(sgd),
+    return {"stage0": offload_cases.error_of(stage0), "lamb": offload_cases.error_of(lamb),
+            "sgd_nvme": offload_cases.error_of(sgd),
             "param_stage2": offload_cases.error_of(param2),
             "buffers": offload_cases.error_of(make(2, block("nvme", 1.0, root, buffer_count=0)))}
 

@@ -42,11 +42,9 @@ from zerospeed import comm
 from zerospeed.zero.flat_bucket import FlatBucket
 from zerospeed.zero.layout import BucketLayout
 from zerospeed.zero.offload.tier import OffloadTier, choose_offloaded, same_memory
+from zerospeed.zero.optimizer_kinds import ELEMENTWISE_OPTIMIZERS, host_held_optimizer
 
-#: Optimizers whose update is element-wise, so running them on flat shards equals running them
-#: on whole parameters.
-ELEMENTWISE_OPTIMIZERS = ("Adam", "AdamW", "FusedAdam", "CPUAdam", "SGD", "Adagrad", "Adamax", "RMSprop", "Adadelta", "NAdam", "RAdam",
-                          "ASGD", "Rprop", "Lion")
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardView", "ShardedOptimizerState", "StepResult", "optimizer_group_of"]
 
 
 def optimizer_group_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
@@ -106,9 +104,9 @@ class ShardedOptimizerState:
         offloaded = set(choose_offloaded([b.param_shard().numel() for b in buckets], float(offload_cfg.ratio))) \
             if offload_cfg is not None else set()
         #: buckets whose master and optimizer state live in host memory and that the user's optimizer itself
-        #: steps there: Muon's (the offload tier's step is Adam's), see zerospeed.zero.muon_shards
+        #: steps there: Muon's and other non-Adam element-wise optimizers' (the offload tier's step is Adam's)
         self.host_held: set[int] = set()
-        if offloaded and getattr(optimizer, "needs_whole_matrices", False):
+        if offloaded and host_held_optimizer(optimizer):
             self.host_held, offloaded = offloaded, set()
         self.masters: list[torch.Tensor] = []
         self._opt_tensors: list[list[torch.Tensor]] = []

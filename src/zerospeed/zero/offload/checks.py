@@ -3,9 +3,10 @@
 Each problem is a :class:`~zerospeed.config.ConfigError` naming the key that asks for it:
 
 * ``offload_optimizer`` needs ZeRO stage 1, 2 or 3 (stage 0 keeps full optimizer states on every
-  rank; there is nothing partitioned to offload) and an Adam-family optimizer, because the
-  offloaded step is :mod:`zerospeed.ops.adam`'s CPU Adam/AdamW (DeepSpeed likewise swaps its
-  ``DeepSpeedCPUAdam`` in for ``"type": "Adam"``);
+  rank; there is nothing partitioned to offload). Adam/AdamW run :mod:`zerospeed.ops.adam`'s CPU
+  Adam/AdamW in the offload tier (DeepSpeed likewise swaps its ``DeepSpeedCPUAdam`` in for
+  ``"type": "Adam"``); Muon and the other element-wise optimizers (SGD, Adagrad, Lion, RAdam, ...) are
+  host-held (:func:`host_held_optimizer`), ``device: cpu`` only; others (Lamb, Adafactor) are refused;
 * ``offload_param`` needs stage 3 (only stage 3 partitions parameters);
 * an ``nvme`` device needs an existing, writable ``nvme_path`` (checked with a probe file, so a
   read-only mount or a full disk shows here and not in the middle of the first step).
@@ -18,11 +19,10 @@ from typing import Any
 import torch
 
 from zerospeed.config import ConfigError
-from zerospeed.ops.adam import CPUAdam
 from zerospeed.ops.aio import AIOError, check_nvme_path
+from zerospeed.zero.optimizer_kinds import OFFLOADABLE_OPTIMIZERS, host_held_optimizer
 
 #: Optimizer classes whose update the offloaded step reproduces exactly (torch's Adam/AdamW math).
-OFFLOADABLE_OPTIMIZERS: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW, CPUAdam)
 
 
 def check_nvme_dir(key: str, path: str) -> str:
@@ -40,11 +40,14 @@ def check_offload(options: Any, optimizer: torch.optim.Optimizer) -> None:
         if options.stage not in (1, 2, 3):
             raise ConfigError("zero_optimization.offload_optimizer",
                               f"optimizer offload needs zero_optimization.stage 1, 2 or 3, got stage {options.stage}")
-        whole_matrices = getattr(optimizer, "needs_whole_matrices", False)  # Muon: steps on host (muon_shards)
-        if whole_matrices and opt_cfg.device == "nvme":
-            raise ConfigError("zero_optimization.offload_optimizer.device", "'nvme' with Muon is not built yet (its "
-                              "momentum buffers stay in host memory): use device 'cpu'")
-        if not isinstance(optimizer, OFFLOADABLE_OPTIMIZERS) and not whole_matrices:
+        # other optimizers are host-held: their own step runs on host-memory masters and states (Muon: its
+        # Newton-Schulz there too, see zero/muon_shards); only the Adam tier swaps to NVMe
+        host_held = host_held_optimizer(optimizer)
+        if host_held and opt_cfg.device == "nvme":
+            raise ConfigError("zero_optimization.offload_optimizer.device", f"'nvme' with {type(optimizer).__name__} "
+                              "is not built yet (only Adam/AdamW states swap to NVMe; others stay in host memory): "
+                              "use device 'cpu'")
+        if not isinstance(optimizer, OFFLOADABLE_OPTIMIZERS) and not host_held:
             raise ConfigError("zero_optimization.offload_optimizer",
                               f"the offloaded optimizer step is CPU Adam/AdamW; {type(optimizer).__name__} is not "
                               "supported: use optimizer.type Adam or AdamW (or torch.optim.Adam/AdamW), or remove "
