@@ -34,6 +34,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from zerospeed.inference.serving.chat import chat as chat_endpoint
 from zerospeed.inference.serving.chat_template import ChatTemplate, require
@@ -275,6 +276,13 @@ def build_app(state: ServerState) -> FastAPI:
             msg, code = str(err.detail), None
         return counted(ApiError(err.status_code, msg, type_="invalid_request_error", code=code,
                                 headers=dict(err.headers or {})))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, err: ClientDisconnect) -> Response:
+        # the client left before its body was read (or while it was): nothing to answer, no
+        # traceback; counted with the other disconnects
+        state.engine_loop.metrics.disconnects.inc()
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, err: Exception) -> JSONResponse:
