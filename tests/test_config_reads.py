@@ -68,8 +68,8 @@ OTHER_JSON: dict[str, str] = {
     "zerospeed.compression.io": "the metadata of a compressed checkpoint",
     "zerospeed.inference.models.loader": "HF's model.safetensors.index.json",
     "zerospeed.inference.models.spec": "HF's config.json and generation_config.json",
-    "zerospeed.inference.serving": "the OpenAI-compatible server: request bodies, tool-call arguments, HF's "
-                                   "tokenizer_config.json and special_tokens_map.json",
+    "zerospeed.inference.serving.app": "HTTP request bodies",
+    "zerospeed.inference.serving.chat_template": "HF's tokenizer_config.json and special_tokens_map.json",
     "zerospeed.inference.serving.tools": "tool calls (JSON) in model replies",
     "zerospeed.inference.tokenizer": "HF's tokenizer files",
     "zerospeed.inference.v1": "DeepSpeed's checkpoint-json (init_inference(checkpoint=...)), not a config",
