@@ -103,8 +103,10 @@ def _fake_steps(tmp_path: Path) -> list:
     write = f"import json, pathlib; pathlib.Path({str(out)!r}).write_text(json.dumps({figures!r}))"
     S = gpu_check.Step
     return [
-        S("device_parity", "test", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-                                    str(tests)], 60, True, result_file=xml),
+        # --rootdir: the junit names are relative to it (else to wherever pytest finds one: a checkout under /tmp
+        # made them 'pytest-of-root.pytest-N....fake_test')
+        S("device_parity", "test", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={tmp_path}",
+                                    f"--junitxml={xml}", str(tests)], 60, True, result_file=xml),
         S("offload-zerospeed", "bench", [py, "-c", write], 60, True, result_file=str(out)),
         S("offload-deepspeed", "bench", [py, "-c", "raise SystemExit(3)"], 60, False, needs="deepspeed"),
         S("inference-hf", "bench", [py, "-c", "import time; time.sleep(60)"], 1, False),
