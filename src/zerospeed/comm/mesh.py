@@ -52,7 +52,7 @@ from zerospeed.comm.hosts import HostLayout, host_layout
 from zerospeed.comm.topology import MeshError, ProcessTopology
 
 __all__ = ["AXES", "Mesh", "MeshError", "build_mesh", "current_mesh", "from_mpu", "get_mesh", "new_group",
-           "reset_mesh", "set_mesh", "validate_degrees", "world_mesh"]
+           "reset_mesh", "set_mesh", "subgroups", "validate_degrees", "world_mesh"]
 
 #: Axis names of the grid, slowest first (DeepSpeed's PipeModelDataParallelTopology order, with the
 #: sequence axis between data and model).
@@ -60,6 +60,11 @@ AXES = ("pipe", "data", "sequence", "model")
 
 _CURRENT: Mesh | None = None
 _UNSET: Any = object()  # a group not created yet (made on first use, collectively)
+#: groups made for one purpose beside the axes (tied weights, the checkpoint's gloo copies), by
+#: ``(purpose, ranks, backend)``; equal on every rank (the same creations in the same order), and dropped when
+#: the default group changes (a process group destroyed and initialised again)
+_SUBGROUPS: dict[tuple[str, tuple[int, ...], str | None], Any] = {}
+_SUBGROUPS_WORLD: list[Any] = [None]
 
 
 def new_group(ranks: Sequence[int], backend: str | None = None) -> Any:
@@ -75,6 +80,33 @@ def new_group(ranks: Sequence[int], backend: str | None = None) -> Any:
     if ranks == list(range(dist.get_world_size())) and backend is None:
         return dist.group.WORLD
     return dist.new_group(ranks=ranks, backend=backend)
+
+
+def subgroups(purpose: str, rank_lists: Sequence[Sequence[int]],
+              backend: str | None = None) -> dict[tuple[int, ...], Any]:
+    """A dedicated group (its own communicator, never the default group) for every list of ``rank_lists``,
+    created on first use for ``purpose`` and returned from the cache after: ``{sorted ranks: group}``.
+
+    Collective: every rank of the world must call it with the same lists in the same order (a group
+    not yet made is created then, in that order; duplicates are created once). Without an initialised
+    process group every group is None.
+    """
+    out: dict[tuple[int, ...], Any] = {}
+    if is_initialized() and dist.group.WORLD is not _SUBGROUPS_WORLD[0]:
+        _SUBGROUPS.clear()
+        _SUBGROUPS_WORLD[0] = dist.group.WORLD
+    for ranks in rank_lists:
+        key = tuple(sorted(int(r) for r in ranks))
+        if key in out:
+            continue
+        if not is_initialized():
+            out[key] = None
+            continue
+        slot = (purpose, key, backend)
+        if slot not in _SUBGROUPS:
+            _SUBGROUPS[slot] = dist.new_group(ranks=list(key), backend=backend)
+        out[key] = _SUBGROUPS[slot]
+    return out
 
 
 def _degree(name: str, value: Any) -> int:
@@ -227,6 +259,13 @@ class Mesh:
                     inter = group
             self._host_groups = (intra, inter)
         return self._host_groups
+
+    # -- groups beside the axes --------------------------------------------------------------------
+    def subgroups(self, purpose: str, rank_lists: Sequence[Sequence[int]],
+                  backend: str | None = None) -> dict[tuple[int, ...], Any]:
+        """Create-or-return a dedicated group per rank list for ``purpose`` (the pipeline's tied weights, the
+        checkpoint saver's gloo copies of the dp groups): see :func:`subgroups` (collective, same order everywhere)."""
+        return subgroups(purpose, rank_lists, backend)
 
     # -- value semantics (what the frozen dataclass it was gave) --------------------------------------
     def _key(self) -> tuple[int, ...]:

@@ -128,7 +128,7 @@ def initialize_pipeline(model: PipelineModule, config: ZeroSpeedConfig, *, optim
     data_group = mesh.dp_group if mesh is not None else grid.dp_group
     tied = TiedWeights(chunks, model.tied_stages if layout.virtual == 1 else chunks[layout.pipe_rank].tied_stages,
                        num_pp=layout.num_pp, num_dp=layout.num_dp, pipe_rank=layout.pipe_rank,
-                       dp_rank=layout.dp_rank, global_rank=layout.global_rank)
+                       dp_rank=layout.dp_rank, global_rank=layout.global_rank, mesh=grid)
     tied.broadcast_initial()
     if mesh is not None:
         if mesh.dp_size > 1:

@@ -14,7 +14,8 @@ copies' gradients) and the same optimizer update. This class owns the three plac
 * the gradient norm: the sum of squares over the pipeline must count each tied parameter once, so
   every copy but the lowest owning stage's subtracts its share (:meth:`norm_sq_correction`).
 
-Communication groups are created in the same order on every rank (``new_group`` is collective).
+Communication groups come from the mesh (:meth:`zerospeed.comm.Mesh.subgroups`, purpose ``"pipe.tied"``), asked
+for in the same order on every rank (creating a group is collective).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class TiedWeights:
 
     def __init__(self, chunks: Mapping[int, nn.Module], tied_stages: Mapping[str, list[int]], *,
                  num_pp: int, num_dp: int, pipe_rank: int, dp_rank: int,
-                 global_rank: Callable[[int, int], int]) -> None:
+                 global_rank: Callable[[int, int], int], mesh: comm.Mesh | None = None) -> None:
         self.chunks = dict(chunks)
         self.num_pp = num_pp
         self.keys = sorted(tied_stages)
@@ -52,13 +53,14 @@ class TiedWeights:
             rank_sets.setdefault(ranks, []).append(key)
         self.grad_groups: list[tuple[list[str], dist.ProcessGroup | None]] = []
         self.src_of: dict[str, int] = {}
+        mesh = mesh if mesh is not None else comm.current_mesh()
         for ranks, keys in sorted(rank_sets.items()):
             mine: dist.ProcessGroup | None = None
             if len(ranks) > 1:
-                for d in range(num_dp):
-                    group = dist.new_group([global_rank(r, d) for r in ranks])
-                    if d == dp_rank and pipe_rank in ranks:
-                        mine = group
+                lists = [[global_rank(r, d) for r in ranks] for d in range(num_dp)]
+                groups = mesh.subgroups("pipe.tied", lists)
+                if pipe_rank in ranks:
+                    mine = groups[tuple(sorted(lists[dp_rank]))]
             if pipe_rank in ranks:
                 self.grad_groups.append((keys, mine))
                 for key in keys:
