@@ -85,7 +85,8 @@ class _AsyncSave:
 
 _PENDING: weakref.WeakKeyDictionary[Any, _AsyncSave] = weakref.WeakKeyDictionary()
 _LAST_STATS: weakref.WeakKeyDictionary[Any, SaveStats] = weakref.WeakKeyDictionary()
-_CKPT_GROUPS: dict[tuple[int, ...], Any] = {}
+#: the mesh's purpose name of the gloo copies of the dp groups (:meth:`zerospeed.comm.Mesh.subgroups`)
+_CKPT_PURPOSE = "checkpoint.gloo"
 
 
 # -- agreement ----------------------------------------------------------------------------------------
@@ -227,14 +228,13 @@ def _checkpoint_group(engine: Any) -> Any:
     group = _save_rank_group(engine)[1]
     if comm.get_world_size(group) == 1:
         return None
-    ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
-    if ranks not in _CKPT_GROUPS:
-        # new_group is collective over the whole world: every rank creates every dp group's copy
+    ranks = tuple(sorted(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())))
+    mesh = comm.current_mesh()
+    if not mesh.has_subgroup(_CKPT_PURPOSE, ranks, "gloo"):
+        # creating a group is collective over the whole world: every rank creates every dp group's copy
         all_ranks = comm.all_gather_object(ranks)
-        for rs in dict.fromkeys(all_ranks):
-            group = dist.new_group(ranks=list(rs), backend="gloo")
-            _CKPT_GROUPS.setdefault(tuple(rs), group)
-    return _CKPT_GROUPS[ranks]
+        mesh.subgroups(_CKPT_PURPOSE, list(dict.fromkeys(all_ranks)), backend="gloo")
+    return mesh.subgroups(_CKPT_PURPOSE, [ranks], backend="gloo")[ranks]
 
 
 def _merge_other_ranks(snap: _Snapshot, records: list[dict[str, Any]]) -> None:

@@ -51,8 +51,8 @@ from zerospeed.comm.expert_groups import ExpertGroups, build_expert_groups, chec
 from zerospeed.comm.hosts import HostLayout, host_layout
 from zerospeed.comm.topology import MeshError, ProcessTopology
 
-__all__ = ["AXES", "Mesh", "MeshError", "build_mesh", "current_mesh", "from_mpu", "get_mesh", "new_group",
-           "reset_mesh", "set_mesh", "subgroups", "validate_degrees", "world_mesh"]
+__all__ = ["AXES", "Mesh", "MeshError", "build_mesh", "current_mesh", "from_mpu", "get_mesh", "has_subgroup",
+           "new_group", "reset_mesh", "set_mesh", "subgroups", "validate_degrees", "world_mesh"]
 
 #: Axis names of the grid, slowest first (DeepSpeed's PipeModelDataParallelTopology order, with the
 #: sequence axis between data and model).
@@ -92,9 +92,7 @@ def subgroups(purpose: str, rank_lists: Sequence[Sequence[int]],
     process group every group is None.
     """
     out: dict[tuple[int, ...], Any] = {}
-    if is_initialized() and dist.group.WORLD is not _SUBGROUPS_WORLD[0]:
-        _SUBGROUPS.clear()
-        _SUBGROUPS_WORLD[0] = dist.group.WORLD
+    cache = _subgroup_cache()
     for ranks in rank_lists:
         key = tuple(sorted(int(r) for r in ranks))
         if key in out:
@@ -103,10 +101,22 @@ def subgroups(purpose: str, rank_lists: Sequence[Sequence[int]],
             out[key] = None
             continue
         slot = (purpose, key, backend)
-        if slot not in _SUBGROUPS:
-            _SUBGROUPS[slot] = dist.new_group(ranks=list(key), backend=backend)
-        out[key] = _SUBGROUPS[slot]
+        if slot not in cache:
+            cache[slot] = dist.new_group(ranks=list(key), backend=backend)
+        out[key] = cache[slot]
     return out
+
+
+def has_subgroup(purpose: str, ranks: Sequence[int], backend: str | None = None) -> bool:
+    """Whether :func:`subgroups` already made the group over ``ranks`` for ``purpose`` (local, not collective)."""
+    return (purpose, tuple(sorted(int(r) for r in ranks)), backend) in _subgroup_cache()
+
+
+def _subgroup_cache() -> dict[tuple[str, tuple[int, ...], str | None], Any]:
+    if is_initialized() and dist.group.WORLD is not _SUBGROUPS_WORLD[0]:  # a new world: the old groups are gone
+        _SUBGROUPS.clear()
+        _SUBGROUPS_WORLD[0] = dist.group.WORLD
+    return _SUBGROUPS
 
 
 def _degree(name: str, value: Any) -> int:
@@ -266,6 +276,10 @@ class Mesh:
         """Create-or-return a dedicated group per rank list for ``purpose`` (the pipeline's tied weights, the
         checkpoint saver's gloo copies of the dp groups): see :func:`subgroups` (collective, same order everywhere)."""
         return subgroups(purpose, rank_lists, backend)
+
+    def has_subgroup(self, purpose: str, ranks: Sequence[int], backend: str | None = None) -> bool:
+        """Whether :meth:`subgroups` already made the group over ``ranks`` for ``purpose`` (local, not collective)."""
+        return has_subgroup(purpose, ranks, backend)
 
     # -- value semantics (what the frozen dataclass it was gave) --------------------------------------
     def _key(self) -> tuple[int, ...]:
