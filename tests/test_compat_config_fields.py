@@ -44,7 +44,7 @@ NO_OP_FIELDS: dict[str, str] = {
     "optimizer.legacy_fusion": "DeepSpeed's legacy fp16 optimizer fusion; torch's fused kernels are used",
     "pipeline.grad_partitioned": _SAME_RESULT + " (pipeline gradient partitioning across tensor-parallel ranks)",
     "pipeline.pipe_partitioned": _SAME_RESULT + " (pipeline activation partitioning across tensor-parallel ranks)",
-    "seq_parallel_comm_data_type": "sequence parallelism is not built (sequence_parallel_size > 1 is refused)",
+    "seq_parallel_comm_data_type": "the sequence-parallel all-to-all runs in the activations' dtype",
     "tensor_parallel.injection_policy_tuple": "always None (DeepSpeed's internal form of injection_policy)",
     "tensor_parallel.keep_module_on_host": _TP_PENDING,
     "tensor_parallel.partition_config.embedding_partition_dim": _TP_PENDING,

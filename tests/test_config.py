@@ -226,7 +226,6 @@ def test_documented_removed_keys_are_in_the_table() -> None:
 
 NOT_YET_CASES = [
     ("data_efficiency", {"enabled": True}, {"enabled": False, "data_routing": {"x": 1}}),
-    ("sequence_parallel_size", 2, 1),
     ("hybrid_engine", {"enabled": True}, {"enabled": False}),
     ("zero_optimization.zenflow", {"topk_ratio": 0.1}, None),
     ("zero_optimization.zero_quantized_weights", True, False),

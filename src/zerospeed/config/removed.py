@@ -22,7 +22,7 @@ with the search tool:
 
 Not-yet-supported features (``NOT_YET``) are DeepSpeed keys whose feature zerospeed has not built.
 Decision: such a key is refused only when it would turn the feature *on*; a section that is present
-but off (``"enabled": false``, ``sequence_parallel_size`` 1, ``false``/``null``
+but off (``"enabled": false``, a degree of 1, ``false``/``null``
 flags) is accepted and dropped, because it asks for nothing zerospeed lacks.
 """
 
@@ -77,7 +77,6 @@ def _timers_off(value: Any) -> bool:
 
 #: (dotted key path, "is this value off?", short note). Order = order of reporting.
 NOT_YET: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("sequence_parallel_size", _at_most_one, "sequence parallelism"),
     ("data_efficiency", _enabled_off, "data efficiency: curriculum sampling, random-LTD"),
     ("hybrid_engine", _enabled_off, "the RLHF hybrid engine"),
     ("weight_quantization", _falsy, "weight quantization"),

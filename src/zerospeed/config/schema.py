@@ -96,6 +96,8 @@ class ZeroSpeedConfig(Section):
         Literal["mean", "sum"], one_of("mean", "sum", case_insensitive=True)
     ] = "mean"
     communication_data_type: DType | None = None
+    sequence_parallel_size: PosInt = 1
+    """Ulysses sequence-parallel degree: the sp axis of the (pp, dp, sp, tp) mesh (zerospeed.sequence)."""
     seq_parallel_comm_data_type: DType = "fp32"
     zero_allow_untested_optimizer: Bool = False
     zero_force_ds_cpu_optimizer: Bool = True
