@@ -69,6 +69,12 @@ def _at_most_one(value: Any) -> bool:
     return _falsy(value) or (is_number and value <= 1)
 
 
+def _datastates_off(value: Any) -> bool:
+    """DeepSpeed 0.19.8 (``datastates/config.py``) turns DataStates on whenever ``datastates_ckpt`` is present and
+    not ``false``, whatever the section holds (even ``{"enabled": false}``); ``null`` is taken as off here."""
+    return value is None or value is False
+
+
 def _timers_off(value: Any) -> bool:
     if not isinstance(value, dict):
         return _falsy(value)
@@ -82,7 +88,7 @@ NOT_YET: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("weight_quantization", _falsy, "weight quantization"),
     ("comet", _enabled_off, "the Comet monitor"),
     ("trackio", _enabled_off, "the Trackio monitor"),
-    ("datastates", _enabled_off, "DataStates checkpointing"),
+    ("datastates_ckpt", _datastates_off, "DataStates checkpointing"),
     ("timers", _timers_off, "throughput timers"),
     ("zero_optimization.zenflow", _falsy, "ZenFlow"),
     ("zero_optimization.zero_quantized_weights", _falsy, "ZeRO++ quantized weights"),
