@@ -39,7 +39,7 @@ from zerospeed import comm
 from zerospeed._version import __version__
 from zerospeed.checkpoint import publish
 from zerospeed.comm import lifecycle
-from zerospeed.checkpoint.errors import CheckpointSaveError
+from zerospeed.checkpoint.errors import CheckpointSaveError, CheckpointTagMismatchError
 from zerospeed.checkpoint.index import INDEX_FILE, build_index, rank_file
 from zerospeed.checkpoint.jsonstate import capture_rng, encode
 from zerospeed.checkpoint.shards import (
@@ -359,7 +359,7 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict[str, An
         mode = str(engine.config.checkpoint.tag_validation).lower()
         msg = f"checkpoint tags differ across ranks ({', '.join(f'rank {r}: {t!r}' for r, t in enumerate(tags))})"
         if mode == "fail":
-            raise CheckpointSaveError(msg + " and checkpoint.tag_validation is 'Fail'")
+            raise CheckpointTagMismatchError(msg + " and checkpoint.tag_validation is 'Fail'")
         if mode == "warn" and rank == 0:
             logger.warning("zerospeed: %s; saving under rank 0's tag %r", msg, tags[0])
         tag = tags[0]

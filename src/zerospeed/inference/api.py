@@ -36,6 +36,9 @@ class RequestError(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # picklable (issue #27)
+        return type(self), (self.field, self.message)
+
 
 @dataclass(frozen=True)
 class SamplingParams:

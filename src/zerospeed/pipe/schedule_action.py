@@ -24,6 +24,8 @@ pipeline rank, that a single runtime executes front to back. Decisions recorded 
 from __future__ import annotations
 
 import enum
+import functools
+from typing import Any
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -121,9 +123,13 @@ class ScheduleError(ValueError):
                 where += f" ({action})"
             where += ": "
         super().__init__(where + message)
+        self.message = message
         self.rank = rank
         self.index = index
         self.action = action
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:  # picklable with the keyword-only fields (issue #27)
+        return functools.partial(type(self), rank=self.rank, index=self.index, action=self.action), (self.message,)
 
 
 def peer_stage(action: Action) -> int:

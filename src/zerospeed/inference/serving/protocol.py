@@ -48,6 +48,9 @@ class ApiError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:  # picklable (issue #27)
+        return type(self), (self.status, self.message, self.param, self.type, self.code, self.headers)
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
