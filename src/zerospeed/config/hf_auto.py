@@ -15,7 +15,8 @@ Keys and sources (HF's): micro batch = ``per_device_train_batch_size``; accumula
 ``gradient_clipping`` = ``max_grad_norm``; ``fp16.enabled`` / ``bf16.enabled`` = ``fp16`` / ``bf16``;
 optimizer ``lr`` / ``betas`` / ``eps`` / ``weight_decay`` = ``learning_rate`` / ``(adam_beta1,
 adam_beta2)`` / ``adam_epsilon`` / ``weight_decay``; scheduler ``warmup_min_lr`` = 0,
-``warmup_max_lr`` = ``learning_rate``, ``warmup_num_steps`` = ``get_warmup_steps(max_steps)``,
+``warmup_max_lr`` = ``learning_rate``, ``warmup_num_steps`` = ``max(1, get_warmup_steps(max_steps))`` (as
+transformers 5.24 fills it: DeepSpeed 0.19.8's WarmupLR refuses 0, then clamps to 2),
 ``total_num_steps`` = ``max_steps``; with a model ``hidden_size`` h: ``reduce_bucket_size`` = h*h,
 ``stage3_prefetch_bucket_size`` = 0.9*h*h, ``stage3_param_persistence_threshold`` = 10*h.
 """
@@ -93,7 +94,7 @@ def fill_auto(raw: Any, args: Any, max_steps: int, world_size: int, hidden_size:
     if isinstance(sched, dict) and isinstance(sched.get("params"), dict):
         p = sched["params"]
         for key, value, source in (("warmup_min_lr", 0.0, "(0)"), ("warmup_max_lr", args.learning_rate, "learning_rate"),
-                                   ("warmup_num_steps", args.get_warmup_steps(max_steps), "warmup_steps / _ratio"),
+                                   ("warmup_num_steps", max(1, args.get_warmup_steps(max_steps)), "warmup_steps / _ratio"),
                                    ("total_num_steps", max_steps, "max_steps")):
             _set(p, key, value, f"scheduler.params.{key}", source, must_match=False)
     zero = cfg.get("zero_optimization")

@@ -69,11 +69,56 @@ __all__ = [
     "LRRangeTest",
     "build_lr_scheduler",
     "SCHEDULERS",
+    # DeepSpeed's names of the schedules and of their parameters (deepspeed/runtime/lr_schedules.py, 0.19.8)
+    "LR_SCHEDULE", "LR_RANGE_TEST", "ONE_CYCLE", "WARMUP_LR", "WARMUP_DECAY_LR", "WARMUP_COSINE_LR",
+    "VALID_LR_SCHEDULES", "LR_RANGE_TEST_MIN_LR", "LR_RANGE_TEST_STEP_RATE", "LR_RANGE_TEST_STEP_SIZE",
+    "LR_RANGE_TEST_STAIRCASE", "EDGE_VALUE", "MID_VALUE", "CYCLE_FIRST_STEP_SIZE", "CYCLE_FIRST_STAIR_COUNT",
+    "CYCLE_SECOND_STEP_SIZE", "CYCLE_SECOND_STAIR_COUNT", "DECAY_STEP_SIZE", "CYCLE_MIN_LR", "CYCLE_MAX_LR",
+    "DECAY_LR_RATE", "CYCLE_MIN_MOM", "CYCLE_MAX_MOM", "DECAY_MOM_RATE", "WARMUP_MIN_LR", "WARMUP_MAX_LR",
+    "WARMUP_NUM_STEPS", "WARMUP_TYPE", "WARMUP_LOG_RATE", "WARMUP_LINEAR_RATE", "WARMUP_MIN_RATIO", "COS_MIN_RATIO",
+    "TOTAL_NUM_STEPS",
 ]
 
 logger = logging.getLogger(__name__)
 
-WARMUP_TYPES = ("log", "linear")
+# DeepSpeed's constants (same names and values as deepspeed/runtime/lr_schedules.py in 0.19.8), so a script or test
+# that builds a scheduler section from them runs unchanged: the schedule names ``scheduler.type`` takes ...
+LR_SCHEDULE = "lr_schedule"
+LR_RANGE_TEST = "LRRangeTest"
+ONE_CYCLE = "OneCycle"
+WARMUP_LR = "WarmupLR"
+WARMUP_DECAY_LR = "WarmupDecayLR"
+WARMUP_COSINE_LR = "WarmupCosineLR"
+VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
+# ... and the keys of ``scheduler.params`` (each is a keyword of the schedule's constructor below)
+LR_RANGE_TEST_MIN_LR = "lr_range_test_min_lr"
+LR_RANGE_TEST_STEP_RATE = "lr_range_test_step_rate"
+LR_RANGE_TEST_STEP_SIZE = "lr_range_test_step_size"
+LR_RANGE_TEST_STAIRCASE = "lr_range_test_staircase"
+EDGE_VALUE = "edge_value"
+MID_VALUE = "mid_value"
+CYCLE_FIRST_STEP_SIZE = "cycle_first_step_size"
+CYCLE_FIRST_STAIR_COUNT = "cycle_first_stair_count"
+CYCLE_SECOND_STEP_SIZE = "cycle_second_step_size"
+CYCLE_SECOND_STAIR_COUNT = "cycle_second_stair_count"
+DECAY_STEP_SIZE = "decay_step_size"
+CYCLE_MIN_LR = "cycle_min_lr"
+CYCLE_MAX_LR = "cycle_max_lr"
+DECAY_LR_RATE = "decay_lr_rate"
+CYCLE_MIN_MOM = "cycle_min_mom"
+CYCLE_MAX_MOM = "cycle_max_mom"
+DECAY_MOM_RATE = "decay_mom_rate"
+WARMUP_MIN_LR = "warmup_min_lr"
+WARMUP_MAX_LR = "warmup_max_lr"
+WARMUP_NUM_STEPS = "warmup_num_steps"
+WARMUP_TYPE = "warmup_type"
+WARMUP_LOG_RATE = "log"
+WARMUP_LINEAR_RATE = "linear"
+WARMUP_MIN_RATIO = "warmup_min_ratio"
+COS_MIN_RATIO = "cos_min_ratio"
+TOTAL_NUM_STEPS = "total_num_steps"
+
+WARMUP_TYPES = (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE)
 
 
 # ----------------------------------------------------------------------------- value checks
