@@ -143,7 +143,11 @@ def test_set_random_seed_and_see_memory_usage(caplog):
     b = (random.random(), torch.rand(2))
     assert a[0] == b[0] and torch.equal(a[1], b[1])
     with pytest.raises(ValueError, match="set_random_seed"):
-        set_random_seed(-1)
+        set_random_seed("11")
+    set_random_seed(-1)  # DeepSpeed reduces the seed (mod 2**32 / 2**63) and accepts a negative one (issue #27)
+    c = torch.rand(2)
+    set_random_seed(2**63 - 1)
+    assert torch.equal(c, torch.rand(2))
     with caplog.at_level(logging.INFO, logger="zerospeed"):
         see_memory_usage("before", force=False)
         assert not caplog.records

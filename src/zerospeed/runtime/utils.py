@@ -1,6 +1,15 @@
-"""``zerospeed.runtime.utils``: DeepSpeed's ``set_random_seed`` and ``see_memory_usage``."""
+"""``zerospeed.runtime.utils``: DeepSpeed's ``set_random_seed``, ``move_to_device`` and ``see_memory_usage``.
+
+Semantics as ``deepspeed/runtime/utils.py`` (0.19.8): ``set_random_seed`` takes any int (NumPy gets it modulo 2**32,
+torch modulo 2**63, as DeepSpeed reduces it); ``move_to_device`` moves a tensor, or the tensors nested in lists,
+tuples and dicts, to ``device`` and returns the result, replacing the storage in place (``item.data``) of the
+tensors ``criterion_func`` selects. Decision: a leaf that is not a tensor and has no ``.to`` (an int, a string,
+None) is returned as it is, where DeepSpeed raises ``AttributeError``.
+"""
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import gc
 import logging
@@ -13,9 +22,10 @@ logger = logging.getLogger("zerospeed")
 
 
 def set_random_seed(seed: int) -> None:
-    """Seed Python's ``random``, NumPy (when installed) and torch on every device."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"set_random_seed: seed must be a non-negative int, got {seed!r}")
+    """Seed Python's ``random``, NumPy (when installed, ``seed % 2**32``) and torch on every device
+    (``seed % 2**63``), as DeepSpeed does; any int is accepted, negative ones included."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"set_random_seed: seed must be an int, got {seed!r}")
     random.seed(seed)
     try:
         import numpy as np
@@ -23,9 +33,25 @@ def set_random_seed(seed: int) -> None:
         np.random.seed(seed % (2**32))
     except ImportError:  # numpy is optional
         pass
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
+    torch.manual_seed(seed % (2**63))  # every device's generator
+
+
+def move_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool] | None = None) -> Any:
+    """``item`` (a tensor or nested lists / tuples / dicts of them) on ``device``; containers are rebuilt.
+
+    A tensor for which ``criterion_func`` is true keeps its identity: its storage is replaced (``item.data``) and
+    the same object is returned, so references held elsewhere (an optimizer's, a module's) see the move. Every
+    other tensor is returned as ``item.to(device)`` (DeepSpeed moves those too)."""
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item.to(device) if hasattr(item, "to") else item
 
 
 def memory_usage() -> dict[str, float]:
