@@ -35,6 +35,7 @@ LAYERS: list[tuple[int, str, str]] = [
     (5, "zerospeed.monitor", "TensorBoard / CSV / W&B writers and per-step events"),
     (5, "zerospeed.checkpointing", "activation checkpointing (DeepSpeed's deepspeed.checkpointing)"),
     (6, "zerospeed.module_inject", "AutoTP: how a layer is split over the mesh's tp group"),
+    (6, "zerospeed.sequence", "Ulysses attention over the mesh's sp group, the SP loss average, ALST's tiled compute"),
     (7, "zerospeed.moe", "mixture of experts: expert layers (split with module_inject, sharded by zero)"),
     (8, "zerospeed.compression", "quantization, pruning, layer reduction of (tensor-parallel) layers"),
     (9, "zerospeed.compile", "torch.compile backend and its graph passes over ZeRO's collectives"),

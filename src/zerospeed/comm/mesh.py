@@ -26,6 +26,10 @@ Decisions:
   data-parallel group, and a model may hold MoE layers of several ``ep_size``. :meth:`Mesh.expert_groups`
   builds them per size on first use (collective, as the MoE layers are built on every rank in one
   order) and checks that the size divides the dp degree (:mod:`zerospeed.comm.expert_groups`).
+* Sequence parallelism (Ulysses) keeps the same weights on every rank of an sp group, so ZeRO shards and averages
+  over the dp x sp ranks that share a (pp, tp) coordinate, as DeepSpeed's "sequence data parallel" group does:
+  :attr:`Mesh.sp_dp_group` (the dp group itself when sp is 1; created with the axes by :func:`build_mesh`
+  otherwise). The data loader still reads by dp rank, so the ranks of an sp group get the same samples.
 * Hosts come from the launcher's environment (:mod:`zerospeed.comm.hosts`); their groups are made on
   first use of :meth:`Mesh.host_groups` (collective).
 * Without an initialised process group the mesh is the trivial one with ``None`` groups (the
@@ -159,6 +163,7 @@ class Mesh:
         self.rank = rank
         self.topology = topology
         self._groups = {"pipe": pp_group, "data": dp_group, "sequence": sp_group, "model": tp_group}
+        self._sp_dp_group: Any = _UNSET
         self._hosts = hosts
         self._host_groups: tuple[Any, Any] | None = None
 
@@ -194,6 +199,42 @@ class Mesh:
     @property
     def tp_group(self) -> Any:
         return self._group("model")
+
+    @property
+    def sp_dp_group(self) -> Any:
+        """The dp x sp ranks sharing this rank's (pp, tp) coordinate: the group ZeRO shards over and averages
+        gradients over (the dp group when sp is 1). Made on first use on every rank (collective)."""
+        if self.sp_size == 1:
+            return self.dp_group
+        if self._sp_dp_group is _UNSET:
+            mine = None
+            for ranks in self.sp_dp_rank_lists():
+                group = new_group(ranks)
+                if self.rank in ranks:
+                    mine = group
+            self._sp_dp_group = mine
+        return self._sp_dp_group
+
+    def sp_dp_rank_lists(self) -> list[list[int]]:
+        """Global ranks of every dp x sp group (one per (pp, tp) coordinate), in creation order."""
+        if self.topology is None:
+            if self.sp_size != 1:
+                raise MeshError("mesh: an mpu's mesh has no sequence axis")
+            return [self.group_ranks("data")]
+        lists: dict[tuple[int, int], list[int]] = {}
+        for rank in range(self.world_size):
+            coord = self.topology.get_coord(rank)
+            lists.setdefault((coord.pipe, coord.model), []).append(rank)
+        return [lists[key] for key in sorted(lists)]
+
+    @property
+    def sp_dp_size(self) -> int:
+        return self.dp_size * self.sp_size
+
+    @property
+    def sp_dp_rank(self) -> int:
+        """This rank's place in :attr:`sp_dp_group` (dp-major: ``dp_rank * sp + sp_rank``)."""
+        return self.dp_rank * self.sp_size + self.sp_rank
 
     @property
     def world_size(self) -> int:
@@ -338,6 +379,15 @@ class Mesh:
     def get_sequence_parallel_group(self) -> Any:
         return self.sp_group
 
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.sp_dp_rank
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.sp_dp_size
+
+    def get_sequence_data_parallel_group(self) -> Any:
+        return self.sp_dp_group
+
 
 def build_mesh(pp: int = 1, tp: int = 1, dp: int | None = None, *, sp: int = 1, current: bool = True) -> Mesh:
     """Split the world into the (pp, dp, sp, tp) grid, create its groups and make it the current mesh.
@@ -358,6 +408,7 @@ def build_mesh(pp: int = 1, tp: int = 1, dp: int | None = None, *, sp: int = 1, 
                 rank=rank, topology=topo, sp_size=sp, sp_rank=coord.sequence, hosts=hosts)
     for axis in AXES:  # fixed order on every rank: new_group is collective
         mesh._group(axis)
+    mesh.sp_dp_group  # noqa: B018  (made now, after the axes, in the same order on every rank)
     if current:
         set_mesh(mesh)
     return mesh

@@ -53,12 +53,15 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     prepared = prepare_config(raw)  # read once; the layers below receive typed sections of the one parsed config
     from zerospeed.pipe.module import PipelineModule
     from zerospeed.runtime import tp_setup
+    from zerospeed.runtime.sequence_parallel.setup import sequence_parallel_mesh
 
+    sp_mesh = sequence_parallel_mesh(prepared.section("sequence_parallel_size"), prepared.tensor_parallel, mpu=mpu,
+                                     mesh_param=mesh_param, pipeline=isinstance(model, PipelineModule))
     if isinstance(model, PipelineModule):
         return _initialize_pipeline(model, prepared, mpu=mpu, mesh_param=mesh_param, optimizer=optimizer,
                                     model_parameters=model_parameters, training_data=training_data,
                                     lr_scheduler=lr_scheduler, collate_fn=collate_fn)
-    built = tp_setup.mesh_for(prepared.tensor_parallel, mpu=mpu, mesh_param=mesh_param, model=model)
+    built = sp_mesh or tp_setup.mesh_for(prepared.tensor_parallel, mpu=mpu, mesh_param=mesh_param, model=model)
     mesh = built if built is not None else comm.world_mesh()  # no tp, pp or mesh_param: the world is one dp group
     dp_world_size, dp_rank = mesh.dp_size, mesh.dp_rank
     cfg = prepared.resolve(dp_world_size)
@@ -72,7 +75,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     model = apply_autoep(model, cfg.expert_parallel)
     groups = param_groups_of(model, model_parameters)
     opt = optimizer_from_config(cfg, optimizer, groups, model)
-    engine = ZeroSpeedEngine(model, cfg, opt, dp_group=mesh.dp_group)
+    engine = ZeroSpeedEngine(model, cfg, opt, dp_group=mesh.sp_dp_group)  # ZeRO over dp x sp (sp ranks: same weights)
     if built is not None:
         tp_setup.attach(engine, mesh)
     engine.lr_scheduler = scheduler_from_config(cfg, lr_scheduler, opt)
@@ -80,6 +83,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if training_data is not None:
         loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, dp_rank, dp_world_size,
                                   collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last, seed=cfg.seed or 0)
+        loader.sp_shared_samples = mesh.sp_size > 1  # every sp rank of a group reads the same samples
     engine.training_dataloader = loader  # its position is saved and restored with the engine's checkpoints
     return engine, opt, loader, engine.lr_scheduler
 
