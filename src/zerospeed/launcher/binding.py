@@ -69,7 +69,7 @@ def cores_for_rank(cores: list[int], nproc: int, local_rank: int) -> list[int]:
 
 
 def plan(args: argparse.Namespace, nproc: int) -> tuple[dict[str, str], list[str]]:
-    """(environment for the workers, the module + flags to put before the user script)."""
+    """(environment for the workers, the worker module to put before the user's ``[--module] script``)."""
     if not args.bind_cores_to_rank:
         if args.bind_core_list is not None:
             raise LaunchError("--bind_core_list: needs --bind_cores_to_rank")
@@ -89,5 +89,4 @@ def plan(args: argparse.Namespace, nproc: int) -> tuple[dict[str, str], list[str
         cores = sorted(os.sched_getaffinity(0))
     per_rank = len(cores_for_rank(cores, nproc, 0))
     env = {CORES_ENV: ",".join(map(str, cores)), NPROC_ENV: str(nproc), "OMP_NUM_THREADS": str(per_rank)}
-    worker = ["--module", "zerospeed.launcher.bind_worker"] + (["--module"] if args.module else [])
-    return env, worker
+    return env, ["--module", "zerospeed.launcher.bind_worker"]  # the runner adds the program (and its --module)

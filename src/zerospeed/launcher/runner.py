@@ -25,18 +25,24 @@ Decisions, and how they differ from DeepSpeed's ``deepspeed`` command:
 * The exit status is the first failed worker's (``128 + signal`` when a worker was killed by a
   signal, or when the launcher itself was); bad input exits with 2 and one ``zerospeed: error:``
   line naming the flag, path or hostfile line.
+* Each worker runs its script through :mod:`.script_wrapper` (``python SCRIPT`` semantics kept), which writes an
+  uncaught exception to torchrun's error file instead of printing it; when workers fail, the launcher's last output
+  is one short block (:mod:`.failures`): the ranks, the exception's type and message, the file and line in the
+  user's script, and the path of the log holding every failed rank's traceback (issue #33).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from zerospeed.launcher import binding, commands, multinode, network
+from zerospeed.launcher import binding, commands, failures, multinode, network, script_wrapper
 from zerospeed.launcher.hostfile import (
     HostEntry,
     LaunchError,
@@ -60,6 +66,17 @@ class LaunchPlan:
 
     torchrun_argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    #: where the user's program starts in ``torchrun_argv`` (``[--module] SCRIPT ARGS``, after any
+    #: ``--bind_cores_to_rank`` worker); ``None`` with ``--no_python``, whose program cannot be wrapped
+    program_at: int | None = None
+
+    def worker_argv(self) -> list[str]:
+        """``torchrun_argv`` with each worker's program run through :mod:`.script_wrapper`, which records an
+        uncaught exception for the failure summary (:mod:`.failures`); what :func:`main` hands to torchrun."""
+        if self.program_at is None:
+            return list(self.torchrun_argv)
+        at = self.program_at
+        return [*self.torchrun_argv[:at], script_wrapper.__file__, *self.torchrun_argv[at:]]
 
     def command_line(self) -> str:
         """The equivalent shell command, as ``--dry_run`` prints it."""
@@ -274,12 +291,13 @@ def build_plan(
     bind_env, bind_worker = binding.plan(args, nproc)  # --bind_cores_to_rank: a pinning worker runs the script
     env.update(bind_env)
     argv += bind_worker
-    if args.module and not bind_worker:
+    program_at = None if args.no_python else len(argv)
+    if args.module:
         argv.append("--module")
     if args.no_python:
         argv.append("--no_python")
     argv += [args.user_script, *args.user_args]
-    return LaunchPlan(argv, env)
+    return LaunchPlan(argv, env, program_at)
 
 
 def _exit_status(exitcode: int) -> int:
@@ -289,21 +307,62 @@ def _exit_status(exitcode: int) -> int:
     return exitcode if exitcode > 0 else 1
 
 
-def run_torchrun(torchrun_argv: list[str]) -> int:
-    """Run torchrun's agent in this process; returns the exit status for the shell."""
+class _DropWorkerFailedRecords(logging.Filter):
+    """The agent's ``failed (exitcode: 1) local_rank: 0 ...`` line: the summary printed last says it, better."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode")
+
+
+def _num_ranks(torchrun_argv: list[str]) -> int | None:
+    try:
+        nnodes = torchrun_argv[torchrun_argv.index("--nnodes") + 1]
+        nproc = torchrun_argv[torchrun_argv.index("--nproc_per_node") + 1]
+        return int(nnodes) * int(nproc)
+    except (ValueError, IndexError):
+        return None  # an elastic MIN:MAX job: the count is the rendezvous's
+
+
+def report_failure(program: str, error: Any, torchrun_argv: list[str]) -> int:
+    """Print the failure summary (:mod:`.failures`) last, write the tracebacks' log; returns the exit status."""
+    log = failures.log_path(error.failures)
+    if log is not None:
+        try:
+            failures.write_log(error.failures, log)
+        except OSError:
+            log = None
+    sys.stdout.flush()
+    lines = failures.summarize(program, error.failures, _num_ranks(torchrun_argv), log)
+    print("\n".join(lines), file=sys.stderr)
+    _, first = error.get_first_failure()
+    return _exit_status(first.exitcode)
+
+
+def run_torchrun(torchrun_argv: list[str], program: str | None = None) -> int:
+    """Run torchrun's agent in this process; returns the exit status for the shell.
+
+    When workers fail, the last thing printed is the short summary of :func:`report_failure` (``program`` names
+    the user's script in it; default: torchrun's name for the entry point), not torchrun's failure box.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.run import parse_args as torchrun_parse_args
+    from torch.distributed.run import run as torchrun_run
 
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    quiet = _DropWorkerFailedRecords()
+    agent_log.addFilter(quiet)
     try:
-        torchrun_main(torchrun_argv)
+        # torchrun's own main() is this call under @record, whose copy of the failure into a parent's error file
+        # (there is none) only logs an error line
+        torchrun_run(torchrun_parse_args(torchrun_argv))
     except ChildFailedError as e:
-        print(str(e), file=sys.stderr)
-        _, failure = e.get_first_failure()
-        return _exit_status(failure.exitcode)
+        return report_failure(program or e.name, e, torchrun_argv)
     except SignalException as e:
         print(f"zerospeed: stopped by signal {e.sigval.name}", file=sys.stderr)
         return 128 + int(e.sigval)
+    finally:
+        agent_log.removeFilter(quiet)
     return 0
 
 
@@ -335,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return EXIT_USAGE
         return hook(args, list(sys.argv[1:] if argv is None else argv), plan.torchrun_argv)
-    return run_torchrun(plan.torchrun_argv)
+    return run_torchrun(plan.worker_argv(), program=args.user_script)
 
 
 if __name__ == "__main__":
