@@ -80,9 +80,9 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> tuple[torch.Tensor, ...]:
         ctx.group, ctx.meta = group, (x.shape, x.dtype, x.device)
         world = _world(group)
-        out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
-        collectives.all_gather(out, x.contiguous(), group=group)
-        return tuple(out.unbind(0))
+        out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)  # flat: gloo wants 1-d for scalars
+        collectives.all_gather(out, x.reshape(-1).contiguous(), group=group)
+        return tuple(out.view(world, *x.shape).unbind(0))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:

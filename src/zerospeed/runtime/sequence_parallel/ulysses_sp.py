@@ -164,11 +164,16 @@ class UlyssesSPAttentionHF(nn.Module):
                 ALL_ATTENTION_FUNCTIONS[name] = _ORIGINALS.pop(name)
 
 
-def _gather_seq(t: torch.Tensor, group: Any) -> torch.Tensor:
+def _gather_stacked(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's ``t`` (same shape everywhere) as ``[world, *t.shape]`` (one all-gather of the flat tensor)."""
     world = comm.get_world_size(group)
-    out = torch.empty((world, *t.shape), dtype=t.dtype, device=t.device)
-    comm.all_gather(out, t.contiguous(), group=group)
-    return torch.cat(out.unbind(0), dim=1)
+    out = torch.empty(world * t.numel(), dtype=t.dtype, device=t.device)
+    comm.all_gather(out, t.reshape(-1).contiguous(), group=group)
+    return out.view(world, *t.shape)
+
+
+def _gather_seq(t: torch.Tensor, group: Any) -> torch.Tensor:
+    return torch.cat(_gather_stacked(t, group).unbind(0), dim=1)
 
 
 def _hf_config(model_name_or_path: Any) -> Any:
@@ -285,8 +290,7 @@ class UlyssesSPDataLoaderAdapter:
             longest = max(s[1] for s in shapes)
             padded = torch.zeros((value.shape[0], longest, *value.shape[2:]), dtype=value.dtype)
             padded[:, :value.shape[1]] = value.cpu()
-            gathered = torch.empty((len(metas), *padded.shape), dtype=value.dtype)
-            comm.all_gather(gathered, padded, group=self.sp_group)
+            gathered = _gather_stacked(padded, self.sp_group)
             for r, s in enumerate(shapes):
                 out[r][key] = gathered[r, :, :s[1]].clone()
         return out

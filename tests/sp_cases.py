@@ -1,0 +1,274 @@
+"""Per-rank bodies for tests/test_sequence_parallel.py (module-level functions, started by name).
+
+Parity tolerance (fp32): sequence parallelism moves whole heads and whole tokens between ranks, so every
+activation is computed by the same formula; what changes is the order of sums (a weight's gradient is summed
+over the tokens of each shard, then over the ranks; projections run on fewer rows, which can change the
+kernel's blocking). Each such sum of n terms is within ~n ulps of the other order, far below RTOL = 1e-5
+relative (norm-wise, per tensor) for these sizes (n <= 64 tokens, hidden 32). Weights are compared through
+their change over the run (``w_end - w_start``), plus 4 ulps of the weight's magnitude for the rounding of
+``w - lr * g`` itself.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore")
+
+VOCAB = 64
+RTOL = 1e-5
+LR = 0.5
+CLIP = 1.0  # DeepSpeed's default gradient_clipping: the global norm under SP is checked too
+PROMPT = 3  # the first tokens of each sample are a prompt: label -100 (SFT), so shards hold different counts
+
+
+def llama(seed: int = 0, **over):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, attn_implementation="sdpa")
+    kw.update(over)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**kw))
+
+
+def qwen2(seed: int = 0, **over):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False, attn_implementation="sdpa",
+              use_sliding_window=False)
+    kw.update(over)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**kw))
+
+
+MODELS = {"llama": llama, "qwen2": qwen2}
+
+
+def sample(step: int, dp_rank: int, seq: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + 31 * dp_rank + seq)
+    ids = torch.randint(1, VOCAB, (1, seq), generator=g)
+    labels = ids.clone()
+    labels[:, :PROMPT] = -100
+    return {"input_ids": ids, "position_ids": torch.arange(seq).unsqueeze(0), "labels": labels}
+
+
+def shard_loss(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    """This shard's mean over its real tokens (0 when it has none)."""
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1), ignore_index=-100,
+                            reduction="sum")
+    return total / max(int((shift_labels != -100).sum()), 1)
+
+
+def full_loss(model, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+    shift = F.pad(b["labels"], (0, 1), value=-100)[:, 1:]
+    return shard_loss(logits, shift)
+
+
+def reference(arch: str, dp: int, steps: int, seq: int) -> tuple[list[list[float]], dict[str, torch.Tensor],
+                                                                  dict[str, torch.Tensor]]:
+    """One process at the full length: per step, the mean over the dp samples of each sample's loss; clipped SGD."""
+    model = MODELS[arch]()
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for t in range(steps):
+        per = [full_loss(model, sample(t, d, seq)) for d in range(dp)]
+        (sum(per) / dp).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append([float(x) for x in per])
+    return losses, start, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class SharedBatches(list):
+    """A list of batches marked as zerospeed's loader marks its own under sp (the sp ranks share samples)."""
+
+    sp_shared_samples = True
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def compare_updates(got: dict[str, torch.Tensor], ref_end: dict[str, torch.Tensor],
+                    start: dict[str, torch.Tensor]) -> float:
+    """Largest excess of |Δw_got - Δw_ref| over the bound (<= 0: within it)."""
+    worst = -1.0
+    for name, end in ref_end.items():
+        if name not in got or not end.is_floating_point():
+            continue
+        d_ref, d_got = end - start[name], got[name].to(end.dtype) - start[name]
+        bound = RTOL * d_ref.norm() + 4 * torch.finfo(torch.float32).eps * start[name].abs().max() * math.sqrt(
+            end.numel())
+        worst = max(worst, float((d_got - d_ref).norm() - bound))
+    return worst
+
+
+def sp_config(stage: int, sp: int, **over):
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
+           "sequence_parallel_size": sp}
+    cfg.update(over)
+    return cfg
+
+
+def parity_body(arch: str, sp: int, stages: list[int], variants: list[str], steps: int = 2, seq: int = 16,
+                checkpointing: bool = False) -> dict:
+    """SP (x DP) training through zerospeed.initialize vs one process at the full length, per ZeRO stage."""
+    import zerospeed
+    from zerospeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    from zerospeed.sequence.loss import real_tokens, sp_loss_all_gather, sp_loss_all_reduce
+    from zerospeed.utils import groups
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    dp = world // sp
+    ref_losses, start, ref_end = reference(arch, dp, steps, seq)  # before the hook is registered
+    mpu = UlyssesSPAttentionHF.register_with_transformers(MODELS[arch](), "sdpa", sp, 1)
+    out: dict = {"runs": []}
+    try:
+        sp_group, sp_rank = groups._get_sequence_parallel_group(), groups._get_sequence_parallel_rank()
+        assert groups._get_sequence_parallel_world_size() == sp
+        for stage, variant in zip(stages, variants):
+            model = MODELS[arch]()
+            if checkpointing:
+                import zerospeed.checkpointing as ckpt
+
+                ckpt.configure(None, checkpoint_in_cpu=True)
+                model._set_gradient_checkpointing(True, ckpt.checkpoint)
+            engine, _, _, _ = zerospeed.initialize(model=model, config=sp_config(stage, sp), mpu=mpu)
+            dp_rank = mpu.get_data_parallel_rank()
+            loader = UlyssesSPDataLoaderAdapter(SharedBatches(sample(t, dp_rank, seq) for t in range(steps)),
+                                                sp_rank=sp_rank, sp_group=sp_group, sp_world_size=sp, device="cpu")
+            combine = sp_loss_all_gather if variant == "all_gather" else sp_loss_all_reduce
+            losses = []
+            for t in range(steps):
+                b = next(loader)
+                logits = engine(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+                loss = combine(shard_loss(logits, b["shift_labels"]), real_tokens(b["shift_labels"]), sp_group)
+                engine.backward(loss)
+                engine.step()
+                losses.append(float(loss))
+            state = engine.consolidated_state_dict()
+            run = {"stage": stage, "variant": variant, "losses": losses,
+                   "ref_losses": [ref_losses[t][dp_rank] for t in range(steps)],
+                   "sp_dp_size": engine.dp_world_size}
+            if state:
+                run["excess"] = compare_updates(state, ref_end, start)
+            out["runs"].append(run)
+    finally:
+        UlyssesSPAttentionHF.unregister_from_transformers()
+    return out
+
+
+def attention_body(sp: int, heads: int, kv_heads: int, seq: int = 8) -> dict:
+    """DistributedAttention over [s/sp, b, h, d] shards vs causal attention over the whole sequence."""
+    from zerospeed import comm
+    from zerospeed.sequence.layer import DistributedAttention
+
+    torch.set_num_threads(1)
+    mesh = comm.build_mesh(sp=sp)
+    rank = mesh.sp_rank
+    g = torch.Generator().manual_seed(5)
+    b, d = 2, 4
+    q = torch.randn(seq, b, heads, d, generator=g)
+    k = torch.randn(seq, b, kv_heads, d, generator=g)
+    v = torch.randn(seq, b, kv_heads, d, generator=g)
+    w = torch.randn(seq, b, heads, d, generator=g)  # a fixed cotangent
+
+    def local(q_, k_, v_):  # [s, b, h, d] -> causal sdpa over s, GQA by repetition
+        rep = q_.shape[2] // k_.shape[2]
+        k_, v_ = k_.repeat_interleave(rep, 2), v_.repeat_interleave(rep, 2)
+        o = F.scaled_dot_product_attention(q_.permute(1, 2, 0, 3), k_.permute(1, 2, 0, 3), v_.permute(1, 2, 0, 3),
+                                           is_causal=True)
+        return o.permute(2, 0, 1, 3)
+
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = local(*full)
+    (ref * w).sum().backward()
+    chunk = seq // sp
+    mine = [t[rank * chunk:(rank + 1) * chunk].clone().requires_grad_(True) for t in (q, k, v)]
+    attn = DistributedAttention(local, mesh.sp_group, scatter_idx=2, gather_idx=0)
+    comm.COUNTER.reset()
+    got = attn(*mine)
+    forward_a2a = comm.COUNTER.count("all_to_all")
+    (got * w[rank * chunk:(rank + 1) * chunk]).sum().backward()
+    sl = slice(rank * chunk, (rank + 1) * chunk)
+    return {"out": rel(got.detach(), ref.detach()[sl]),
+            "grads": [rel(m.grad, f.grad[sl]) for m, f in zip(mine, full)],
+            "forward_a2a": forward_a2a, "total_a2a": comm.COUNTER.count("all_to_all")}
+
+
+def errors_body(sp: int) -> dict:
+    """Bad input at sp > 1: heads sp cannot split (attention and HF registration), uneven sequence shards."""
+    from zerospeed import comm
+    from zerospeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    from zerospeed.sequence.layer import DistributedAttention
+
+    torch.set_num_threads(1)
+    out = {}
+    mesh = comm.build_mesh(sp=sp)
+    attn = DistributedAttention(lambda q, k, v: q, mesh.sp_group)
+    for name, heads, kv in (("q_heads", 3, 3), ("kv_heads", 4, 3)):
+        try:
+            attn(torch.zeros(2, 1, heads, 4), torch.zeros(2, 1, kv, 4), torch.zeros(2, 1, kv, 4))
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    try:
+        UlyssesSPAttentionHF.register_with_transformers(llama(num_attention_heads=6, num_key_value_heads=3,
+                                                              hidden_size=48), "sdpa", sp, 1)
+        out["hf_heads"] = None
+    except ValueError as exc:
+        out["hf_heads"] = str(exc)
+    finally:
+        UlyssesSPAttentionHF.unregister_from_transformers()
+    import zerospeed
+
+    for name, cfg in (("world", sp_config(1, 2 * sp)),
+                      ("tp", sp_config(1, sp, tensor_parallel={"autotp_size": 2}))):
+        try:
+            zerospeed.initialize(model=llama(), config=cfg)
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    adapter = UlyssesSPDataLoaderAdapter(SharedBatches([sample(0, 0, 15)]), mesh.sp_rank, mesh.sp_group, sp, "cpu")
+    try:
+        next(adapter)
+        out["uneven"] = None
+    except ValueError as exc:
+        out["uneven"] = str(exc)
+    return out
+
+
+def exchange_body(sp: int) -> dict:
+    """DeepSpeed's adapter semantics: each sp rank's own batch (different lengths), processed by all in turn."""
+    from zerospeed import comm
+    from zerospeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    mesh = comm.build_mesh(sp=sp)
+    rank = mesh.sp_rank
+    mine = [sample(0, rank, 8 * (rank + 1)), sample(1, rank, 8 * (rank + 1))]
+    adapter = UlyssesSPDataLoaderAdapter(mine, rank, mesh.sp_group, sp, "cpu")
+    got = list(adapter)
+    expected = []
+    for step in range(2):
+        for owner in range(sp):
+            b = sample(step, owner, 8 * (owner + 1))
+            n = b["input_ids"].shape[1] // sp
+            shift = F.pad(b["labels"], (0, 1), value=-100)[:, 1:]
+            expected.append({"input_ids": b["input_ids"][:, rank * n:(rank + 1) * n],
+                             "position_ids": b["position_ids"][:, rank * n:(rank + 1) * n],
+                             "shift_labels": shift[:, rank * n:(rank + 1) * n]})
+    same = len(got) == len(expected) and all(
+        set(g) == set(e) and all(torch.equal(g[k], e[k]) for k in e) for g, e in zip(got, expected))
+    return {"same": same, "n": len(got)}

@@ -1,0 +1,99 @@
+"""Ulysses sequence parallelism and ALST (issue #29): attention, HF training parity with ZeRO, the data adapter,
+and bad input. Rank bodies and the tolerance argument: tests/sp_cases.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerospeed.testing import run_distributed
+
+import sp_cases
+from sp_cases import RTOL
+
+
+
+@pytest.mark.parametrize("sp,heads,kv_heads", [(2, 4, 4), (4, 8, 2), (2, 4, 1)])
+def test_distributed_attention_equals_full_attention(sp, heads, kv_heads):
+    # (4, 8, 2): fewer KV heads than ranks, each repeated twice; (2, 4, 1): multi-query
+    results = run_distributed(sp_cases.attention_body, sp, sp, heads, kv_heads, timeout=120)
+    for r in results:
+        assert r["out"] <= RTOL and max(r["grads"]) <= RTOL, r
+        assert r["forward_a2a"] == 4 and r["total_a2a"] == 8  # q, k, v and the output; their adjoints
+
+
+def _check_parity(results, sp_dp_size):
+    for r in results:
+        for run in r["runs"]:
+            assert run["sp_dp_size"] == sp_dp_size, run
+            for got, ref in zip(run["losses"], run["ref_losses"]):
+                assert abs(got - ref) <= RTOL * abs(ref), run
+    rank0 = results[0]["runs"]
+    assert all(run["excess"] <= 0 for run in rank0), rank0
+
+
+def test_llama_gqa_sp2_zero123_equals_one_process():
+    results = run_distributed(sp_cases.parity_body, 2, "llama", 2, [1, 2, 3], ["all_gather", "all_reduce", "all_gather"],
+                              timeout=240)
+    _check_parity(results, 2)
+
+
+def test_qwen2_sp2_zero3_with_checkpointing_equals_one_process():
+    # multi-query (1 KV head, repeated to 2) and activation checkpointing with cpu_checkpointing on
+    results = run_distributed(sp_cases.parity_body, 2, "qwen2", 2, [3], ["all_reduce"], 2, 16, True, timeout=240)
+    _check_parity(results, 2)
+
+
+def test_llama_sp4_equals_one_process():
+    results = run_distributed(sp_cases.parity_body, 4, "llama", 4, [2], ["all_gather"], timeout=300)
+    _check_parity(results, 4)
+
+
+def test_llama_sp2_dp2_zero123_equals_one_process():
+    results = run_distributed(sp_cases.parity_body, 4, "llama", 2, [1, 2, 3], ["all_gather", "all_reduce", "all_gather"],
+                              timeout=400)
+    _check_parity(results, 4)
+
+
+def test_adapter_exchanges_batches_as_deepspeed_does():
+    for r in run_distributed(sp_cases.exchange_body, 2, 2, timeout=60):
+        assert r["same"] and r["n"] == 4, r
+
+
+def test_bad_input_is_one_line_naming_it():
+    for r in run_distributed(sp_cases.errors_body, 2, 2, timeout=120):
+        assert "3 attention heads do not divide by sequence_parallel_size 2" in r["q_heads"]
+        assert "3 key/value heads" in r["kv_heads"]
+        assert "3 key/value heads" in r["hf_heads"] and "attention heads 6" in r["hf_heads"]
+        assert "world size 2 is not divisible by pp=1 x sp=4 x tp=1" in r["world"]
+        assert "sequence_parallel_size 2 with tensor_parallel.autotp_size 2" in r["tp"]
+        assert "sequence length 15 is not divisible by sequence_parallel_size 2" in r["uneven"]
+        assert all("\n" not in v for v in r.values() if v)
+
+
+def test_registration_refuses_what_it_cannot_hook():
+    import torch
+    from torch import nn
+
+    from zerospeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from zerospeed.sequence.layer import SequenceParallelError
+
+    assert UlyssesSPAttentionHF.register_with_transformers(sp_cases.llama(), "sdpa", 1, 1) is None  # sp 1: nothing
+
+    class OwnAttention(nn.Module):  # attention of its own: nothing in transformers' table to replace
+        def __init__(self):
+            super().__init__()
+            self.config = sp_cases.llama().config
+            self.attn = nn.MultiheadAttention(32, 4)
+
+        def forward(self, x):
+            return self.attn(x, x, x)[0]
+
+    with pytest.raises(SequenceParallelError, match="OwnAttention has no attention module that dispatches"):
+        UlyssesSPAttentionHF.register_with_transformers(OwnAttention(), "sdpa", 2, 1)
+    with pytest.raises(SequenceParallelError, match="'eager' cannot be hooked"):
+        UlyssesSPAttentionHF.register_with_transformers(sp_cases.llama(attn_implementation="eager"), "eager", 2, 1)
+    with pytest.raises(SequenceParallelError, match="the model's config uses 'sdpa'"):
+        UlyssesSPAttentionHF.register_with_transformers(sp_cases.llama(), "flex_attention", 2, 1)
+    with pytest.raises(SequenceParallelError, match="torch.distributed is not initialised"):
+        UlyssesSPAttentionHF.register_with_transformers(sp_cases.llama(), "sdpa", 2, 1)
+    del torch
