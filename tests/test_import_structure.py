@@ -22,6 +22,8 @@ LAYERS: list[tuple[int, str, str]] = [
     (0, "zerospeed.config", "the schema: DeepSpeed JSON in, frozen typed objects out; the floor everything reads"),
     (0, "zerospeed.accelerator", "DeepSpeed's get_accelerator(): a device abstraction over torch alone"),
     (0, "zerospeed._version", "the version string, for the facade and for checkpoint metadata"),
+    (-1, "zerospeed._submodules", "each package's lazy __getattr__ for its submodules (DeepSpeed's attribute chains "
+                                 "after the top-level import); importlib only"),
     (0, "zerospeed.arguments", "DeepSpeed's argparse helpers (add_config_arguments), read by the facade"),
     (0, "zerospeed.testing", "the multi-process test harness offered to users: torch.multiprocessing only"),
     (0, "zerospeed.launcher", "torchrun wrapper, hostfile, multi-node set-up: the lowest floor; the commands above it "

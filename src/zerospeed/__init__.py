@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
 from zerospeed._version import __version__
 from zerospeed.cli import register as _register_commands
 
@@ -19,6 +20,7 @@ _LAZY = {
     "ZeroSpeedEngine": ("zerospeed.runtime.engine", "ZeroSpeedEngine"),
     "load_config": ("zerospeed.config", "load_config"),
     "ConfigError": ("zerospeed.config.errors", "ConfigError"),
+    "DeepSpeedConfigError": ("zerospeed.config.errors", "DeepSpeedConfigError"),  # the same class (issue #27)
     "tp_model_init": ("zerospeed.module_inject", "tp_model_init"),
     "init_inference": ("zerospeed.inference.v1", "init_inference"),
     # DeepSpeed's top-level names (issue 20: scripts switch by changing the import)
@@ -30,18 +32,20 @@ _LAZY = {
     "get_accelerator": ("zerospeed.accelerator", "get_accelerator"),
 }
 
-__all__ = ["ConfigError", "DeepSpeedEngine", "PipelineModule", "ZeroSpeedEngine", "__version__", "add_config_arguments",
+__all__ = ["ConfigError", "DeepSpeedConfigError", "DeepSpeedEngine", "PipelineModule", "ZeroSpeedEngine", "__version__", "add_config_arguments",
            "get_accelerator", "init_distributed", "init_inference", "initialize", "load_config", "log_dist", "logger", "shutdown",
            "tp_model_init"]
 
 _register_commands()  # `zerospeed serve`, `zerospeed --autotuning`: the launcher's table (zerospeed.cli)
 
 
-def __getattr__(name: str) -> Any:
+def _lazy_name(name: str) -> Any:
     if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
-    if name in ("zero", "pipe", "comm", "ops", "runtime", "config", "testing", "module_inject", "accelerator", "utils",
-                "moe", "checkpointing", "profiling", "monitor", "inference"):
-        return importlib.import_module(f"zerospeed.{name}")
     raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")
+
+
+# every subpackage and module as an attribute (zerospeed.runtime.utils.set_random_seed after `import zerospeed`, as
+# after `import deepspeed`), each package loading its submodules on first use (zerospeed._submodules, issue #27)
+__getattr__ = _lazy_submodules(__name__, _lazy_name)

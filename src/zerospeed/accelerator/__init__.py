@@ -20,3 +20,8 @@ from zerospeed.accelerator.real import get_accelerator, is_current_accelerator_s
 
 __all__ = ["Accelerator", "CPUAccelerator", "CUDAAccelerator", "get_accelerator",
            "is_current_accelerator_supported", "set_accelerator"]
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__)  # zerospeed.<package>.<submodule> after `import zerospeed` (issue #27)

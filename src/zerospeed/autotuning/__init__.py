@@ -14,3 +14,8 @@ from zerospeed.autotuning.tuners import GridSearchTuner, ModelBasedTuner, Random
 
 __all__ = ["AutotuneError", "Autotuner", "ExperimentRunner", "GridSearchTuner", "ModelBasedTuner", "RandomTuner",
            "Result", "Space", "make_tuner", "split_space"]
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__)  # zerospeed.<package>.<submodule> after `import zerospeed` (issue #27)

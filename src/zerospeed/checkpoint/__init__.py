@@ -22,3 +22,8 @@ __all__ = [
     "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError",
     "CheckpointSaveError", "consolidate", "consolidated_state_dict", "main",
 ]
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__)  # zerospeed.<package>.<submodule> after `import zerospeed` (issue #27)

@@ -25,3 +25,8 @@ from zerospeed.checkpointing.settings import configure, is_configured, reset
 __all__ = ["CheckpointFunction", "CudaRNGStatesTracker", "SavedTensorBytes", "checkpoint", "configure",
            "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed", "non_reentrant_checkpoint",
            "peak_allocated_bytes", "profile_stats", "reset", "reset_profile_stats", "resolve_policy"]
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__)  # zerospeed.<package>.<submodule> after `import zerospeed` (issue #27)

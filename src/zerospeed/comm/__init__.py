@@ -52,3 +52,8 @@ __all__ = [
     "get_backend", "get_global_rank", "inference_all_reduce", "is_available", "new_group", "reduce",
     "reduce_scatter_tensor",
 ]
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__)  # zerospeed.<package>.<submodule> after `import zerospeed` (issue #27)

@@ -21,3 +21,8 @@ from .passes import PassRegistry
 from .stats import CompileStats
 
 __all__ = ["CompileStats", "CompiledState", "PassRegistry", "Profile", "backend_fn", "compile_engine"]
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__)  # zerospeed.<package>.<submodule> after `import zerospeed` (issue #27)

@@ -35,7 +35,12 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
+def _lazy_name(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'zerospeed.compression' has no attribute {name!r}")
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__, _lazy_name)  # and zerospeed.compression.<submodule> (issue #27)

@@ -33,8 +33,13 @@ def serve(*args, **kwargs):
     return _serve(*args, **kwargs)
 
 
-def __getattr__(name: str) -> Any:
+def _lazy_name(name: str) -> Any:
     if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'zerospeed.inference' has no attribute {name!r}")
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__, _lazy_name)  # and zerospeed.inference.<submodule> (issue #27)

@@ -44,3 +44,8 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
     if dtype is not None:
         model.to(dtype)
     return auto_tp(model, mesh.tp_group, partition_config=config, injection_policy=kwargs.get("injection_policy"))
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__)  # zerospeed.<package>.<submodule> after `import zerospeed` (issue #27)

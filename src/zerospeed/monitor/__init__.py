@@ -9,3 +9,8 @@ from zerospeed.monitor.step_events import StepEvents
 from zerospeed.monitor.writers import CSVWriter, TensorBoardWriter, WandbWriter, csv_file_name
 
 __all__ = ["CSVWriter", "Monitor", "StepEvents", "TensorBoardWriter", "WandbWriter", "csv_file_name"]
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__)  # zerospeed.<package>.<submodule> after `import zerospeed` (issue #27)

@@ -47,3 +47,8 @@ __all__ = [
     "peak_activations", "peer_stage", "simulate", "stage_to_rank", "stages_of_rank",
     "validate_schedule", "zero_bubble_h1",
 ]
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__)  # zerospeed.<package>.<submodule> after `import zerospeed` (issue #27)

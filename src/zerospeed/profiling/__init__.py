@@ -17,3 +17,8 @@ from zerospeed.profiling.peak import measure_peak_flops
 
 __all__ = ["FlopsProfiler", "duration_to_string", "flops_to_string", "get_model_profile", "macs_to_string",
            "measure_peak_flops", "params_to_string"]
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__)  # zerospeed.<package>.<submodule> after `import zerospeed` (issue #27)

@@ -12,3 +12,8 @@ from zerospeed.utils.logging import log_dist, logger
 from zerospeed.utils.repeating_loader import RepeatingLoader
 
 __all__ = ["RepeatingLoader", "log_dist", "logger"]
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__)  # zerospeed.<package>.<submodule> after `import zerospeed` (issue #27)

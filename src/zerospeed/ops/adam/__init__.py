@@ -41,3 +41,8 @@ __all__ = [
     "plan_chunks",
     "run_subgroup_pipeline",
 ]
+
+
+from zerospeed._submodules import lazy_submodules as _lazy_submodules
+
+__getattr__ = _lazy_submodules(__name__)  # zerospeed.<package>.<submodule> after `import zerospeed` (issue #27)
