@@ -89,6 +89,18 @@ def reference(arch: str, dp: int, steps: int, seq: int) -> tuple[list[list[float
     return losses, start, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def tile_mlps(model, tiles: int) -> None:
+    """Every decoder layer's MLP through TiledMLP (set on the instances, as a user script patches them)."""
+    from zerospeed.sequence.tiled import TiledMLP
+
+    def mlp_forward(module, x):
+        return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
+
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        mlp.forward = lambda x, mlp=mlp: TiledMLP.apply(mlp_forward, mlp, x, tiles)
+
+
 class SharedBatches(list):
     """A list of batches marked as zerospeed's loader marks its own under sp (the sp ranks share samples)."""
 
@@ -122,7 +134,7 @@ def sp_config(stage: int, sp: int, **over):
 
 
 def parity_body(arch: str, sp: int, stages: list[int], variants: list[str], steps: int = 2, seq: int = 16,
-                checkpointing: bool = False) -> dict:
+                checkpointing: bool = False, tiles: int = 0) -> dict:
     """SP (x DP) training through zerospeed.initialize vs one process at the full length, per ZeRO stage."""
     import zerospeed
     from zerospeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
@@ -140,11 +152,18 @@ def parity_body(arch: str, sp: int, stages: list[int], variants: list[str], step
         assert groups._get_sequence_parallel_world_size() == sp
         for stage, variant in zip(stages, variants):
             model = MODELS[arch]()
+            calls = [0]
             if checkpointing:
                 import zerospeed.checkpointing as ckpt
 
+                def counted(*args):
+                    calls[0] += 1
+                    return ckpt.checkpoint(*args)
+
                 ckpt.configure(None, checkpoint_in_cpu=True)
-                model._set_gradient_checkpointing(True, ckpt.checkpoint)
+                model._set_gradient_checkpointing(True, counted)
+            if tiles:
+                tile_mlps(model, tiles)
             engine, _, _, _ = zerospeed.initialize(model=model, config=sp_config(stage, sp), mpu=mpu)
             dp_rank = mpu.get_data_parallel_rank()
             loader = UlyssesSPDataLoaderAdapter(SharedBatches(sample(t, dp_rank, seq) for t in range(steps)),
@@ -161,7 +180,7 @@ def parity_body(arch: str, sp: int, stages: list[int], variants: list[str], step
             state = engine.consolidated_state_dict()
             run = {"stage": stage, "variant": variant, "losses": losses,
                    "ref_losses": [ref_losses[t][dp_rank] for t in range(steps)],
-                   "sp_dp_size": engine.dp_world_size}
+                   "sp_dp_size": engine.dp_world_size, "checkpoints": calls[0]}
             if state:
                 run["excess"] = compare_updates(state, ref_end, start)
             out["runs"].append(run)

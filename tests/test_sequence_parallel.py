@@ -37,10 +37,13 @@ def test_llama_gqa_sp2_zero123_equals_one_process():
     _check_parity(results, 2)
 
 
-def test_qwen2_sp2_zero3_with_checkpointing_equals_one_process():
-    # multi-query (1 KV head, repeated to 2) and activation checkpointing with cpu_checkpointing on
-    results = run_distributed(sp_cases.parity_body, 2, "qwen2", 2, [3], ["all_reduce"], 2, 16, True, timeout=240)
+def test_qwen2_sp2_zero3_with_checkpointing_and_tiled_mlp_equals_one_process():
+    # multi-query (1 KV head, repeated to 2), activation checkpointing with cpu_checkpointing on, TiledMLP (3 tiles
+    # of the 8-token shards) under ZeRO-3 (each parameter's gradient accumulated once per backward)
+    results = run_distributed(sp_cases.parity_body, 2, "qwen2", 2, [3, 2], ["all_reduce", "all_gather"], 2, 16, True,
+                              3, timeout=240)
     _check_parity(results, 2)
+    assert all(run["checkpoints"] >= 2 * 2 for r in results for run in r["runs"])  # 2 layers x 2 steps at least
 
 
 def test_llama_sp4_equals_one_process():
