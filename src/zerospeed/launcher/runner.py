@@ -138,9 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse launcher flags; raises :class:`LaunchError` on bad input."""
-    return build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse launcher flags (``args``: DeepSpeed's keyword; default ``sys.argv[1:]``); raises :class:`LaunchError` on
+    bad input."""
+    return build_parser().parse_args(list(sys.argv[1:] if args is None else args))
 
 
 def _parse_nnodes(text: str) -> tuple[int, int]:
@@ -366,35 +367,38 @@ def run_torchrun(torchrun_argv: list[str], program: str | None = None) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point: parse, translate, run; returns the process exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def main(args: Sequence[str] | None = None) -> int:
+    """Console entry point: parse, translate, run; returns the process exit status.
+
+    ``args`` is the command line after the program name (default ``sys.argv[1:]``), the keyword DeepSpeed's
+    ``deepspeed.launcher.runner.main(args=None)`` takes (issue #27)."""
+    argv = list(sys.argv[1:] if args is None else args)
     run_command = commands.command(argv[0]) if argv else None
     if run_command is not None:  # `zerospeed serve MODEL_DIR ...`: a command registered by zerospeed.cli
         return run_command(argv[1:])
     try:
-        args = parse_args(argv)
-        plan = build_plan(args)
+        opts = parse_args(argv)
+        plan = build_plan(opts)
     except LaunchError as e:
         print(f"zerospeed: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    if args.dry_run:
+    if opts.dry_run:
         print(plan.command_line())
         return 0
     try:
-        plan.env.update(multinode.prepare(args, plan.torchrun_argv, plan.env))
+        plan.env.update(multinode.prepare(opts, plan.torchrun_argv, plan.env))
     except LaunchError as e:
         print(f"zerospeed: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     os.environ.update(plan.env)
-    if args.autotuning:  # registered by zerospeed.cli, like the commands
+    if opts.autotuning:  # registered by zerospeed.cli, like the commands
         hook = commands.launch_hook("autotuning")
         if hook is None:
             print("zerospeed: error: --autotuning: the autotuner is not registered (import zerospeed)",
                   file=sys.stderr)
             return EXIT_USAGE
-        return hook(args, list(sys.argv[1:] if argv is None else argv), plan.torchrun_argv)
-    return run_torchrun(plan.worker_argv(), program=args.user_script)
+        return hook(opts, argv, plan.torchrun_argv)
+    return run_torchrun(plan.worker_argv(), program=opts.user_script)
 
 
 if __name__ == "__main__":
