@@ -291,3 +291,46 @@ def exchange_body(sp: int) -> dict:
     same = len(got) == len(expected) and all(
         set(g) == set(e) and all(torch.equal(g[k], e[k]) for k in e) for g, e in zip(got, expected))
     return {"same": same, "n": len(got)}
+
+
+def _sp_engine(sp: int, stage: int):
+    import zerospeed
+    from zerospeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    if sp > 1:  # the hook and the mesh; initialize then finds the mesh from the config's degree alone
+        UlyssesSPAttentionHF.register_with_transformers(llama(), "sdpa", sp, 1)
+    engine, _, _, _ = zerospeed.initialize(model=llama(), config=sp_config(stage, sp))
+    return engine
+
+
+def _sp_step(engine, sp: int, step: int, seq: int = 16) -> float:
+    from zerospeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+    from zerospeed.sequence.loss import real_tokens, sp_loss_all_gather
+    from zerospeed.utils import groups
+
+    group = groups._get_sequence_parallel_group()
+    b = next(UlyssesSPDataLoaderAdapter(SharedBatches([sample(step, 0, seq)]), groups._get_sequence_parallel_rank(),
+                                        group, sp, "cpu"))
+    logits = engine(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+    loss = sp_loss_all_gather(shard_loss(logits, b["shift_labels"]), real_tokens(b["shift_labels"]), group)
+    engine.backward(loss)
+    engine.step()
+    return float(loss)
+
+
+def checkpoint_save_body(save_dir: str, sp: int, stage: int) -> dict:
+    """Train 1 step at ``sp``, save, train 2 more: the losses and weights a resumed run must reproduce."""
+    torch.set_num_threads(1)
+    engine = _sp_engine(sp, stage)
+    _sp_step(engine, sp, 0)
+    engine.save_checkpoint(save_dir, tag="sp")
+    losses = [_sp_step(engine, sp, t) for t in (1, 2)]
+    return {"losses": losses, "state": engine.consolidated_state_dict()}
+
+
+def checkpoint_load_body(save_dir: str, sp: int, stage: int) -> dict:
+    torch.set_num_threads(1)
+    engine = _sp_engine(sp, stage)
+    engine.load_checkpoint(save_dir, tag="sp")
+    losses = [_sp_step(engine, sp, t) for t in (1, 2)]
+    return {"losses": losses, "state": engine.consolidated_state_dict()}

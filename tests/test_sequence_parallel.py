@@ -100,3 +100,19 @@ def test_registration_refuses_what_it_cannot_hook():
     with pytest.raises(SequenceParallelError, match="torch.distributed is not initialised"):
         UlyssesSPAttentionHF.register_with_transformers(sp_cases.llama(), "sdpa", 2, 1)
     del torch
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_saved_at_sp2_resumes_at_sp1_and_sp4(tmp_path, stage):
+    import json
+
+    saved = run_distributed(sp_cases.checkpoint_save_body, 2, str(tmp_path), 2, stage, timeout=180)[0]
+    index = json.loads((tmp_path / "sp" / "index.json").read_text())
+    # the layout: the config's sp degree, and the dp x sp ranks the ZeRO shards were written by
+    assert index["config"]["sequence_parallel_size"] == 2 and index["world_size"] == 2
+    for sp in (1, 4):
+        resumed = run_distributed(sp_cases.checkpoint_load_body, sp, str(tmp_path), sp, stage, timeout=240)[0]
+        for got, ref in zip(resumed["losses"], saved["losses"]):
+            assert abs(got - ref) <= RTOL * abs(ref), (sp, resumed["losses"], saved["losses"])
+        for name, ref in saved["state"].items():
+            assert sp_cases.rel(resumed["state"][name], ref) <= RTOL, (sp, name)
