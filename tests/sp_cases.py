@@ -334,3 +334,93 @@ def checkpoint_load_body(save_dir: str, sp: int, stage: int) -> dict:
     engine.load_checkpoint(save_dir, tag="sp")
     losses = [_sp_step(engine, sp, t) for t in (1, 2)]
     return {"losses": losses, "state": engine.consolidated_state_dict()}
+
+
+def tutorial_body() -> dict:
+    """DeepSpeed's ALST tutorial loop (docs/_tutorials/ulysses-alst-sequence-parallelism.md) with only its imports
+    changed (deepspeed -> zerospeed), on a random-init Llama instead of a hub download, gloo instead of nccl."""
+    from torch import tensor
+
+    import zerospeed as deepspeed
+    import zerospeed.comm as dist_
+    from zerospeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    from zerospeed.runtime.utils import move_to_device
+    from zerospeed.utils import groups
+
+    torch.set_num_threads(1)
+    sequence_parallel_size, micro_batch_size = 2, 1
+    config_dict = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                   "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                   "sequence_parallel_size": sequence_parallel_size}
+    input_ids = tensor([[1, 10, 10, 10, 2, 2], [1, 20, 20, 20, 2, 2]])
+    position_ids = tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]])
+    ds = torch.utils.data.TensorDataset(input_ids, position_ids)
+
+    def collate_fn(batch):
+        input_ids, position_ids = batch[0]
+        return dict(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+                    labels=input_ids.unsqueeze(0))
+
+    dist_.init_distributed(dist_backend="gloo", dist_init_required=True)
+    reference = llama()
+    ref_losses = [float(full_loss(reference, collate_fn([ds[i]]))) for i in range(2)]
+    model = llama()
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model, core_attn_implementation="sdpa",
+                                                          sequence_parallel_size=sequence_parallel_size,
+                                                          micro_batch_size=micro_batch_size, seq_length=6,
+                                                          seq_length_is_variable=True)
+    try:
+        model, _, _, _ = deepspeed.initialize(config=config_dict, model=model, model_parameters=model.parameters(),
+                                              mpu=mpu)
+        sp_group = groups._get_sequence_parallel_group()
+        sp_world_size = groups._get_sequence_parallel_world_size()
+        sp_rank = groups._get_sequence_parallel_rank()
+        dl = torch.utils.data.DataLoader(ds, batch_size=micro_batch_size, collate_fn=collate_fn)
+        dl = UlyssesSPDataLoaderAdapter(dl, sp_rank=sp_rank, sp_group=sp_group, sp_world_size=sp_world_size,
+                                        device=model.device)
+        losses = []
+        for batch in dl:
+            batch = move_to_device(batch, model.device)
+            outputs = model(**batch)
+            shift_labels = batch["shift_labels"]
+            loss = model.module.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,
+                                              vocab_size=model.module.config.vocab_size)
+            losses_per_rank = torch.distributed.nn.functional.all_gather(loss, group=sp_group)
+            good_tokens = (shift_labels != -100).view(-1).sum()
+            good_tokens_per_rank = torch.distributed.nn.functional.all_gather(good_tokens, group=sp_group)
+            total_loss = sum(losses_per_rank[rank] * good_tokens_per_rank[rank] for rank in range(sp_world_size))
+            total_good_tokens = sum(good_tokens_per_rank)
+            loss = total_loss / max(total_good_tokens, 1)
+            losses.append(float(loss))
+            model.backward(loss)
+            model.step()
+    finally:
+        UlyssesSPAttentionHF.unregister_from_transformers()
+    return {"losses": losses, "ref_first": ref_losses[0]}
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        s = sample(0, i, 16)
+        return {k: v[0] for k, v in s.items()}
+
+
+def loader_body(sp: int) -> dict:
+    """initialize(training_data=...) under sp: the ranks of an sp group read the same samples, dp groups differ."""
+    import zerospeed
+    from zerospeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+    from zerospeed.utils import groups
+
+    torch.set_num_threads(1)
+    engine, _, loader, _ = zerospeed.initialize(model=llama(), config=sp_config(1, sp), training_data=_Samples())
+    ids = [b["input_ids"].clone() for b in loader]
+    loader.set_epoch(0)  # the same pass again, through the adapter
+    adapter = UlyssesSPDataLoaderAdapter(loader, groups._get_sequence_parallel_rank(),
+                                         groups._get_sequence_parallel_group(), sp, "cpu")
+    shards = [b["input_ids"].clone() for b in adapter]
+    return {"ids": torch.cat(ids), "shards": shards, "len": len(adapter),
+            "sp_rank": groups._get_sequence_parallel_rank(), "dp_rank": groups._get_data_parallel_rank(),
+            "sp_dp_size": engine.dp_world_size}
