@@ -69,10 +69,14 @@ def test_a_hang_is_killed_at_the_timeout():
 @pytest.mark.timeout(60)
 def test_collectives_are_counted_with_elements_and_bytes():
     snap, traffic, out, full = run_distributed(_count_collectives, 2)[1]
-    # on gloo, reduce-scatter and all-gather run as all-reduces (faster there): twice the message on the wire
-    assert snap["all_reduce"] == {"count": 1, "elements": 16, "bytes": 64, "wire_elements": 32}
-    assert snap["reduce_scatter"] == {"count": 1, "elements": 16, "bytes": 64, "wire_elements": 32}
-    assert snap["all_gather"] == {"count": 1, "elements": 16, "bytes": 64, "wire_elements": 32}
+    # small messages on gloo: an all-to-all reduce-scatter and the native all-gather, once the message on the wire
+    # (large single-host ones run as all-reduces, twice: tests/test_comm_hierarchical.py); one host, so every
+    # byte this rank sent (the (N-1)/N share) stayed on it
+    links = {"intra_host_bytes": 32, "inter_host_bytes": 0}
+    assert snap["all_reduce"] == {"count": 1, "elements": 16, "bytes": 64, "wire_elements": 32,
+                                  "intra_host_bytes": 64, "inter_host_bytes": 0}
+    assert snap["reduce_scatter"] == {"count": 1, "elements": 16, "bytes": 64, "wire_elements": 16, **links}
+    assert snap["all_gather"] == {"count": 1, "elements": 16, "bytes": 64, "wire_elements": 16, **links}
     assert traffic == 2 * 16 + 16 + 16  # an all-reduce moves twice its size
     assert out.tolist() == [2.0 * v for v in range(8, 16)]  # rank 1's half of the sum of two copies
     assert full.tolist() == [0.0] * 8 + [1.0] * 8

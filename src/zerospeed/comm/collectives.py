@@ -6,32 +6,29 @@ the older ``*_into_tensor`` / ``*_tensor`` names. ``async_op=True`` returns a Wo
 With a world of one, collectives are skipped (they would be identities) but still counted, so
 tests and the comms logger see the same call pattern at any world size.
 
-Algorithm choice per backend (measured, see bench/results/gloo_collectives*): gloo's
-reduce-scatter and all-gather are 2-3x slower than its all-reduce of the *full* tensor on CPU
-(14M fp32, 2 ranks: reduce-scatter 224 ms, all-gather 224 ms, all-reduce 76 ms). On gloo, a
-reduce-scatter is therefore carried out as an in-place all-reduce of the input plus a slice copy
-(the input is clobbered: callers pass scratch), and an all-gather as an all-reduce of the output
-with every other rank's range zeroed. The counter records the logical collective (what ZeRO's
-accounting is about) and, separately, the elements the chosen algorithm put on the wire.
-``ZEROSPEED_NATIVE_COLLECTIVES=1`` turns this off (for benchmarks of the native path).
+Algorithm choice: a group whose ranks span hosts evenly runs reduce-scatter, all-gather and all-reduce in two
+levels (:mod:`zerospeed.comm.hierarchical`: inside the host, across hosts on 1/local_size of the data, inside
+the host), so each host's link carries the ZeRO formula's bytes; otherwise one flat algorithm per backend and
+size (:mod:`zerospeed.comm.algorithms`: on gloo, an all-to-all reduce-scatter with an ordered sum and the
+native all-gather for small messages and across hosts, an all-reduce emulation for large single-host ones,
+which gloo runs fastest on loopback). The counter records the logical collective (what ZeRO's accounting is
+about), the elements the chosen algorithm put on the wire, and the bytes this rank sent inside its host and
+across hosts (:mod:`zerospeed.comm.links`). ``ZEROSPEED_NATIVE_COLLECTIVES=1`` forces the byte-optimal flat
+algorithms; ``ZEROSPEED_HIERARCHICAL=0`` keeps every collective flat.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import os
-
 import torch
 import torch.distributed as dist
 
-from zerospeed.comm import health
+from zerospeed.comm import algorithms, health, hierarchical
 from zerospeed.comm.counter import COUNTER
+from zerospeed.comm.links import sent_bytes
 
 ReduceOp = dist.ReduceOp
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _DoneWork:
@@ -42,23 +39,6 @@ class _DoneWork:
 
     def is_completed(self) -> bool:
         return True
-
-
-class _ThenWork:
-    """A Work handle that runs a completion step (a slice copy) once, after the wait."""
-
-    def __init__(self, work: Any, then: Any) -> None:
-        self._work, self._then, self._done = work, then, False
-
-    def wait(self, timeout: Any = None) -> bool:
-        if not self._done:
-            self._work.wait() if timeout is None else self._work.wait(timeout)
-            self._then()
-            self._done = True
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done
 
 
 def _issue(op: str, start: Any, async_op: bool) -> Any:
@@ -75,64 +55,58 @@ def _world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _emulate_with_all_reduce(group: dist.ProcessGroup | None) -> bool:
-    if os.environ.get("ZEROSPEED_NATIVE_COLLECTIVES", "0") == "1":
-        return False
-    return dist.get_backend(group) == "gloo"
+def _finish(handle: Any, async_op: bool) -> Any:
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: dist.ProcessGroup | None = None,
                async_op: bool = False) -> Any:
+    """Sum (or ``op``) ``tensor`` over the group, in place; two-level when the group spans hosts
+    (:mod:`zerospeed.comm.hierarchical`)."""
     single = _world(group) == 1
-    COUNTER.record("all_reduce", tensor.numel(), tensor.element_size(), wire_numel=0 if single else None)
     if single:
+        COUNTER.record("all_reduce", tensor.numel(), tensor.element_size(), wire_numel=0)
         return _DoneWork() if async_op else None
-    return _issue("all_reduce", lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op)
+    split = hierarchical.split_for(group, tensor.numel(), op) if tensor.is_contiguous() else None
+    if split is not None:
+        handle, wire, links = hierarchical.all_reduce(tensor, op, split)
+        COUNTER.record("all_reduce", tensor.numel(), tensor.element_size(), wire_numel=wire, links=links)
+        return _finish(handle, async_op)
+    started = algorithms.start_all_reduce(tensor, op, group)
+    COUNTER.record("all_reduce", tensor.numel(), tensor.element_size(), links=started.links)
+    return _finish(started, async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: Any, op: Any = ReduceOp.SUM,
                    group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
     """Reduce ``input`` (numel = world * output.numel) over the group; rank r gets chunk r.
 
-    ``input`` is scratch: its contents are unspecified afterwards (on gloo it holds the full sum).
+    ``input`` is scratch: its contents are unspecified afterwards (on gloo it may hold the full sum).
     ``input`` may also be a list of ``world`` tensors (torch's / DeepSpeed's list form; not clobbered).
-    ``output`` may be this rank's own chunk of ``input`` (an in-place reduce-scatter): on gloo that
-    costs no copy at all; on the native path a temporary keeps the collective's buffers apart.
+    ``output`` may be this rank's own chunk of ``input`` (an in-place reduce-scatter).
+    The algorithm (:mod:`zerospeed.comm.algorithms`, :mod:`zerospeed.comm.hierarchical`) depends on the
+    backend, the size and whether the group spans hosts.
     """
     world = _world(group)
     if isinstance(input, (list, tuple)):
         return _reduce_scatter_list(output, list(input), op, group, async_op)
     if world == 1:
         COUNTER.record("reduce_scatter", input.numel(), input.element_size(), wire_numel=0)
-        output.copy_(input.view_as(output))
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input.view_as(output))
         return _DoneWork() if async_op else None
-    if _emulate_with_all_reduce(group):
-        COUNTER.record("reduce_scatter", input.numel(), input.element_size(), wire_numel=2 * input.numel())
-        mine = input.reshape(-1).narrow(0, dist.get_rank(group) * output.numel(), output.numel())
-        work = health.CheckedWork(dist.all_reduce(input, op=op, group=group, async_op=True), "reduce_scatter")
-        if mine.data_ptr() == output.data_ptr():  # in place: the sum already sits in the output
-            if async_op:
-                return work
-            work.wait()
-            return None
-        finish = _ThenWork(work, lambda: output.view(-1).copy_(mine))
-        if async_op:
-            return finish
-        finish.wait()
-        return None
-    COUNTER.record("reduce_scatter", input.numel(), input.element_size())
-    start, end = input.data_ptr(), input.data_ptr() + input.numel() * input.element_size()
-    if start <= output.data_ptr() < end:  # output aliases input: reduce into a temporary
-        temp = torch.empty_like(output)
-        work = health.CheckedWork(_reduce_scatter_single(temp, input, op=op, group=group, async_op=True),
-                                  "reduce_scatter")
-        finish = _ThenWork(work, lambda: output.copy_(temp))
-        if async_op:
-            return finish
-        finish.wait()
-        return None
-    return _issue("reduce_scatter",
-                  lambda a: _reduce_scatter_single(output, input, op=op, group=group, async_op=a), async_op)
+    split = hierarchical.split_for(group, input.numel(), op)
+    if split is not None:
+        handle, wire, links = hierarchical.reduce_scatter(output, input, op, split)
+        COUNTER.record("reduce_scatter", input.numel(), input.element_size(), wire_numel=wire, links=links)
+        return _finish(handle, async_op)
+    started = algorithms.start_reduce_scatter(output, input, op, group)
+    COUNTER.record("reduce_scatter", input.numel(), input.element_size(), wire_numel=started.wire_numel,
+                   links=started.links)
+    return _finish(started, async_op)
 
 
 def all_gather(output: Any, input: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -140,6 +114,7 @@ def all_gather(output: Any, input: torch.Tensor, group: dist.ProcessGroup | None
     """Concatenate every rank's ``input`` into ``output`` (numel = world * input.numel).
 
     ``output`` may also be a list of ``world`` tensors (torch's / DeepSpeed's list form).
+    ``input`` may be this rank's own range of ``output``.
     """
     world = _world(group)
     if isinstance(output, (list, tuple)):
@@ -149,17 +124,15 @@ def all_gather(output: Any, input: torch.Tensor, group: dist.ProcessGroup | None
         if output.data_ptr() != input.data_ptr():
             output.copy_(input.view_as(output))
         return _DoneWork() if async_op else None
-    if _emulate_with_all_reduce(group):
-        COUNTER.record("all_gather", output.numel(), output.element_size(), wire_numel=2 * output.numel())
-        flat, n = output.view(-1), input.numel()
-        start = dist.get_rank(group) * n
-        if flat.narrow(0, start, n).data_ptr() != input.data_ptr():
-            flat.narrow(0, start, n).copy_(input.reshape(-1))
-        flat.narrow(0, 0, start).zero_()
-        flat.narrow(0, start + n, flat.numel() - start - n).zero_()
-        return _issue("all_gather", lambda a: dist.all_reduce(output, group=group, async_op=a), async_op)
-    COUNTER.record("all_gather", output.numel(), output.element_size())
-    return _issue("all_gather", lambda a: _all_gather_single(output, input, group=group, async_op=a), async_op)
+    split = hierarchical.split_for(group, output.numel())
+    if split is not None:
+        handle, wire, links = hierarchical.all_gather(output, input, split)
+        COUNTER.record("all_gather", output.numel(), output.element_size(), wire_numel=wire, links=links)
+        return _finish(handle, async_op)
+    started = algorithms.start_all_gather(output, input, group)
+    COUNTER.record("all_gather", output.numel(), output.element_size(), wire_numel=started.wire_numel,
+                   links=started.links)
+    return _finish(started, async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
@@ -250,7 +223,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
                       async_op: bool = False) -> Any:
     """Scatter ``input``'s chunks to every rank and gather theirs into ``output`` (torch's semantics)."""
     single = _world(group) == 1
-    COUNTER.record("all_to_all", input.numel(), input.element_size(), wire_numel=0 if single else None)
+    even = output_split_sizes is None and input_split_sizes is None
+    links = sent_bytes(group, "pairwise", input.numel() * input.element_size()) if even and not single else (0, 0)
+    COUNTER.record("all_to_all", input.numel(), input.element_size(), wire_numel=0 if single else None, links=links)
     if single:
         output.copy_(input)
         return _DoneWork() if async_op else None

@@ -1,0 +1,82 @@
+"""Rank functions of the hierarchical-collective tests (tests/test_comm_hierarchical.py).
+
+``as_hosts(per_host)`` gives this process torchrun's numbering of ``per_host`` ranks a host
+(``rank = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``) before any collective, so a world of 4 on one machine is
+seen as 2 hosts x 2 processes: the groups, algorithms and byte counts are those of two hosts; only the wire is
+loopback.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerospeed import comm
+
+
+def as_hosts(per_host: int, hierarchical: bool = True) -> None:
+    rank = dist.get_rank()
+    os.environ.update(LOCAL_WORLD_SIZE=str(per_host), LOCAL_RANK=str(rank % per_host),
+                      GROUP_RANK=str(rank // per_host), ZEROSPEED_HIERARCHICAL="1" if hierarchical else "0")
+
+
+def rank_input(numel: int, integer: bool, rank: int | None = None) -> torch.Tensor:
+    rank = dist.get_rank() if rank is None else rank
+    g = torch.Generator().manual_seed(17 + rank)
+    if integer:  # every partial sum is exact in fp32: any order gives the same bits
+        return torch.randint(-4096, 4096, (numel,), generator=g).float()
+    return torch.randn(numel, generator=g) * torch.logspace(-3, 3, numel)
+
+
+def collectives(per_host: int, numel_per_rank: int, integer: bool, hierarchical: bool) -> dict:
+    """One reduce-scatter, all-gather and all-reduce; the results and what the counter saw."""
+    as_hosts(per_host, hierarchical)
+    world = dist.get_world_size()
+    comm.COUNTER.reset()
+    x = rank_input(world * numel_per_rank, integer)
+    shard = torch.empty(numel_per_rank)
+    comm.reduce_scatter(shard, x.clone())
+    gathered = torch.empty(world * numel_per_rank)
+    comm.all_gather(gathered, rank_input(numel_per_rank, integer), async_op=True).wait()
+    summed = x.clone()[: world * numel_per_rank - 3]  # not a multiple of the group: padded inside
+    summed = summed.contiguous()
+    comm.all_reduce(summed)
+    return {"shard": shard, "gathered": gathered, "summed": summed, "comms": comm.COUNTER.snapshot()}
+
+
+def model() -> nn.Module:
+    torch.manual_seed(4321)
+    # every layer above hierarchical.MIN_NUMEL elements (ZeRO-3 gathers a layer at a time)
+    return nn.Sequential(nn.Linear(48, 96), nn.Tanh(), nn.Linear(96, 48), nn.Tanh(), nn.Linear(48, 88))
+
+
+def zero_step_bytes(stage: int, hierarchical: bool, steps: int = 3) -> dict:
+    """Train ``steps`` steps at ZeRO ``stage`` on 2 simulated hosts; the last step's counter, the padded Ψ and the
+    weights."""
+    import zerospeed
+
+    as_hosts(2, hierarchical)
+    net = model()
+    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 1 << 20, "allgather_bucket_size": 1 << 20,
+                                 "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1 << 20,
+                                 "stage3_max_reuse_distance": 0}}  # re-gathered for backward: the 3Ψ of the formula
+    engine, _, _, _ = zerospeed.initialize(model=net, config=cfg)
+    rank = dist.get_rank()
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(4, 48, generator=g)
+        comm.COUNTER.reset()
+        loss = nn.functional.mse_loss(engine(x), x.repeat(1, 2)[:, :88].sin())
+        engine.backward(loss)
+        engine.step()
+    snap = comm.COUNTER.snapshot()
+    padded = sum(b.layout.padded_numel for b in engine.strategy.buckets)
+    weights = engine.consolidated_state_dict()
+    engine.destroy()
+    return {"comms": snap, "padded_numel": padded, "weights": weights, "num_buckets": len(engine.strategy.buckets),
+            "num_params": sum(p.numel() for p in model().parameters())}
