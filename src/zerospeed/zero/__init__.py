@@ -1,7 +1,8 @@
 """ZeRO sharding strategies (stages 0-3) and DeepSpeed's ``deepspeed.zero`` user API.
 
 ``zerospeed.zero.Init``, ``GatheredParameters``, ``register_external_parameter`` and
-``unregister_external_parameter`` are DeepSpeed's names; they load on first use.
+``unregister_external_parameter`` are DeepSpeed's names (and ``ZeroParamStatus``, the ``ds_status`` values of
+stage-3 parameters: :mod:`zerospeed.zero.stage3.param_view`); they load on first use.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ _LAZY = {
     "register_external_parameter": "zerospeed.zero.init",
     "unregister_external_parameter": "zerospeed.zero.init",
     "is_partitioned": "zerospeed.zero.init",
+    "ZeroParamStatus": "zerospeed.zero.stage3.param_view",
 }
 
 __all__ = list(_LAZY)

@@ -6,6 +6,10 @@
 * module -> external parameters (``zero.register_external_parameter``): parameters a module's
   forward uses although another module owns them; the runtime gathers them around that forward.
 
+Adding a parameter also gives it DeepSpeed's read-only ``ds_*`` attributes, a view that reads this table
+(:mod:`zerospeed.zero.stage3.param_view`), and a ``ds_id``: a number in the order parameters were first
+partitioned, kept here (by parameter, weakly) so that re-bucketing keeps it.
+
 Entries are keyed by ``id()`` and hold the parameter / module through a weak reference whose
 callback removes the entry, so the registry never keeps a model alive. The registry holds buckets
 strongly: a bucket lives as long as any of its parameters does (the bucket holds its parameters
@@ -14,14 +18,19 @@ weakly), which is what keeps a ``zero.Init`` model's shards alive until an engin
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any, Callable
 
 from torch import nn
 
+from zerospeed.zero.stage3 import param_view
+
 _params: dict[int, tuple[weakref.ref, Any, int]] = {}
 _external: dict[int, tuple[weakref.ref, list[weakref.ref]]] = {}
 _listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_ds_ids: dict[int, tuple[weakref.ref, int]] = {}
+_next_ds_id = itertools.count()
 
 
 def _dropper(table: dict[int, Any], key: int) -> Callable[[Any], None]:
@@ -37,6 +46,10 @@ def add_bucket(bucket: Any) -> None:
     for pos, p in bucket.live_params():
         key = id(p)
         _params[key] = (weakref.ref(p, _dropper(_params, key)), bucket, pos)
+        entry = _ds_ids.get(key)
+        if entry is None or entry[0]() is not p:
+            _ds_ids[key] = (weakref.ref(p, _dropper(_ds_ids, key)), next(_next_ds_id))
+        param_view.adopt(p, lookup, ds_id)
 
 
 def remove_bucket(bucket: Any) -> None:
@@ -50,6 +63,14 @@ def lookup(param: Any) -> tuple[Any, int] | None:
     if entry is None or entry[0]() is not param:
         return None
     return entry[1], entry[2]
+
+
+def ds_id(param: Any) -> int | None:
+    """DeepSpeed's ``ds_id`` of a parameter that was partitioned, or None."""
+    entry = _ds_ids.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]
 
 
 def add_external(module: nn.Module, param: nn.Parameter) -> None:
