@@ -52,6 +52,10 @@ LAYERS: list[tuple[int, str, str]] = [
     (15, "zerospeed.cli", "the command table: `zerospeed serve`, `zerospeed --autotuning` registered for the launcher"),
     (16, "zerospeed", "the package root: DeepSpeed's top-level names, loaded lazily from the facade and below"),
     (17, "zerospeed.integrations", "HuggingFace Trainer integration: builds engines through zerospeed.initialize"),
+    (18, "zerospeed.deepspeed_alias", "zerospeed-as-deepspeed: zerospeed under DeepSpeed's package name for other "
+                                      "libraries (finder, generated directory, launcher); nothing imports it"),
+    (19, "zerospeed.as_deepspeed", "`import zerospeed.as_deepspeed`: switches the alias on in-process at import, so "
+                                   "it sits above the alias and nothing (the launcher included) imports it"),
 ]
 
 _LAYER = {unit: layer for layer, unit, _ in LAYERS}
