@@ -91,3 +91,34 @@ def test_bad_structured_output_requests_name_the_field(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                    json={"messages": [{"role": "user", "content": "x"}], **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("vocab_size", [300, 301])  # a whole number of 32-bit words, and a partial last word
+def test_batched_mask_refuses_exactly_what_each_matcher_refuses(tmp_path, vocab_size):
+    """Guides.mask (bitmask bytes -> table of additive 0 / -inf terms -> one index_add_) against
+    llguidance's own per-matcher logit bias, on guided rows that are not contiguous in the batch;
+    unguided rows and allowed entries keep their exact values."""
+    import torch
+
+    from serve_cases import build_tokenizer
+    from zerospeed.inference.constraints import Guides, grammar_for
+
+    tok = build_tokenizer(tmp_path, vocab_size=300)
+    guides = Guides(tok, vocab_size, [tok.token_to_id("</s>")])
+    matchers = [guides.matcher(grammar_for("choice", ["red", "green", "blue"])),
+                guides.matcher(grammar_for("json_schema", SCHEMA)),
+                guides.matcher(grammar_for("regex", r"[0-9]{2,4}"))]
+    for t in tok.encode('{"ok": ', add_special_tokens=False).ids:
+        assert matchers[1].try_consume_tokens([t]) == 1
+    logits = torch.randn(5, vocab_size, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    rows = [4, 0, 2]
+    guides.mask(logits, rows, matchers)
+    for row, m in zip(rows, matchers):
+        bias = m.compute_logit_bias()  # one byte per token: non-zero where allowed
+        allowed = torch.tensor([bias[t] != 0 for t in range(vocab_size)])
+        assert 0 < int(allowed.sum()) < vocab_size
+        assert torch.equal(logits[row][allowed], before[row][allowed])
+        assert bool((logits[row][~allowed] == float("-inf")).all())
+    for row in (1, 3):
+        assert torch.equal(logits[row], before[row])
