@@ -53,6 +53,10 @@ from zerospeed.launcher.hostfile import (
 )
 
 DEFAULT_MASTER_PORT = 29500
+#: DeepSpeed's name for the file of ``KEY=VALUE`` exports its multi-node runner copies to every node (``DS_ENV_FILE``
+#: overrides it). Accelerate imports it (``accelerate launch --use_deepspeed``) and writes it for multi-node runs,
+#: which it starts with DeepSpeed's own ``deepspeed`` command (not built); zerospeed's launcher does not read it.
+DEEPSPEED_ENVIRONMENT_NAME = os.getenv("DS_ENV_FILE", ".deepspeed_env")
 EXIT_USAGE = 2
 
 
