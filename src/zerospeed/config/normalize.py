@@ -85,6 +85,8 @@ _AUTO_VALUE_ALLOWED = frozenset({"pipeline.stages"})
 
 def apply_legacy_forms(raw: dict[str, Any]) -> None:
     """Translate DeepSpeed's deprecated-but-read forms into their current spelling."""
+    if raw.get("steps_per_print") == float("inf"):  # Accelerate writes inf for "never"; DeepSpeed takes it: 0 here
+        raw["steps_per_print"] = 0
     zero = raw.get(_ZERO)
     if isinstance(zero, bool):
         raw[_ZERO] = {"stage": 1 if zero else 0}
