@@ -97,7 +97,6 @@ LACKS: dict[str, str] = {
     "no_sync": "gradients are reduced by bucket hooks during backward; accumulate with gradient_accumulation_steps "
                "instead (engine.backward only reduces at the accumulation boundary under stages 0-1)",
     "coalesce_grad_reduction": _INTERNAL,
-    "set_gradient_accumulation_boundary": "the boundary follows gradient_accumulation_steps; set it in the config",
     "clip_fp32_gradients": _INTERNAL + " (set gradient_clipping in the config)",
     "allreduce_bucket": _INTERNAL,
     "allreduce_and_copy": _INTERNAL,
@@ -581,6 +580,23 @@ class DeepSpeedEngineAPI:
         from zerospeed.compile.engine_compile import state_of
 
         return state_of(self).deepcompile is not None
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Declare whether the coming backward ends an accumulation window (Accelerate passes its ``sync_gradients``).
+
+        zerospeed's windows are ``gradient_accumulation_steps`` micro-batches (the reduction and the step follow
+        them), so a declaration that agrees is accepted and one that disagrees is refused naming both, instead of
+        silently accumulating across a window the caller thinks it closed (Accelerate forces a sync at the end of
+        its dataloader: make the per-rank batches per epoch a multiple of gradient_accumulation_steps).
+        """
+        expected = self.is_gradient_accumulation_boundary()  # type: ignore[attr-defined]
+        if bool(is_boundary) != expected:
+            steps = self.config.gradient_accumulation_steps  # type: ignore[attr-defined]
+            raise ValueError(
+                f"engine.set_gradient_accumulation_boundary({bool(is_boundary)}): micro-batch "
+                f"{self.micro_steps % steps + 1} of {steps} (gradient_accumulation_steps) "  # type: ignore[attr-defined]
+                f"{'ends' if expected else 'does not end'} the window in zerospeed; make the number of micro-batches "
+                "per window (per epoch, per rank) a multiple of gradient_accumulation_steps")
 
     def register_compile_pass(self, name: str, fn: Any) -> None:
         """Register a graph pass ``(graph_module, profile) -> graph_module`` under ``name``."""
