@@ -29,6 +29,8 @@ import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint import publish
+from zerospeed.checkpoint.deepspeed.layout import is_deepspeed_folder
+from zerospeed.checkpoint.deepspeed.layout import open_folder as open_deepspeed
 from zerospeed.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
                                          CheckpointNotFoundError)
 from zerospeed.checkpoint.index import CheckpointIndex
@@ -314,9 +316,12 @@ def load(engine: Any, load_dir: str, tag: str | None, load_module_strict: bool, 
             logger.warning("zerospeed: no 'latest' file in %s and no tag given: nothing loaded (pass tag= to load a "
                            "specific checkpoint)", load_dir)
         return None, None
-    error, source, p, index, rng_file = None, None, None, None, None
+    error, source, p, index, rng_file, ds_folder = None, None, None, None, None, None
     try:
-        index = CheckpointIndex.read(directory)
+        if not os.path.isfile(os.path.join(directory, "index.json")) and is_deepspeed_folder(directory):
+            index, source, ds_folder = open_deepspeed(directory)  # DeepSpeed's layout as pieces (issue #26)
+        else:
+            index = CheckpointIndex.read(directory)
         p = plan(engine, index, load_module_strict, load_optimizer_states, load_module_only)
         wanted = p.wanted(index)
         client = index.data.get("client_state") or {}
@@ -327,7 +332,8 @@ def load(engine: Any, load_dir: str, tag: str | None, load_module_strict: bool, 
             num_cuda = int(index.data["rng"][rank]["meta"].get("num_cuda", 0))
             p.rng_keys = ["rng.python", "rng.numpy", "rng.torch_cpu"] + [f"rng.cuda.{i}" for i in range(num_cuda)]
             wanted.update((rng_file, k) for k in p.rng_keys)
-        source = TensorSource(index)
+        if source is None:
+            source = TensorSource(index)
         source.prefetch(wanted)
     except (KeyError, TypeError, IndexError, AttributeError) as e:  # malformed JSON content deep in the index
         where = index.path if index is not None else os.path.join(directory, "index.json")
@@ -348,12 +354,17 @@ def load(engine: Any, load_dir: str, tag: str | None, load_module_strict: bool, 
         with resident_for_checkpoint(engine.strategy, write_back=True):
             _apply(engine, index, p, source, load_optimizer_states, load_lr_scheduler_states, load_module_only,
                    rng_file)
-        client = index.data.get("client_state") or {}
-        tensors = {k: source.get(client["file"], k).clone() for k in client.get("keys", [])}
-        client_state = decode(client.get("json", {}), tensors)
+        if ds_folder is not None and not load_module_only:  # DeepSpeed does not save its micro-step count
+            engine.micro_steps = int(engine.global_steps) * int(engine.gradient_accumulation_steps())
+        if ds_folder is not None:  # what DeepSpeed's load_checkpoint returns for the same options
+            client_state = ds_folder.client_state(load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        else:
+            client = index.data.get("client_state") or {}
+            tensors = {k: source.get(client["file"], k).clone() for k in client.get("keys", [])}
+            client_state = decode(client.get("json", {}), tensors)
     finally:
         source.close()
-    if not (index.world_size == world) and rank == 0 and not load_module_only:
+    if not (index.world_size == world) and rank == 0 and not load_module_only and ds_folder is None:
         logger.warning("zerospeed: checkpoint %s was saved at data-parallel world size %d, loading at %d: RNG states "
                        "are per rank and were not restored", directory, index.world_size, world)
     return directory, client_state
