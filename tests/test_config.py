@@ -49,7 +49,7 @@ def test_defaults_of_a_minimal_config() -> None:
     c = load_config({"train_batch_size": 8})
     assert isinstance(c, ZeroSpeedConfig)
     assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (8, 8, 1)
-    assert c.gradient_clipping == 0.0 and c.steps_per_print == 10
+    assert c.gradient_clipping == 1.0 and c.steps_per_print == 10  # DeepSpeed 0.19.8's default (issue #27)
     assert c.wall_clock_breakdown is False and c.memory_breakdown is False
     assert c.seed is None and c.prescale_gradients is False and c.gradient_predivide_factor == 1.0
     assert c.communication_data_type is None and c.zero_allow_untested_optimizer is False

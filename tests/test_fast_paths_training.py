@@ -139,7 +139,8 @@ def _reference(kernel: str) -> list[torch.Tensor]:
 
 def _engine_run(kernel: str, zero: dict) -> tuple[list[torch.Tensor], object]:
     model = _fresh_model()
-    cfg = {"train_batch_size": 8, "steps_per_print": 0, "zero_optimization": zero,
+    # gradient_clipping 0: the torch references do not clip (DeepSpeed's and zerospeed's default is 1.0, issue #27)
+    cfg = {"train_batch_size": 8, "steps_per_print": 0, "zero_optimization": zero, "gradient_clipping": 0.0,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
            "fast_paths": {"adam_kernel": kernel}}
     engine, opt, _, _ = zerospeed.initialize(model=model, config=cfg)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from zerospeed.config.compile import DEEPSPEED_PASS_NAMES
+
 Pass = Callable[[Any, Any], Any]
 
 
@@ -31,6 +33,9 @@ class PassRegistry:
         if not callable(fn):
             raise TypeError(f"register_compile_pass({name!r}): fn must be callable "
                             f"(graph_module, profile) -> graph_module, got {type(fn).__name__}")
+        if name in DEEPSPEED_PASS_NAMES:  # compile.passes reads these as DeepSpeed's (zerospeed.config.compile)
+            raise ValueError(f"register_compile_pass: {name!r} is one of DeepSpeed's compile.passes values "
+                             f"({', '.join(DEEPSPEED_PASS_NAMES)}); choose another name")
         if name in self._passes and self._passes[name] is not fn:
             raise ValueError(f"register_compile_pass: a different pass is already registered as {name!r}")
         self._passes[name] = fn

@@ -12,16 +12,21 @@ Decisions:
   graph, ``free_activation``, ``double_buffer: false``, the sync and debug switches...) are
   refused by name when set away from DeepSpeed's default: each asks for behaviour zerospeed does not
   have. A section that only restates the defaults is accepted.
-* ``passes`` (a zerospeed addition) names the graph passes of DeepCompile's optimized phase (after
-  the profiling step); it needs ``deepcompile: true``. Names are checked when ``engine.compile()`` runs
-  (built-in passes and those registered with ``engine.register_compile_pass``).
+* ``passes`` takes DeepSpeed 0.19.8's values (``PassName`` in ``deepspeed/compile/config.py``): ``z1`` and ``z3``
+  name DeepSpeed's ZeRO graph passes, which DeepSpeed's DeepCompile runs for the configured ZeRO stage whether they
+  are listed or not, and so does zerospeed's (listing them changes nothing; they are dropped from the parsed list);
+  ``autosp`` (AutoSP sequence parallelism) and ``autotp`` (AutoTP as a graph pass) are refused by name: zerospeed
+  does not build them as compile passes. Any other name is one of zerospeed's own graph passes of DeepCompile's
+  optimized phase (after the profiling step), which need ``deepcompile: true``; they are checked when
+  ``engine.compile()`` runs (built-in passes and those registered with ``engine.register_compile_pass``). No
+  zerospeed pass is named like one of DeepSpeed's (a test keeps it so).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from .fields import Bool, NonNegInt, Section, fail
 
@@ -45,6 +50,13 @@ DEEPCOMPILE_ONLY_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: DeepSpeed 0.19.8's ``compile.passes`` values: the ZeRO passes (run for the configured stage anyway) ...
+DEEPSPEED_ZERO_PASSES = ("z1", "z3")
+#: ... and the parallelization passes zerospeed does not build as graph passes
+DEEPSPEED_PASSES_NOT_BUILT = {"autosp": "AutoSP (sequence parallelism)", "autotp": "AutoTP (tensor parallelism)"}
+DEEPSPEED_PASS_NAMES = DEEPSPEED_ZERO_PASSES + tuple(DEEPSPEED_PASSES_NOT_BUILT)
+
+
 class CompileConfig(Section):
     """DeepSpeed's ``compile`` section (see the module docstring for what is built)."""
 
@@ -65,6 +77,18 @@ class CompileConfig(Section):
     keep_int_input_tensors: Bool = True
     keep_all_input_tensors: Bool = False
     passes: list[str] | None = None
+
+    @field_validator("passes")
+    @classmethod
+    def _deepspeed_pass_names(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        for name in value:
+            if name in DEEPSPEED_PASSES_NOT_BUILT:
+                raise fail(f"{name!r} is DeepSpeed's {DEEPSPEED_PASSES_NOT_BUILT[name]} compile pass, which zerospeed "
+                           "does not build; remove it")
+        own = [name for name in value if name not in DEEPSPEED_ZERO_PASSES]
+        return own or None
 
     @model_validator(mode="after")
     def _only_what_is_built(self) -> "CompileConfig":

@@ -83,8 +83,9 @@ class ZeroSpeedConfig(Section):
     train_batch_size: PosInt
     train_micro_batch_size_per_gpu: PosInt
     gradient_accumulation_steps: PosInt
-    gradient_clipping: NonNegFloat = 0.0
-    """Max global gradient norm; 0 disables clipping."""
+    gradient_clipping: NonNegFloat = 1.0
+    """Max global gradient norm; 0 disables clipping. Default 1.0, as DeepSpeed 0.19.8
+    (``GRADIENT_CLIPPING_DEFAULT`` in ``deepspeed/runtime/constants.py``): a config without the key clips."""
     steps_per_print: NonNegInt = 10
     wall_clock_breakdown: Bool = False
     memory_breakdown: Bool = False

@@ -69,7 +69,7 @@ class BF16Config(Section):
 
     enabled: Bool = False
     immediate_grad_update: Bool = False
-    check_grad_overflow: Bool = False
+    check_grad_overflow: Bool = True  # DeepSpeed 0.19.8's default (precision_config.py); see NO_OP_FIELDS
     bf16_master_weights_and_grads: Bool = False
     bf16_optimizer_states: Bool = False
 

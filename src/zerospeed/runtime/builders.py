@@ -3,6 +3,17 @@
 Shared by :func:`zerospeed.initialize` (the facade) and the pipeline engine's set-up
 (:func:`zerospeed.pipe.engine.initialize_pipeline`), so they live below both: the pipeline engine no longer
 imports the facade that dispatches to it.
+
+No optimizer at all (none passed, no ``optimizer`` section) builds an engine for forward and evaluation, as DeepSpeed
+0.19.8 does: its engine keeps ``optimizer=None`` at stage 0 and partitions the parameters of a ZeRO-3 model without an
+optimizer (what TRL's reference and reward models rely on). zerospeed's engine then holds a :class:`NoOptimizer`: it
+holds no parameter, so the ZeRO strategies treat every parameter as one nobody trains (stage 3 still partitions and
+gathers them for the forward; no gradient buffer, fp32 master or optimizer state is allocated), and
+``engine.backward`` / ``engine.step`` refuse in one line, where DeepSpeed asserts "must provide optimizer during init".
+Decisions: DeepSpeed refuses stages 1 and 2 without an optimizer ("zero stage N requires an optimizer"); zerospeed
+builds the same forward engine there (the parameters are replicated at those stages, so there is nothing to refuse).
+DeepSpeed ignores a ``scheduler`` section when there is no optimizer; zerospeed refuses it (a schedule with no
+optimizer to drive is a config mistake).
 """
 
 from __future__ import annotations
@@ -41,8 +52,38 @@ def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> l
     return [{"params": [p for p in items if p.requires_grad]}]
 
 
+NO_OPTIMIZER = ("this engine was built without an optimizer (initialize() got none and the config has no "
+                "'optimizer' section), for forward and evaluation only; pass initialize(optimizer=...) or add an "
+                "'optimizer' section to train")
+
+
+class NoOptimizer:
+    """The optimizer of an engine built without one: no parameter groups, no state, and ``step()`` refuses.
+
+    It is what the strategies see in the optimizer's place (every parameter is then one nobody trains), not a
+    stand-in that pretends to train: ``initialize`` returns ``None`` in the optimizer's slot."""
+
+    def __init__(self) -> None:
+        self.param_groups: list[dict[str, Any]] = []
+        self.state: dict[Any, Any] = {}
+        self.defaults: dict[str, Any] = {}
+
+    def step(self, closure: Any = None) -> None:
+        raise RuntimeError(f"optimizer.step: {NO_OPTIMIZER}")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to clear: no parameter is held."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("state") or state_dict.get("param_groups"):
+            raise ValueError(f"load_state_dict: the saved optimizer state has groups, but {NO_OPTIMIZER}")
+
+
 def optimizer_from_config(cfg: ZeroSpeedConfig, optimizer: Any, groups: list[dict[str, Any]],
-                          model: nn.Module | None = None) -> torch.optim.Optimizer:
+                          model: nn.Module | None = None) -> torch.optim.Optimizer | NoOptimizer:
     """The optimizer from the config section or the client's (instance or callable), never both.
 
     ``model`` gives the parameter names that Muon's tagging reads (embeddings and the LM head to Adam)."""
@@ -54,7 +95,7 @@ def optimizer_from_config(cfg: ZeroSpeedConfig, optimizer: Any, groups: list[dic
     if optimizer is not None:
         return resolve_client_optimizer(optimizer, groups)
     if cfg.optimizer is None:
-        raise ConfigError("optimizer", "no optimizer: set 'optimizer' in the config or pass initialize(optimizer=...)")
+        return NoOptimizer()  # an engine for forward and evaluation (module docstring)
     from zerospeed.runtime.fast_paths import quiet_choices
 
     with quiet_choices():  # a forced adam_kernel is reported in the engine's start-up line
@@ -79,9 +120,13 @@ def _layer_shapes(model: nn.Module | None) -> dict[int, tuple[int, ...]]:
     return shapes
 
 
-def scheduler_from_config(cfg: ZeroSpeedConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+def scheduler_from_config(cfg: ZeroSpeedConfig, lr_scheduler: Any, optimizer: Any) -> Any:
     """The lr scheduler from the config section or the client's (instance or callable), or None."""
     from zerospeed.runtime.lr_schedules import build_lr_scheduler
+
+    if isinstance(optimizer, NoOptimizer) and (lr_scheduler is not None or cfg.scheduler is not None):
+        raise ConfigError("scheduler", "a learning-rate scheduler needs an optimizer to drive, and there is none "
+                          "(no 'optimizer' section, no initialize(optimizer=...)); add one or drop the scheduler")
 
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("scheduler", "a scheduler is given both in the config and as initialize(lr_scheduler=...); "
@@ -93,4 +138,4 @@ def scheduler_from_config(cfg: ZeroSpeedConfig, lr_scheduler: Any, optimizer: to
     return build_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
 
 
-__all__ = ["optimizer_from_config", "param_groups_of", "scheduler_from_config"]
+__all__ = ["NO_OPTIMIZER", "NoOptimizer", "optimizer_from_config", "param_groups_of", "scheduler_from_config"]

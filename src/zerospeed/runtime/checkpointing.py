@@ -19,6 +19,8 @@ or load) blocks until then and re-raises a failure.
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 from zerospeed.checkpoint import loader, saver
@@ -27,6 +29,8 @@ from zerospeed.checkpoint.saver import SaveStats
 
 def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
                     save_latest: bool = True) -> bool:
+    if not isinstance(save_dir, (str, os.PathLike)) or not os.fspath(save_dir):
+        raise ValueError(f"save_checkpoint: save_dir must be a directory path (str or os.PathLike), got {save_dir!r}")
     async_save = bool(getattr(engine.config.checkpoint, "async_save", False))
     return saver.save(engine, save_dir, tag, client_state, save_latest, async_save)
 

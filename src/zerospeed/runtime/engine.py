@@ -30,6 +30,7 @@ from zerospeed.compression.scheduler import compression_scheduler_for
 from zerospeed.config import ConfigError, ZeroSpeedConfig
 from zerospeed.monitor import Monitor, StepEvents
 from zerospeed.profiling.engine_hook import EngineFlopsProfiler
+from zerospeed.runtime.builders import NO_OPTIMIZER, NoOptimizer
 from zerospeed.runtime.engine_api import DeepSpeedEngineAPI
 from zerospeed.runtime.fast_paths import quiet_choices, settle_adam_kernel, startup_line
 from zerospeed.utils.logging import log_dist
@@ -83,7 +84,7 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         if stage not in SUPPORTED_ZERO_STAGES:
             raise ConfigError("zero_optimization.stage", f"stage {stage} is not built in this version of zerospeed "
                               f"(built: {', '.join(map(str, SUPPORTED_ZERO_STAGES))})")
-        if stage >= 1:
+        if stage >= 1 and any(g["params"] for g in optimizer.param_groups):  # none held (NoOptimizer): no shard step
             name = type(optimizer).__name__
             whole_matrices = getattr(optimizer, "needs_whole_matrices", False)  # Muon: zero.muon_shards
             if name not in ELEMENTWISE_OPTIMIZERS and not whole_matrices and not config.zero_allow_untested_optimizer:
@@ -240,6 +241,8 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
                              f"{type(loss).__name__}{'' if not torch.is_tensor(loss) else tuple(loss.shape)}")
         if not loss.requires_grad:
             raise ValueError("engine.backward: the loss does not require grad (was it computed under torch.no_grad()?)")
+        if isinstance(self.optimizer, NoOptimizer):
+            raise RuntimeError(f"engine.backward: {NO_OPTIMIZER}")
         t0 = time.perf_counter()
         self._step_events.on_backward(loss)
         scale = self.loss_scaler.scale
@@ -256,6 +259,8 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        if isinstance(self.optimizer, NoOptimizer):
+            raise RuntimeError(f"engine.step: {NO_OPTIMIZER}")
         t0 = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
             result = self.strategy.step(self.loss_scaler.scale, self.config.gradient_clipping,

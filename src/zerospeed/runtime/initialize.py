@@ -16,7 +16,7 @@ from torch import nn
 
 from zerospeed import comm
 from zerospeed.config import ConfigError, PreparedConfig, prepare_config
-from zerospeed.runtime.builders import optimizer_from_config, param_groups_of, scheduler_from_config
+from zerospeed.runtime.builders import NoOptimizer, optimizer_from_config, param_groups_of, scheduler_from_config
 from zerospeed.runtime.dataloader import build_dataloader
 from zerospeed.runtime.engine import ZeroSpeedEngine
 
@@ -31,7 +31,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     ``config`` is a DeepSpeed config dict or JSON path (``config_params`` and
     ``args.deepspeed_config`` are accepted as DeepSpeed does). The optimizer comes from the config
     or from ``optimizer`` (an instance built over the model's parameters, or a callable taking
-    parameter groups); the scheduler likewise. Tensor parallelism (``tensor_parallel.autotp_size``, a
+    parameter groups); the scheduler likewise. With no optimizer at all the engine is for forward and evaluation
+    (as DeepSpeed's; ZeRO-3 still partitions the parameters) and ``None`` is returned in the optimizer's slot. Tensor parallelism (``tensor_parallel.autotp_size``, a
     Megatron-style ``mpu``, or ``mesh_param={"pp":, "dp":, "tp":}``) builds the (pp, dp, tp) mesh
     first and splits the model with AutoTP (see :mod:`zerospeed.runtime.tp_setup`).
     """
@@ -85,7 +86,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                   collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last, seed=cfg.seed or 0)
         loader.sp_shared_samples = mesh.sp_size > 1  # every sp rank of a group reads the same samples
     engine.training_dataloader = loader  # its position is saved and restored with the engine's checkpoints
-    return engine, opt, loader, engine.lr_scheduler
+    return engine, (None if isinstance(opt, NoOptimizer) else opt), loader, engine.lr_scheduler
 
 
 def _initialize_pipeline(model: Any, prepared: PreparedConfig, *, mpu: Any, mesh_param: Any,
