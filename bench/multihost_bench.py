@@ -93,12 +93,16 @@ for i in range(steps):
 comm.barrier()
 elapsed = time.perf_counter() - t0
 after, wire_after = veth_bytes(), comm.COUNTER.snapshot()
-wire_elems = sum(wire_after[k].get("wire_elements", 0) - wire_before.get(k, {}).get("wire_elements", 0)
-                 for k in wire_after)
+inter = sum(wire_after[k].get("inter_host_bytes", 0) - wire_before.get(k, {}).get("inter_host_bytes", 0)
+            for k in wire_after)
+per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+host_inter = [None] * world
+dist.all_gather_object(host_inter, inter)
+hostA = 2 * sum(host_inter[:per_host])
 if rank == 0:
     json.dump({"step_s": elapsed / steps, "num_params": num_params,
                "veth_bytes_per_step": None if before is None else (after - before) / steps,
-               "counted_wire_bytes_per_step_rank0": 4 * wire_elems / steps,
+               "counted_link_bytes_per_step_hostA": hostA / steps,
                "ifname": os.environ.get("GLOO_SOCKET_IFNAME")},
               open(os.path.join(out, f"result-{stage}.json"), "w"))
 '''
@@ -117,17 +121,18 @@ def _launcher(*flags: str) -> list[str]:
     return [sys.executable, "-m", "zerospeed.launcher.runner", *flags]
 
 
-def run_two_hosts(work: Path, stage: int, steps: int, warmup: int, port: int) -> dict:
+def run_two_hosts(work: Path, stage: int, steps: int, warmup: int, port: int, hierarchical: bool = True) -> dict:
     from netns_hosts import TwoHosts
 
-    out = work / f"two-{stage}"
+    out = work / f"two-{stage}-{'hier' if hierarchical else 'flat'}"
     out.mkdir(parents=True)
     hostfile = out / "hostfile"
     hostfile.write_text("hostA slots=2\nhostB slots=2\n")
     argv = _launcher("--hostfile", str(hostfile), "--master_port", str(port), str(work / "worker.py"), str(out),
                      str(stage), str(steps), str(warmup), "time")
     with TwoHosts(names=("hostA", "hostB"), hostnames=("box", "box")) as hosts:
-        procs = [hosts.start(h, argv, _env()) for h in (0, 1)]
+        env = _env({"ZEROSPEED_HIERARCHICAL": "1" if hierarchical else "0"})
+        procs = [hosts.start(h, argv, env) for h in (0, 1)]
         for p in procs:
             _, err = p.communicate(timeout=1200)
             if p.returncode != 0:
@@ -157,6 +162,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--work", default="/tmp/zerospeed-multihost-bench")
+    parser.add_argument("--no-elastic", action="store_true", help="skip the elastic-restart row")
     args = parser.parse_args()
     from netns_hosts import unavailable_reason
 
@@ -168,29 +174,34 @@ def main() -> None:
     (work / "worker.py").write_text(WORKER)
     rows = []
     for stage, factor in ((2, 2), (3, 3)):
-        two = run_two_hosts(work, stage, args.steps, args.warmup, 29571 + stage)
         one = run_one_host(work, stage, args.steps, args.warmup)
-        psi_bytes = 4 * two["num_params"]
-        rows.append({
-            "stage": stage, "params": two["num_params"],
-            "step_s_2hosts": round(two["step_s"], 3), "step_s_1host": round(one["step_s"], 3),
-            "2hosts / 1host": round(two["step_s"] / one["step_s"], 2),
-            "veth_MB_per_step": round(two["veth_bytes_per_step"] / 1e6, 1),
-            f"ZeRO formula (per rank) MB": round(factor * psi_bytes / 1e6, 1),
-            "veth / formula": round(two["veth_bytes_per_step"] / (factor * psi_bytes), 2),
-            "counted wire MB/step rank0": round(two["counted_wire_bytes_per_step_rank0"] / 1e6, 1),
-        })
+        for hierarchical in (True, False):
+            two = run_two_hosts(work, stage, args.steps, args.warmup, 29571 + 2 * stage + hierarchical, hierarchical)
+            psi_bytes = 4 * two["num_params"]
+            rows.append({
+                "stage": stage, "collectives": "hierarchical" if hierarchical else "flat (ZEROSPEED_HIERARCHICAL=0)",
+                "params": two["num_params"],
+                "step_s_2hosts": round(two["step_s"], 3), "step_s_1host": round(one["step_s"], 3),
+                "2hosts / 1host": round(two["step_s"] / one["step_s"], 2),
+                "veth_MB_per_step": round(two["veth_bytes_per_step"] / 1e6, 1),
+                "ZeRO formula (per host link, rx+tx) MB": round(factor * psi_bytes / 1e6, 1),
+                "veth / formula": round(two["veth_bytes_per_step"] / (factor * psi_bytes), 3),
+                "counted inter-host MB/step host A (rx+tx)": round(two["counted_link_bytes_per_step_hostA"] / 1e6, 1),
+            })
+            print(rows[-1], flush=True)
+    if not args.no_elastic:
+        restart_s = run_elastic(work)
+        rows.append({"stage": "elastic restart (1 host x 4, ZeRO-2)", "kill_to_training_s": round(restart_s, 1)})
         print(rows[-1], flush=True)
-    restart_s = run_elastic(work)
-    rows.append({"stage": "elastic restart (1 host x 4, ZeRO-2)", "kill_to_training_s": round(restart_s, 1)})
-    print(rows[-1], flush=True)
     notes = [
         "Shared 2-core machine (several other jobs ran at the same time): step times are noisy; the ratio "
         "of the two layouts, measured back to back, is the figure to read.",
         "veth bytes: rx+tx on host A's end of the link (both directions of the cross-host traffic, TCP/IP "
-        "headers included). The formula is the per-rank ZeRO volume (2Ψ, 3Ψ elements x 4 bytes). On gloo, "
-        "zerospeed runs reduce-scatter and all-gather as all-reduces (faster there, twice the elements on "
-        "the wire; see comm/collectives.py), and a ring over 4 ranks on 2 hosts crosses the link twice.",
+        "headers included). The formula is the ZeRO volume per host link (2Ψ, 3Ψ elements x 4 bytes, rx+tx, "
+        "2 hosts). Hierarchical: the collectives run inside the host, across hosts on 1/2 of the data, inside "
+        "the host (comm/hierarchical.py); flat: one algorithm over the 4 ranks (an all-to-all reduce-scatter "
+        "and a ring all-gather across hosts, comm/algorithms.py). 'counted' is the comms counter's "
+        "inter_host_bytes summed over host A's ranks, x2 (rx+tx).",
         "kill_to_training_s: from rank 1's SIGKILL (after step 2) to rank 0 finishing its first step of the "
         "restarted attempt: the agent's detection, new processes (python + torch import), rendezvous, "
         "model build, checkpoint load, one step.",
