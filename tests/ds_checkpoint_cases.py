@@ -103,3 +103,12 @@ def mismatch_case(cfg: dict, load_dir: str) -> str:
     except Exception as e:  # noqa: BLE001 - the message is what the test checks
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def resave_case(cfg: dict, load_dir: str, save_dir: str, num_steps: int = 0) -> list[float]:
+    """Load a DeepSpeed folder, train ``num_steps``, save a zerospeed checkpoint; the losses trained."""
+    engine = build(cfg)
+    engine.load_checkpoint(load_dir)
+    losses = train(engine, int(engine.global_steps), num_steps) if num_steps else []
+    engine.save_checkpoint(save_dir, client_state={"epoch": 2})
+    return losses

@@ -33,6 +33,8 @@ LAYERS: list[tuple[int, str, str]] = [
     (2, "zerospeed.utils", "DeepSpeed's logging helpers, which filter by rank (comm)"),
     (3, "zerospeed.zero", "ZeRO stages 1-3, zero.Init, offload tiers: sharding over the mesh's dp group"),
     (4, "zerospeed.checkpoint", "checkpoint formats: written from and read into ZeRO's sharded layout"),
+    (5, "zerospeed.utils.zero_to_fp32", "DeepSpeed's zero_to_fp32 helper names over checkpoint/'s readers (both "
+                                       "layouts), so this one module of utils/ sits above checkpoint/"),
     (5, "zerospeed.profiling", "flops profiler and counters (reads ZeRO-3's registry to see whole parameters)"),
     (5, "zerospeed.monitor", "TensorBoard / CSV / W&B writers and per-step events"),
     (5, "zerospeed.checkpointing", "activation checkpointing (DeepSpeed's deepspeed.checkpointing)"),

@@ -1,0 +1,103 @@
+"""DeepSpeed's zero_to_fp32 helper names (issue #26) on DeepSpeed folders and on zerospeed checkpoints.
+
+The reference is what DeepSpeed 0.19.8 itself held as fp32 masters (tests/fixtures/deepspeed/*/
+expected.safetensors); a zerospeed checkpoint made by loading the same folder and saving it must give
+the same tensors, bit for bit (both are copies of the same fp32 values).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ds_checkpoint_cases import FIXTURES, make_model, resave_case, zs_config
+from zerospeed.testing import run_distributed
+from zerospeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
+                                          convert_zero_checkpoint_to_state_dict,
+                                          get_fp32_state_dict_from_zero_checkpoint,
+                                          load_state_dict_from_zero_checkpoint)
+
+NAMES = ["inp.weight", "inp.bias", "norm.weight", "norm.bias", "mid.weight", "mid.bias", "out.weight", "out.bias"]
+
+
+def reference(case: str) -> dict[str, torch.Tensor]:
+    ref = load_file(os.path.join(FIXTURES, case, "expected.safetensors"))
+    return {n: ref[f"{n}.master"] for n in NAMES}
+
+
+@pytest.fixture(scope="module")
+def zerospeed_ckpt(tmp_path_factory) -> str:
+    d = str(tmp_path_factory.mktemp("zs"))
+    run_distributed(resave_case, 2, zs_config(3, "bf16", 2), os.path.join(FIXTURES, "zero3_bf16", "ckpt"), d,
+                    timeout=100)
+    return d
+
+
+@pytest.mark.parametrize("case", ["zero0_fp32", "zero0_fp16", "zero1_bf16", "zero2_fp32", "zero3_fp32", "zero3_bf16"])
+def test_fp32_state_dict_of_deepspeed_folders(case: str) -> None:
+    sd = get_fp32_state_dict_from_zero_checkpoint(os.path.join(FIXTURES, case, "ckpt"))
+    for n, t in reference(case).items():
+        assert sd[n].dtype == torch.float32 and torch.equal(sd[n], t), n
+    assert torch.equal(sd["offset"], torch.tensor([0.1, -0.2, 0.3]))
+    tag_dir = get_fp32_state_dict_from_zero_checkpoint(os.path.join(FIXTURES, case, "ckpt", "global_step3"))
+    assert all(torch.equal(tag_dir[k], sd[k]) for k in sd) and list(tag_dir) == list(sd)
+
+
+@pytest.mark.timeout(120)
+def test_fp32_state_dict_of_a_zerospeed_checkpoint(zerospeed_ckpt: str) -> None:
+    sd = get_fp32_state_dict_from_zero_checkpoint(zerospeed_ckpt)
+    for n, t in reference("zero3_bf16").items():
+        assert torch.equal(sd[n], t), n
+
+
+@pytest.mark.parametrize("safe", [False, True])
+def test_convert_shards_and_loads_back(tmp_path, safe: bool) -> None:
+    src = os.path.join(FIXTURES, "zero2_fp32", "ckpt")
+    files = convert_zero_checkpoint_to_fp32_state_dict(src, str(tmp_path), max_shard_size="300B",
+                                                       safe_serialization=safe)
+    ext = "safetensors" if safe else "bin"
+    index_name = ("model.safetensors" if safe else "pytorch_model.bin") + ".index.json"
+    assert files[-1] == os.path.join(tmp_path, index_name)
+    with open(files[-1]) as f:
+        index = json.load(f)
+    assert set(index["weight_map"]) == set(NAMES) | {"offset"}
+    merged: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        assert shard.endswith(ext)
+        part = load_file(os.path.join(tmp_path, shard)) if safe else \
+            torch.load(os.path.join(tmp_path, shard), weights_only=True)
+        assert len(part) == 1 or sum(t.numel() * t.element_size() for t in part.values()) <= 300, shard
+        merged.update(part)
+    for n, t in reference("zero2_fp32").items():
+        assert torch.equal(merged[n], t), n
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+
+
+def test_convert_in_bf16_to_one_file(tmp_path) -> None:
+    src = os.path.join(FIXTURES, "zero1_bf16", "ckpt")
+    files = convert_zero_checkpoint_to_state_dict(src, str(tmp_path), dtype="bfloat16", safe_serialization=True)
+    assert files == [os.path.join(tmp_path, "model.safetensors")]
+    sd = load_file(files[0])
+    for n, t in reference("zero1_bf16").items():
+        assert sd[n].dtype == torch.bfloat16 and torch.equal(sd[n], t.to(torch.bfloat16)), n
+    with pytest.raises(ValueError, match="dtype: 'int8'"):
+        convert_zero_checkpoint_to_state_dict(src, str(tmp_path), dtype="int8")
+    with pytest.raises(ValueError, match="max_shard_size: 'big'"):
+        convert_zero_checkpoint_to_state_dict(src, str(tmp_path), max_shard_size="big")
+
+
+def test_load_state_dict_into_a_model() -> None:
+    model = load_state_dict_from_zero_checkpoint(make_model(7), os.path.join(FIXTURES, "zero3_fp32", "ckpt"))
+    for n, t in reference("zero3_fp32").items():
+        assert torch.equal(model.state_dict()[n], t), n
+
+
+def test_missing_folder_names_it(tmp_path) -> None:
+    from zerospeed.checkpoint.errors import CheckpointNotFoundError
+
+    with pytest.raises(CheckpointNotFoundError, match=str(tmp_path / "nope")):
+        get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "nope"))
