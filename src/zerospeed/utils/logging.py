@@ -9,12 +9,27 @@ from collections.abc import Iterable
 from zerospeed import comm
 
 logger = logging.getLogger("zerospeed")
-if not logger.hasHandlers():
-    _handler = logging.StreamHandler(sys.stdout)
-    _handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d] %(message)s"))
-    logger.addHandler(_handler)
+
+
+def configure_default_logger() -> logging.Logger:
+    """DeepSpeed's logger prints INFO out of the box (its own level, whatever the root logger's): so does ours.
+
+    Issue #33: ``steps_per_print`` printed nothing when the script had set up logging itself (``basicConfig()``
+    leaves the root at WARNING, and our logger, level unset, inherited it). Now the ``"zerospeed"`` logger gets
+    level INFO whenever its level is unset (a level the application set is kept), and a console handler
+    (stdout) only when no handler exists for it anywhere: an application's own handlers, with their format,
+    print our records. Runs when this module is imported, which the engine does.
+    """
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d] %(message)s"))
+        logger.addHandler(handler)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
+    return logger
+
+
+configure_default_logger()
 
 
 def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logging.INFO) -> None:
