@@ -153,6 +153,12 @@ class ZeroConfig(Section):
     log_trace_cache_warnings: Bool = False
     enable_sanity_checks: Bool = False
     save_muon_momentum_buffer_in_memory: Bool = False
+    zero_quantized_weights: Bool = False
+    """ZeRO++ qwZ (stage 3): parameters are all-gathered as block-wise int8 (zerospeed.zero.zeropp)."""
+    zero_quantized_nontrainable_weights: Bool = False
+    """ZeRO++ (stage 3): qwZ for the buckets of frozen parameters only."""
+    zero_quantized_gradients: Bool = False
+    """ZeRO++ qgZ (stage 3): gradients are reduce-scattered as block-wise int4 through all-to-all."""
 
     @model_validator(mode="before")
     @classmethod
@@ -162,6 +168,13 @@ class ZeroConfig(Section):
             if stage in (0, 1, 2, 3) and not isinstance(stage, bool):
                 data = {**data, "overlap_comm": stage == 3}
         return data
+
+    @model_validator(mode="after")
+    def _zeropp_needs_stage_3(self) -> "ZeroConfig":
+        for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
+            if getattr(self, key) and self.stage != 3:
+                raise fail(f"ZeRO++ works on stage 3, got stage {self.stage}", key=key)
+        return self
 
     @property
     def stage3_gather_fp16_weights_on_model_save(self) -> bool:
