@@ -15,6 +15,7 @@ only when it runs, so registering costs nothing. :func:`main` is the same dispat
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,8 +24,13 @@ from zerospeed.launcher import commands
 
 def serve(argv: Sequence[str]) -> int:
     """``zerospeed serve ARGS``."""
-    from zerospeed.inference.serving.cli import main as serve_main
+    from zerospeed.utils.extras import MissingExtraError
 
+    try:
+        from zerospeed.inference.serving.cli import main as serve_main
+    except MissingExtraError as err:  # fastapi / uvicorn absent: the install line, not a traceback (issue #33)
+        print(f"zerospeed serve: error: {err}", file=sys.stderr)
+        return 2
     return serve_main(list(argv))
 
 

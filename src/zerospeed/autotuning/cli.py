@@ -26,7 +26,9 @@ from typing import Any
 from zerospeed.autotuning.autotuner import Autotuner, AutotuneError
 from zerospeed.autotuning.experiment import CONFIG_FLAGS, ExperimentRunner, replace_config_arg
 from zerospeed.autotuning.space import SpaceError, split_space
+from zerospeed.autotuning.tuners import TUNER_PACKAGES
 from zerospeed.config.autotuning import AutotuningConfig
+from zerospeed.utils import extras
 
 EXIT_USAGE = 2
 EXIT_NOTHING_FOUND = 1
@@ -104,7 +106,10 @@ def main(args: argparse.Namespace, argv: list[str], torchrun_argv: list[str]) ->
                 f"--autotuning runs its experiments on one node, but this launch has {nnodes} nodes: tune with "
                 "--num_procs on one node, then train across nodes with ds_config_optimal.json")
         space = split_space(raw, at.fast)
-    except (ConfigError, SpaceError, AutotuningUsageError) as err:
+        # the tuner's package and the plot's, before the first experiment rather than after the last
+        extras.check(*TUNER_PACKAGES.get(at.tuner_type, ()), feature=f"autotuning.tuner_type {at.tuner_type!r}")
+        extras.check("matplotlib", feature="autotuning's plot (metric.png)")
+    except (ConfigError, SpaceError, AutotuningUsageError, extras.MissingExtraError) as err:
         print(f"zerospeed: autotuning: {err}", file=sys.stderr)
         return EXIT_USAGE
     budget, on_gpu = (at.memory_budget, False) if at.memory_budget else default_budget(nproc)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from zerospeed.autotuning.experiment import Result
+from zerospeed.utils import extras
 
 
 def _atomic(path: Path, text: str) -> None:
@@ -39,8 +40,7 @@ def summary_table(results: dict[str, Result], best: Result | None, metric: str,
 
 
 def plot(path: Path, results: dict[str, Result], best: Result | None, metric: str) -> None:
-    import matplotlib
-
+    matplotlib = extras.require("matplotlib", feature="autotuning's plot (metric.png)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from zerospeed.utils import extras
+
 Evaluate = Callable[[dict[str, Any]], float | None]
 
 
@@ -97,7 +99,7 @@ class ModelBasedTuner(Tuner):
     n_startup = 3
 
     def search(self, evaluate: Evaluate) -> SearchOutcome:
-        import optuna
+        optuna = extras.require("optuna", feature="autotuning.tuner_type 'model_based'")
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         logging.getLogger("optuna").setLevel(logging.WARNING)
@@ -166,7 +168,8 @@ class CostModelTuner(Tuner):
         return [[1.0 if _key(c.get(k)) == v else 0.0 for k in keys for v in values[k]] for c in self.candidates]
 
     def search(self, evaluate: Evaluate) -> SearchOutcome:
-        from sklearn.ensemble import RandomForestRegressor
+        RandomForestRegressor = extras.require("sklearn.ensemble", feature="autotuning.tuner_type 'cost_model'"  # noqa: N806
+                                               ).RandomForestRegressor
 
         feats = self._features()
         order = list(range(len(self.candidates)))
@@ -208,6 +211,10 @@ class CostModelTuner(Tuner):
 
 TUNERS: dict[str, type[Tuner]] = {"gridsearch": GridSearchTuner, "random": RandomTuner, "model_based": ModelBasedTuner,
                                   "cost_model": CostModelTuner}
+
+
+#: the optional package each tuner needs (checked before any experiment runs: zerospeed.utils.extras)
+TUNER_PACKAGES: dict[str, tuple[str, ...]] = {"model_based": ("optuna",), "cost_model": ("sklearn",)}
 
 
 def make_tuner(kind: str, candidates: list[dict[str, Any]], **kwargs: Any) -> Tuner:

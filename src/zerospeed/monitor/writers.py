@@ -22,16 +22,15 @@ import csv
 import os
 from typing import Any, Sequence
 
+from zerospeed.utils import extras
+
 Event = tuple[str, float, int]
 
 
 class TensorBoardWriter:
     def __init__(self, section: Any) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:  # pragma: no cover - tensorboard is in the monitor extra
-            raise ImportError("tensorboard.enabled: the tensorboard package is not installed "
-                              "(pip install 'zerospeed[monitor]')") from exc
+        extras.check("tensorboard", feature="tensorboard.enabled")
+        from torch.utils.tensorboard import SummaryWriter
         self.log_dir = os.path.join(section.output_path or "runs", section.job_name)
         self._writer = SummaryWriter(log_dir=self.log_dir)
 
@@ -84,11 +83,7 @@ class CSVWriter:
 
 class WandbWriter:
     def __init__(self, section: Any) -> None:
-        try:
-            import wandb
-        except ImportError as exc:  # pragma: no cover - wandb is in the monitor extra
-            raise ImportError("wandb.enabled: the wandb package is not installed "
-                              "(pip install 'zerospeed[monitor]')") from exc
+        wandb = extras.require("wandb", feature="wandb.enabled")
         self._wandb = wandb
         mode = None if (os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY")) else "offline"
         self._run = wandb.init(project=section.project, group=section.group, entity=section.team, mode=mode)

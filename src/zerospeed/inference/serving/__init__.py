@@ -7,6 +7,9 @@ that owns the engine), ``generation`` (one HTTP request's engine work), ``metric
 ``tensor_parallel`` (ranks through torchrun).
 """
 
-from zerospeed.inference.serving.server import ServeError, ServerHandle, serve
+from zerospeed.utils.extras import check as _check_extra
+
+_check_extra("fastapi", "uvicorn", "prometheus_client", feature="zerospeed serve")  # one line, not fastapi's traceback
+from zerospeed.inference.serving.server import ServeError, ServerHandle, serve  # noqa: E402
 
 __all__ = ["ServeError", "ServerHandle", "serve"]
