@@ -76,29 +76,45 @@ MAX_MODEL_LEN = 512  # the model's context, given to every server
 # -- the model folder -----------------------------------------------------------------------------
 
 
-def build_model_dir(folder: Path, seed: int = 0) -> Path:
-    """A random-init Llama and a word-level tokenizer ("w0" ... "w31995" plus 4 specials)."""
+# (hidden, intermediate, layers, heads, kv heads): "19m" for the online and structured rows, "100m"
+# (99M parameters, 49M of them the two vocab matrices) for scoring, where compute per token matters
+SIZES = {"19m": (256, 688, 4, 8, 4), "100m": (768, 2048, 8, 12, 4)}
+
+
+def build_model_dir(folder: Path, seed: int = 0, size: str = "19m", max_model_len: int = MAX_MODEL_LEN,
+                    tokenizer: str = "word") -> tuple[Path, Any]:
+    """A random-init Llama and a tokenizer: ``word``, word-level ("w0" ... "w31995" plus 4
+    specials: token id ``t`` is the word ``w{t - 4}``), or ``bpe``, a byte-level BPE of the same size
+    (bench/serve_structured.py; it can spell JSON). Returns the folder and the BPE's lexicon."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
     specials = ["<unk>", "<s>", "</s>", "<pad>"]
-    vocab = {t: i for i, t in enumerate(specials)}
-    vocab.update({f"w{i}": len(specials) + i for i in range(VOCAB - len(specials))})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(specials)
-    tok.save(str(folder / "tokenizer.json"))
+    lexicon = None
+    if tokenizer == "bpe":
+        from serve_structured import build_bpe_tokenizer
+
+        _, lexicon = build_bpe_tokenizer(folder, VOCAB, seed)
+    else:
+        vocab = {t: i for i, t in enumerate(specials)}
+        vocab.update({f"w{i}": len(specials) + i for i in range(VOCAB - len(specials))})
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.add_special_tokens(specials)
+        tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}))
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688,
-                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                      max_position_embeddings=MAX_MODEL_LEN, bos_token_id=1, eos_token_id=2,
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+         "unk_token": "<unk>", "pad_token": "<pad>", "model_max_length": max_model_len}))
+    hidden, inter, layers, heads, kv_heads = SIZES[size]
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=max_model_len, bos_token_id=1, eos_token_id=2,
                       pad_token_id=3, tie_word_embeddings=False)
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).save_pretrained(str(folder), safe_serialization=True)
-    return folder
+    return folder, lexicon
 
 
 # -- the HF baseline engine -------------------------------------------------------------------------
@@ -409,7 +425,8 @@ class Server:
 
 
 def start_server(system: str, model_dir: Path, args: argparse.Namespace,
-                 env: dict[str, str]) -> Server:
+                 env: dict[str, str], max_model_len: int | None = None) -> Server:
+    max_model_len = max_model_len or MAX_MODEL_LEN
     common = ["--port", "0", "--served-model-name", "bench", "--max-waiting", "100000",
               "--shutdown-timeout", "5"]
     if system == "zerospeed":
@@ -426,12 +443,14 @@ def start_server(system: str, model_dir: Path, args: argparse.Namespace,
             raise RuntimeError(f"--vllm-python: no such file: {args.vllm_python}")
         venv = dict(env)
         venv.pop("OMP_NUM_THREADS", None)  # vLLM pins its own threads
+        if args.vllm_threads_bind:  # e.g. "0-1": its worker's OpenMP threads on these cores, none reserved
+            venv.update(VLLM_CPU_OMP_THREADS_BIND=args.vllm_threads_bind, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         venv.pop("PYTHONPATH", None)
         port = free_port()
         return Server([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
                        "--model", str(model_dir), "--served-model-name", "bench",
                        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                       "--max-model-len", str(MAX_MODEL_LEN),
+                       "--max-model-len", str(max_model_len),
                        "--kv-cache-memory-bytes", str(_memory(args.kv_cache_memory)),
                        "--max-num-seqs", str(args.max_num_seqs), "--seed", str(args.seed),
                        "--disable-log-stats", "--disable-uvicorn-access-log"],
@@ -465,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--hf-server"]:
         return hf_server_main(argv[1:])
+    if argv[:1] == ["--lm-eval-hf"]:
+        from serve_scoring import hf_worker_main
+
+        return hf_worker_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", nargs="+", default=["zerospeed", "hf", "vllm"])
     p.add_argument("--rates", nargs="+", type=float, default=[2, 4, 8, 16, 32, 64])
@@ -478,8 +501,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="OMP_NUM_THREADS of the zerospeed and hf servers (vLLM sets its own)")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON",
-                                                           "/work/vllm-venv/bin/python"),
-                   help="python of the virtualenv with vLLM's CPU build")
+                                                           str(REPO / ".venv-vllm" / "bin" / "python")),
+                   help="python of the virtualenv with vLLM's CPU build (make vllm-env)")
+    p.add_argument("--vllm-threads-bind", default=None,
+                   help="VLLM_CPU_OMP_THREADS_BIND for vLLM (e.g. 0-1), with no core reserved; default: "
+                        "vLLM's auto (one core of two bound, the other reserved)")
+    p.add_argument("--rows", nargs="+", default=["online", "scoring", "structured"],
+                   help="which benchmarks: online (Poisson arrivals), scoring (loglikelihood of "
+                        "1k-token prompts), structured (JSON schema vs free generation)")
+    p.add_argument("--scoring-systems", nargs="+", default=["zerospeed", "vllm", "hf"])
+    p.add_argument("--scoring-prompts", type=int, default=16)
+    p.add_argument("--scoring-concurrency", type=int, default=4,
+                   help="requests in flight (lm-eval's num_concurrent)")
+    p.add_argument("--hf-batch-size", type=int, default=1, help="lm-eval hf backend's batch_size")
+    p.add_argument("--structured-requests", type=int, default=32)
+    p.add_argument("--structured-concurrency", type=int, default=8)
+    p.add_argument("--structured-max-tokens", type=int, default=64)
+    p.add_argument("--structured-repeats", type=int, default=2)
     p.add_argument("--vllm-start-timeout", type=float, default=900.0,
                    help="seconds vLLM may take to answer /health (it compiles the model first)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one rate may take")
@@ -495,6 +533,88 @@ def main(argv: list[str] | None = None) -> int:
     env["PYTHONPATH"] = str(REPO / "src") + (os.pathsep + env["PYTHONPATH"]
                                              if env.get("PYTHONPATH") else "")
     env["OMP_NUM_THREADS"] = str(args.threads)
+    for row in args.rows:
+        if row not in ("online", "scoring", "structured"):
+            p.error(f"--rows: unknown row {row!r} (online, scoring, structured)")
+    if "online" in args.rows:
+        run_online(args, env)
+    if "scoring" in args.rows:
+        run_scoring(args, env)
+    if "structured" in args.rows:
+        run_structured(args, env)
+    return 0
+
+
+def _load_avg() -> float:
+    return round(os.getloadavg()[0], 1)
+
+
+def _cpu_note(args) -> str:
+    return (f"machine shared with other jobs while measuring (2 cores; load average {_load_avg()} at the "
+            "start, load_avg_1m is the 1-minute load average at the end of each row); one run")
+
+
+def run_scoring(args: argparse.Namespace, env: dict[str, str]) -> None:
+    import serve_scoring
+
+    notes = [_cpu_note(args)]
+    with tempfile.TemporaryDirectory(prefix="serve_bench_scoring_") as tmp:
+        model_dir, _ = build_model_dir(Path(tmp) / "llama-100m", seed=args.seed, size="100m",
+                                       max_model_len=2 * serve_scoring.PROMPT_LEN)
+        rows, more = serve_scoring.run(
+            args, env, model_dir, VOCAB,
+            lambda system, folder, e, max_len: start_server(system, folder, args, e, max_len),
+            Path(__file__).resolve(), _load_avg)
+    notes += more
+    vllm_threads = (f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_threads_bind}, no core reserved"
+                    if args.vllm_threads_bind else
+                    "its CPU defaults (OMP_NUM_THREADS unset: its worker bound to one core, the other reserved)")
+    notes.append(f"zerospeed serve and lm-eval's hf backend run with OMP_NUM_THREADS={args.threads}; vLLM "
+                 f"with {vllm_threads}; servers get max_model_len 2048 and the same KV-cache bytes; each server runs "
+                 "alone (the previous one stopped)")
+    for n in notes:
+        print(n)
+    if not args.no_write:
+        params = {"model": "Llama 8x768 (12 heads, 4 KV heads, MLP 2048), vocab 32000, fp32, random "
+                           "init, 99M parameters", "prompt_tokens": serve_scoring.PROMPT_LEN,
+                  "prompts": args.scoring_prompts, "concurrency": args.scoring_concurrency,
+                  "hf_batch_size": args.hf_batch_size, "server_threads": args.threads,
+                  "vllm_threads_bind": args.vllm_threads_bind or "auto",
+                  "kv_cache_memory": args.kv_cache_memory, "seed": args.seed,
+                  "request": "prompt token ids, echo true, logprobs 1, temperature 0, max_tokens 1 "
+                             "(lm-eval local-completions' loglikelihood request) or 0"}
+        print("wrote", *write_results("serve_bench-scoring", rows, params=params, notes=notes,
+                                      command=command_line()))
+
+
+def run_structured(args: argparse.Namespace, env: dict[str, str]) -> None:
+    import serve_structured
+
+    notes = [_cpu_note(args)]
+    with tempfile.TemporaryDirectory(prefix="serve_bench_structured_") as tmp:
+        model_dir, lexicon = build_model_dir(Path(tmp) / "llama-19m-bpe", seed=args.seed, tokenizer="bpe")
+        rows, more, micro = serve_structured.run(
+            args, env, model_dir, lexicon, VOCAB,
+            lambda system, folder, e, max_len: start_server(system, folder, args, e, max_len),
+            _load_avg)
+    notes += more
+    for r in micro:
+        notes.append(f"mask per guided row ({r['guided_rows']} rows of V={r['vocab']}): llguidance compute "
+                     f"{r['compute_us_per_row']} us, application {r['apply_us_per_row']} us (before: "
+                     f"{r['apply_before_us_per_row']} us)")
+    for n in notes:
+        print(n)
+    if not args.no_write:
+        params = {"model": "Llama 4x256, vocab 32000 (byte-level BPE), fp32, random init",
+                  "schema": json.dumps(serve_structured.SCHEMA), "requests": args.structured_requests,
+                  "concurrency": args.structured_concurrency, "max_tokens": args.structured_max_tokens,
+                  "rounds": args.structured_repeats, "server_threads": args.threads,
+                  "max_num_seqs": args.max_num_seqs, "kv_cache_memory": args.kv_cache_memory}
+        print("wrote", *write_results("serve_bench-structured", rows, params=params, notes=notes,
+                                      command=command_line()))
+
+
+def run_online(args: argparse.Namespace, env: dict[str, str]) -> None:
     # a fresh workload per rate and for the warm-up (prefix caches would otherwise hit)
     draw = lambda n, k: make_workload(n, args.seed * 1000 + k, tuple(args.prompt_len),  # noqa: E731
                                       tuple(args.output_len))
@@ -509,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     vllm_version = None
     load_start = round(os.getloadavg()[0], 1)
     with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:
-        model_dir = build_model_dir(Path(tmp) / "llama-19m", seed=args.seed)
+        model_dir, _ = build_model_dir(Path(tmp) / "llama-19m", seed=args.seed)
         for system in args.systems:
             t0 = time.perf_counter()
             try:
@@ -589,7 +709,6 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_results("serve_bench", rows, params=params, notes=notes,
                               command=command_line())
         print("wrote", *paths)
-    return 0
 
 
 if __name__ == "__main__":
