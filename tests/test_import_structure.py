@@ -21,6 +21,7 @@ from source_tree import Edge, edges, module_path, modules, one_cycle, strongly_c
 LAYERS: list[tuple[int, str, str]] = [
     (0, "zerospeed.config", "the schema: DeepSpeed JSON in, frozen typed objects out; the floor everything reads"),
     (0, "zerospeed.accelerator", "DeepSpeed's get_accelerator(): a device abstraction over torch alone"),
+    (0, "zerospeed._import_noise", "logging filters for optional dependencies' import-time noise (torchao)"),
     (0, "zerospeed._version", "the version string, for the facade and for checkpoint metadata"),
     (-1, "zerospeed._submodules", "each package's lazy __getattr__ for its submodules (DeepSpeed's attribute chains "
                                  "after the top-level import); importlib only"),

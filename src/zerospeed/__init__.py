@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from zerospeed._submodules import lazy_submodules as _lazy_submodules
+from zerospeed._import_noise import install as _quiet_optional_imports
 from zerospeed._version import __version__
 from zerospeed.cli import register as _register_commands
 
@@ -37,6 +38,7 @@ __all__ = ["ConfigError", "DeepSpeedConfigError", "DeepSpeedEngine", "PipelineMo
            "tp_model_init"]
 
 _register_commands()  # `zerospeed serve`, `zerospeed --autotuning`: the launcher's table (zerospeed.cli)
+_quiet_optional_imports()  # torchao's CUDA-library load failures on CPU torch (zerospeed._import_noise)
 
 
 def _lazy_name(name: str) -> Any:
