@@ -62,7 +62,8 @@ class Started:
         return True
 
     def is_completed(self) -> bool:
-        return self._done
+        """The transfer is done (the completion step then runs in ``wait()``)."""
+        return self._done or self._work is None or bool(self._work.is_completed())
 
 
 def _combine(op: Any) -> Callable[[torch.Tensor, torch.Tensor], Any] | None:

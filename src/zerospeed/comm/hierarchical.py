@@ -136,7 +136,8 @@ class _Chain:
         return True
 
     def is_completed(self) -> bool:
-        return self._done
+        """The first leg is done (the others run in ``wait()``, which a poller calls next)."""
+        return self._done or self._first.is_completed()
 
 
 def _expected(split: HostSplit, message_numel: int, element_size: int, kind: str) -> tuple[int, tuple[int, int]]:

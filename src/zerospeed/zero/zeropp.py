@@ -68,7 +68,7 @@ class _Then:
         return True
 
     def is_completed(self) -> bool:
-        return self._done
+        return self._done or self._work is None or bool(self._work.is_completed())
 
 
 def all_gather_quantized(full: torch.Tensor, shard: torch.Tensor, group: Any,

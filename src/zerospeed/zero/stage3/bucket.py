@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerospeed import comm
+from zerospeed.zero import zeropp
 from zerospeed.zero.layout import BucketLayout
 
 
@@ -141,13 +142,21 @@ class Stage3Bucket:
         return bool(self.fwd_refs or self.pins or self.bwd_active or self.bwd_calls)
 
     # -- the gather / release cycle ---------------------------------------------------------------
+    #: ZeRO++ qwZ: gather as block-wise int8 (set by the strategy from zero_quantized_weights)
+    quantized_gather = False
+
+    def _start_all_gather(self) -> Any:
+        if self.quantized_gather:
+            return zeropp.all_gather_quantized(self._full, self.shard, self.group)
+        return comm.all_gather(self._full, self.shard, group=self.group, async_op=True)
+
     def start_gather(self) -> Any:
         """Allocate the full buffer and start the all-gather of every rank's shard into it."""
         if self.state is not BucketState.RELEASED:
             raise RuntimeError(f"ZeRO-3 bucket {self.name!r}: gather started while {self.state.value}")
         self._acquire_shard()
         self._full.untyped_storage().resize_(self._full_nbytes)
-        self.work = comm.all_gather(self._full, self.shard, group=self.group, async_op=True)
+        self.work = self._start_all_gather()
         self.state = BucketState.INFLIGHT
         return self.work
 
@@ -182,7 +191,7 @@ class Stage3Bucket:
         if self.state is not BucketState.GATHERED:
             raise RuntimeError(f"ZeRO-3 bucket {self.name!r}: refresh while {self.state.value}")
         self._acquire_shard()
-        self.work = comm.all_gather(self._full, self.shard, group=self.group, async_op=True)
+        self.work = self._start_all_gather()
         self.state = BucketState.INFLIGHT
         return self.work
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from zerospeed import comm
+from zerospeed.zero import zeropp
 from zerospeed.zero.stage3.bucket import Stage3Bucket
 from zerospeed.zero.stage3.watchdog import Watchdog
 
@@ -35,6 +36,9 @@ class _Pending:
 
 
 class Stage3GradReducer:
+    #: ZeRO++ qgZ (set by the strategy from zero_quantized_gradients)
+    quantized_gradients = False
+
     def __init__(self, buckets: list[Stage3Bucket], dp_group: dist.ProcessGroup | None, watchdog: Watchdog,
                  on_bucket_done: Callable[[Stage3Bucket], None], comm_dtype: torch.dtype | None = None,
                  overlap: bool = True, max_in_flight: int = 2, prescale: float = 1.0) -> None:
@@ -116,7 +120,10 @@ class Stage3GradReducer:
             sent.mul_(self.prescale)
         received = torch.empty(b.layout.shard_numel, dtype=sent.dtype, device=sent.device)
         self.watchdog.note_collective("reduce_scatter", b.name)
-        work = comm.reduce_scatter(received, sent, group=b.group, async_op=True)  # experts: expert-dp
+        if self.quantized_gradients:  # ZeRO++ qgZ: int4 blocks through all-to-all (zero/zeropp.py)
+            work = zeropp.reduce_scatter_quantized(received, sent, b.group)
+        else:
+            work = comm.reduce_scatter(received, sent, group=b.group, async_op=True)  # experts: expert-dp
         self._pending.append(_Pending(b, work, sent, received))
         in_flight = sum(p.sent.numel() * p.sent.element_size() + p.received.numel() * p.received.element_size()
                         for p in self._pending)

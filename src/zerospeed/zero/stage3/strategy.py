@@ -86,6 +86,10 @@ class Stage3Strategy:
         self.reducer = Stage3GradReducer(self.buckets, dp_group, self.watchdog, self.runtime.on_grads_done,
                                          comm_dtype=options.comm_dtype, overlap=options.overlap_comm,
                                          prescale=options.prescale)
+        for b in self.buckets:  # ZeRO++ (zero/zeropp.py): which gathers and reductions are quantized
+            b.quantized_gather = bool(zero_config.zero_quantized_weights
+                                      or (zero_config.zero_quantized_nontrainable_weights and not b.trainable))
+        self.reducer.quantized_gradients = bool(zero_config.zero_quantized_gradients)
         self.trainable = [b for b in self.buckets if b.trainable]
         self.state = Stage3OptimizerState(self.trainable, optimizer, dp_group, dp_world_size, options)
         # after the optimizer state: it reads the shards to build its masters (mixed precision)

@@ -1,0 +1,53 @@
+"""ZeRO++ in training (issue #28): ZeRO-3 with zero_quantized_weights / zero_quantized_gradients on 2 simulated
+hosts x 2 processes, against plain ZeRO-3 on the same layout.
+
+Quantization changes the arithmetic, so the comparison is on the loss: within 3% of plain ZeRO-3's at every one of
+20 steps (the issue's target; int8 weights carry at most absmax/254 per block, int4 gradients absmax/14 per block
+and level). The bytes on each host's link per step: qwZ + qgZ at most 0.25x plain ZeRO-3's (int8 + 1 scale per 256
+elements on both gathers, int4 + 1 scale per 128 on the cross-host reduction of 1/2 of the data, blocks padded per
+shard), checked exactly against that count.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from comm_cases import zeropp_run
+from zerospeed.ops.block_quant import wire_bytes
+from zerospeed.testing import run_distributed
+from zerospeed.zero.zeropp import GRAD_BLOCK, WEIGHT_BLOCK
+
+VARIANTS = {
+    "qwZ": {"zero_quantized_weights": True},
+    "qgZ": {"zero_quantized_gradients": True},
+    "qwZ+qgZ": {"zero_quantized_weights": True, "zero_quantized_gradients": True},
+}
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict:
+    return run_distributed(zeropp_run, 4, {}, timeout=300)[0]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_zeropp_loss_within_3_percent_of_zero3(plain: dict, name: str) -> None:
+    got = run_distributed(zeropp_run, 4, VARIANTS[name], timeout=300)[0]
+    assert plain["losses"][-1] < 0.8 * plain["losses"][0]  # it trains
+    for step, (a, b) in enumerate(zip(got["losses"], plain["losses"])):
+        assert abs(a - b) <= 0.03 * b, (name, step, a, b)
+    assert got["losses"] != plain["losses"]  # the quantized path did run
+    # per host link (rx + tx) and step, 2 hosts: a two-level all-gather of a message puts the whole message on the
+    # link; the qgZ cross-host level sends one int4 payload per rank and direction (the plain reduce-scatter: 4 B
+    # per element of the bucket)
+    gather = sum(4 * wire_bytes(n, WEIGHT_BLOCK, 8) for n in got["shards"]) if "qwZ" in name \
+        else sum(4 * 4 * n for n in got["shards"])
+    reduce = sum(4 * wire_bytes(n, GRAD_BLOCK, 4) for n in got["shards"]) if "qgZ" in name \
+        else sum(4 * 4 * n for n in got["shards"])
+    formula = 2 * gather + reduce
+    control = 64 * 4  # the grad-norm / overflow all-reduces of a few elements
+    assert formula <= got["link_bytes"] <= formula + control, (name, got["link_bytes"], formula)
+    assert plain["link_bytes"] <= 3 * sum(4 * 4 * n for n in plain["shards"]) + control
+    ratio = got["link_bytes"] / plain["link_bytes"]
+    if name == "qwZ+qgZ":
+        assert ratio <= 0.25, ratio
