@@ -240,7 +240,8 @@ def bad_inputs_case(cfg: dict, ckpt_dir: str, scratch: str) -> dict:
         except Exception as e:  # noqa: BLE001
             out[case] = (type(e).__name__, str(e), isinstance(e, CheckpointError))
 
-    attempt("missing_dir", lambda: engine.load_checkpoint(os.path.join(scratch, "nope")))
+    attempt("missing_dir", lambda: engine.load_checkpoint(os.path.join(scratch, "nope"), tag="global_step4"))
+    out["missing_dir_no_tag"] = engine.load_checkpoint(os.path.join(scratch, "nope"))  # DeepSpeed: (None, None)
     attempt("unknown_tag", lambda: engine.load_checkpoint(ckpt_dir, tag="global_step999"))
     stale = os.path.join(scratch, "stale")
     shutil.copytree(ckpt_dir, stale)

@@ -151,6 +151,7 @@ def test_bad_inputs_give_clear_errors(saved, tmp_path):
     check("bad_client_state", "client_state['f']", "builtin_function_or_method", "without pickle")
     assert out["bad_tag"][0] == "ValueError" and "../escape" in out["bad_tag"][1]
     assert out["no_latest_result"] == (None, None)  # DeepSpeed: no 'latest' -> nothing loaded, no error
+    assert out["missing_dir_no_tag"] == (None, None)  # DeepSpeed too: a first attempt's directory is not there yet
     assert out["unchanged_after_failures"]
     assert out["missing_dir"][0] == "CheckpointNotFoundError"
     mo = out["module_only"]

@@ -306,7 +306,10 @@ def load(engine: Any, load_dir: str, tag: str | None, load_module_strict: bool, 
     tp = getattr(engine, "checkpoint_layout", None)
     if tp is not None:  # every rank of the world loads its own pieces; they agree (and restore RNG) as one
         group, rank, world = tp.group, tp.rank, tp.world_size
-    tag, directory = resolve(load_dir, tag)
+    # DeepSpeed 0.19.8 looks only for load_dir/latest: a directory not created yet (an elastic job's first attempt)
+    # is "nothing to load", (None, None) with the warning below, not an error (issue #33); with a tag it is one
+    first_attempt = tag is None and not os.path.exists(os.fspath(load_dir))
+    tag, directory = (None, None) if first_attempt else resolve(load_dir, tag)
     tags = comm.all_gather_object(tag, group=group)
     if len(set(tags)) > 1:
         raise CheckpointError(f"ranks resolved different checkpoint tags in {load_dir}: {tags} ('latest' changed "
