@@ -228,7 +228,6 @@ NOT_YET_CASES = [
     ("data_efficiency", {"enabled": True}, {"enabled": False, "data_routing": {"x": 1}}),
     ("hybrid_engine", {"enabled": True}, {"enabled": False}),
     ("zero_optimization.zenflow", {"topk_ratio": 0.1}, None),
-    ("zero_optimization.zero_hpz_partition_size", 8, 1),
     ("aio.use_gds", True, False),
     ("checkpoint.writer", {"type": "fast"}, None),
 ]

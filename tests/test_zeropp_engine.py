@@ -11,6 +11,7 @@ shard), checked exactly against that count.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from comm_cases import zeropp_run
 from zerospeed.ops.block_quant import wire_bytes
@@ -51,3 +52,41 @@ def test_zeropp_loss_within_3_percent_of_zero3(plain: dict, name: str) -> None:
     ratio = got["link_bytes"] / plain["link_bytes"]
     if name == "qwZ+qgZ":
         assert ratio <= 0.25, ratio
+
+
+@pytest.mark.timeout(400)
+def test_hpz_alone_is_exact_against_zero3_and_keeps_backward_on_the_host(plain: dict) -> None:
+    got = run_distributed(zeropp_run, 4, {"zero_hpz_partition_size": 2}, timeout=300)[0]
+    assert got["losses"] == plain["losses"]
+    assert sorted(got["weights"]) == sorted(plain["weights"])
+    for k, v in plain["weights"].items():
+        assert torch.equal(got["weights"][k], v), k
+    # forward's gather and the gradients cross the link; backward's gather stays inside the host: 2Ψ, not 3Ψ
+    psi_bytes = sum(4 * 4 * n for n in got["shards"])
+    control = 64 * 4
+    assert 2 * psi_bytes <= got["link_bytes"] <= 2 * psi_bytes + control
+    assert 3 * psi_bytes <= plain["link_bytes"] <= 3 * psi_bytes + control
+
+
+@pytest.mark.timeout(400)
+def test_all_of_zeropp_together(plain: dict) -> None:
+    every = {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}
+    got = run_distributed(zeropp_run, 4, every, timeout=300)[0]
+    for a, b in zip(got["losses"], plain["losses"]):
+        assert abs(a - b) <= 0.03 * b
+    formula = sum(4 * wire_bytes(n, WEIGHT_BLOCK, 8) + 4 * wire_bytes(n, GRAD_BLOCK, 4) for n in got["shards"])
+    assert formula <= got["link_bytes"] <= formula + 64 * 4
+    assert got["link_bytes"] <= 0.15 * plain["link_bytes"]
+
+
+def test_zeropp_keys_need_stage_3_and_a_dividing_hpz_size() -> None:
+    from zerospeed.config.errors import ConfigError
+    from zerospeed.config.loader import load_config
+
+    for key, value in (("zero_quantized_weights", True), ("zero_quantized_gradients", True),
+                       ("zero_hpz_partition_size", 2)):
+        with pytest.raises(ConfigError, match=f"zero_optimization.{key}: ZeRO\\+\\+ works on stage 3, got stage 2"):
+            load_config({"train_batch_size": 4, "zero_optimization": {"stage": 2, key: value}})
+    with pytest.raises(Exception, match=r"zero_optimization.zero_hpz_partition_size: 3 must divide the "
+                                         r"data-parallel degree 4"):
+        run_distributed(zeropp_run, 4, {"zero_hpz_partition_size": 3}, 1, timeout=100)

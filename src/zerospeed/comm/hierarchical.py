@@ -42,7 +42,8 @@ from zerospeed.comm import algorithms
 from zerospeed.comm.algorithms import Started
 from zerospeed.comm.links import group_hosts
 
-__all__ = ["HostSplit", "MIN_NUMEL", "all_gather", "all_reduce", "reduce_scatter", "split_for"]
+__all__ = ["HostSplit", "MIN_NUMEL", "all_gather", "all_reduce", "consecutive_subgroup", "reduce_scatter",
+           "split_for"]
 
 #: Messages smaller than this (elements) are not split.
 MIN_NUMEL = 4096
@@ -90,6 +91,10 @@ def _layout(group: Any) -> tuple[int, int, int, int, list[int], list[int]] | Non
 
 
 def _new_group(ranks: list[int]) -> Any:
+    if dist.group.WORLD is not _WORLD[0]:
+        _SPLITS.clear()
+        _CREATED.clear()
+        _WORLD[0] = dist.group.WORLD
     key = tuple(ranks)
     if key not in _CREATED:
         _CREATED[key] = dist.new_group(ranks=ranks, use_local_synchronization=True)
@@ -113,6 +118,19 @@ def split_for(group: Any, numel: int, op: Any = dist.ReduceOp.SUM) -> HostSplit 
             num_hosts, local, h, l, intra, inter = found
             _SPLITS[key] = HostSplit(num_hosts, local, h, l, _new_group(intra), _new_group(inter))
     return _SPLITS[key]
+
+
+def consecutive_subgroup(group: Any, size: int, what: str = "zero_optimization.zero_hpz_partition_size") -> Any:
+    """The sub-group of ``size`` consecutive members of ``group`` (in group order) that holds this rank: ZeRO++'s
+    secondary partition (hpZ), which with ``size`` = ranks per host is this rank's host. Made by its members
+    (collective among them); ``group`` itself when ``size`` is its size."""
+    ranks, _ = group_hosts(group)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or len(ranks) % size:
+        raise ValueError(f"{what}: {size!r} must divide the data-parallel degree {len(ranks)}")
+    if size == len(ranks):
+        return group
+    start = ranks.index(dist.get_rank()) // size * size
+    return _new_group(list(ranks[start:start + size]))
 
 
 def _links_sum(*legs: Started) -> tuple[int, int]:

@@ -64,11 +64,6 @@ def _enabled_off(value: Any) -> bool:
     return _falsy(value)
 
 
-def _at_most_one(value: Any) -> bool:
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return _falsy(value) or (is_number and value <= 1)
-
-
 def _datastates_off(value: Any) -> bool:
     """DeepSpeed 0.19.8 (``datastates/config.py``) turns DataStates on whenever ``datastates_ckpt`` is present and
     not ``false``, whatever the section holds (even ``{"enabled": false}``); ``null`` is taken as off here."""
@@ -91,7 +86,6 @@ NOT_YET: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("datastates_ckpt", _datastates_off, "DataStates checkpointing"),
     ("timers", _timers_off, "throughput timers"),
     ("zero_optimization.zenflow", _falsy, "ZenFlow"),
-    ("zero_optimization.zero_hpz_partition_size", _at_most_one, "ZeRO++ hierarchical partitioning"),
     ("zero_optimization.leaf_module", _falsy, "ZeRO-3 leaf modules"),
     ("zero_optimization.offload_optimizer.super_offload", _falsy, "SuperOffload"),
     ("aio.use_gds", _falsy, "GPUDirect Storage"),

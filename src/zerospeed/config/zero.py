@@ -159,6 +159,9 @@ class ZeroConfig(Section):
     """ZeRO++ (stage 3): qwZ for the buckets of frozen parameters only."""
     zero_quantized_gradients: Bool = False
     """ZeRO++ qgZ (stage 3): gradients are reduce-scattered as block-wise int4 through all-to-all."""
+    zero_hpz_partition_size: PosInt = 1
+    """ZeRO++ hpZ (stage 3): ranks of the secondary weight partition (the ranks per node): backward's gathers
+    stay inside that group. 1: off."""
 
     @model_validator(mode="before")
     @classmethod
@@ -174,6 +177,8 @@ class ZeroConfig(Section):
         for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
             if getattr(self, key) and self.stage != 3:
                 raise fail(f"ZeRO++ works on stage 3, got stage {self.stage}", key=key)
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:
+            raise fail(f"ZeRO++ works on stage 3, got stage {self.stage}", key="zero_hpz_partition_size")
         return self
 
     @property

@@ -14,7 +14,12 @@
   absmax(block) / 14`` per level (plus roundings), and the result is a deterministic function of the inputs: a
   single-process simulation (:func:`simulate_reduce_scatter_quantized`) reproduces it bit for bit.
 
-Both return a Work-like handle whose ``wait()`` finishes the dequantization, so they slot in where the plain
+* hpZ (``zero_hpz_partition_size``): a stage-3 bucket keeps, from each primary gather, a secondary partition of
+  its full buffer over ``size`` consecutive ranks (one host when ``size`` is the ranks per host); the next gather
+  (backward's) is an all-gather inside that group, as long as the shard was not written since (torch's version
+  counter says). It yields the very values of the primary gather, so hpZ alone is exact against ZeRO-3.
+
+All return a Work-like handle whose ``wait()`` finishes the dequantization, so they slot in where the plain
 collectives were started asynchronously.
 """
 
@@ -29,7 +34,7 @@ from zerospeed import comm
 from zerospeed.comm import hierarchical
 from zerospeed.ops.block_quant import Quantized, dequantize, num_blocks, quantize
 
-__all__ = ["GRAD_BITS", "GRAD_BLOCK", "WEIGHT_BLOCK", "all_gather_quantized", "reduce_scatter_quantized",
+__all__ = ["KeepSecondary", "GRAD_BITS", "GRAD_BLOCK", "WEIGHT_BLOCK", "all_gather_quantized", "reduce_scatter_quantized",
            "simulate_reduce_scatter_quantized"]
 
 WEIGHT_BLOCK = 256  # elements per int8 scale (1.6% overhead in bytes)
@@ -69,6 +74,13 @@ class _Then:
 
     def is_completed(self) -> bool:
         return self._done or self._work is None or bool(self._work.is_completed())
+
+
+class KeepSecondary(_Then):
+    """hpZ: a primary gather's handle that, once waited for, has the bucket keep its secondary partition."""
+
+    def __init__(self, work: Any, bucket: Any, key: Any) -> None:
+        super().__init__(work, lambda: bucket.keep_secondary(key))
 
 
 def all_gather_quantized(full: torch.Tensor, shard: torch.Tensor, group: Any,

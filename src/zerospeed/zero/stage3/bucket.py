@@ -145,10 +145,38 @@ class Stage3Bucket:
     #: ZeRO++ qwZ: gather as block-wise int8 (set by the strategy from zero_quantized_weights)
     quantized_gather = False
 
+    #: ZeRO++ hpZ: the group of zero_hpz_partition_size consecutive dp ranks holding a secondary partition (the
+    #: whole bucket split among them, 1/size each, kept from the last primary gather); set by the strategy
+    hpz_group: Any = None
+    _secondary: torch.Tensor | None = None
+    _secondary_key: Any = None
+
+    def _shard_key(self) -> tuple[int, int, int]:
+        """Changes whenever the shard is replaced or written in place (torch's version counter): the secondary
+        partition is then stale."""
+        return (id(self.shard), self.shard.data_ptr(), self.shard._version)
+
     def _start_all_gather(self) -> Any:
+        if self.hpz_group is not None and self._secondary is not None and self._secondary_key == self._shard_key():
+            return comm.all_gather(self._full, self._secondary, group=self.hpz_group, async_op=True)
         if self.quantized_gather:
-            return zeropp.all_gather_quantized(self._full, self.shard, self.group)
-        return comm.all_gather(self._full, self.shard, group=self.group, async_op=True)
+            work = zeropp.all_gather_quantized(self._full, self.shard, self.group)
+        else:
+            work = comm.all_gather(self._full, self.shard, group=self.group, async_op=True)
+        if self.hpz_group is None:
+            return work
+        return zeropp.KeepSecondary(work, self, self._shard_key())
+
+    def drop_secondary(self) -> None:
+        """The strategy's call when the shards changed or a new forward begins (hpZ)."""
+        self._secondary = self._secondary_key = None
+
+    def keep_secondary(self, key: Any) -> None:
+        """After a primary gather: keep this rank's 1/size of the full buffer as its secondary partition."""
+        size, j = dist.get_world_size(self.hpz_group), dist.get_rank(self.hpz_group)
+        part = self._full.numel() // size
+        self._secondary = self._full.narrow(0, j * part, part).clone()
+        self._secondary_key = key
 
     def start_gather(self) -> Any:
         """Allocate the full buffer and start the all-gather of every rank's shard into it."""

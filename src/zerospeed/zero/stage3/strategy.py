@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerospeed.comm import hierarchical
 from zerospeed.zero.partitioned_optimizer import ShardView, StepResult, optimizer_group_of
 from zerospeed.zero.stage3 import registry
 from zerospeed.zero.stage3.bucket import BucketState, Stage3Bucket
@@ -90,6 +91,11 @@ class Stage3Strategy:
             b.quantized_gather = bool(zero_config.zero_quantized_weights
                                       or (zero_config.zero_quantized_nontrainable_weights and not b.trainable))
         self.reducer.quantized_gradients = bool(zero_config.zero_quantized_gradients)
+        if zero_config.zero_hpz_partition_size > 1:  # ZeRO++ hpZ: secondary partitions (dp buckets, not experts')
+            hpz_group = hierarchical.consecutive_subgroup(dp_group, int(zero_config.zero_hpz_partition_size))
+            for b in self.buckets:
+                if b.group is dp_group:
+                    b.hpz_group = hpz_group
         self.trainable = [b for b in self.buckets if b.trainable]
         self.state = Stage3OptimizerState(self.trainable, optimizer, dp_group, dp_world_size, options)
         # after the optimizer state: it reads the shards to build its masters (mixed precision)
@@ -101,7 +107,7 @@ class Stage3Strategy:
         self.graph_owned = False  # DeepCompile's graphs own gathers and reductions (hand_over_to_graph)
         self._view_hold = contextlib.ExitStack()  # shards held since shard_views() (see the module docstring)
         self._view_held = False
-        self.runtime.on_begin_pass = self._end_view_hold
+        self.runtime.on_begin_pass = self._begin_pass
         self.runtime.gather_persistent()
         state_dict_guard.guard_tree(module)  # module.state_dict() refuses to return placeholders
 
@@ -157,6 +163,7 @@ class Stage3Strategy:
             self._end_view_hold()
         # with offload_param the optimizer state swaps shards in bucket by bucket (state.residency)
         result = self.state.step(loss_scale * self.options.prescale, max_norm, force_skip, norm_sq_hook)
+        self._drop_secondaries()  # hpZ: the shards changed
         if self.graph_owned:
             self._release_gathered()  # a checkpoint gather may have left a (now stale) bucket gathered
         elif not result.overflow:
@@ -237,6 +244,14 @@ class Stage3Strategy:
             self._view_hold.enter_context(self.swapper.hold(self.buckets))
             self._view_held = True
 
+    def _begin_pass(self) -> None:
+        self._end_view_hold()
+        self._drop_secondaries()  # hpZ: a secondary partition lives from a forward's gather to its backward
+
+    def _drop_secondaries(self) -> None:
+        for b in self.buckets:
+            b.drop_secondary()
+
     def _end_view_hold(self, dirty: bool = False) -> None:
         if not self._view_held:
             return
@@ -294,6 +309,7 @@ class Stage3Strategy:
     def on_shards_loaded(self) -> None:
         """Call after writing into the shards (checkpoint load): gathered copies are stale now."""
         self.runtime.release_all()
+        self._drop_secondaries()
         with self.resident_params(dirty=True):
             for b in self.buckets:
                 if b.master is not None:
