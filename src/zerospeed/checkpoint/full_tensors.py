@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from zerospeed.checkpoint.deepspeed.layout import is_deepspeed_folder, open_folder
+from zerospeed.checkpoint.deepspeed.layout import OPTIMIZER, is_deepspeed_folder, open_folder
 from zerospeed.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from zerospeed.checkpoint.index import INDEX_FILE, CheckpointIndex
 from zerospeed.checkpoint.loader import resolve
@@ -77,11 +77,29 @@ class FullTensors:
             return torch.float32
         return dtype_from_name(self.index.params[src]["dtype"])
 
-    def tensor(self, key: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        """The full tensor of ``key``; floating-point entries cast to ``dtype`` (None: as stored)."""
+    def has(self, key: str, kind: str) -> bool:
+        """Whether the checkpoint holds ``kind`` ("weight", "master", "optim.exp_avg", ...) of ``key``."""
+        src = self.index.canonical(key)
+        return bool(self.index.sources(src)) and self.index.has_kind(src, kind)
+
+    def state_keys(self) -> list[str]:
+        """The element-wise optimizer states saved (``exp_avg``, ``exp_avg_sq``...)."""
+        return list((self.index.data.get(OPTIMIZER) or {}).get("state_keys") or [])
+
+    def optimizer_scalars(self, key: str) -> dict[str, Any]:
+        """The scalar optimizer state of ``key`` (Adam's ``step``), decoded."""
+        from zerospeed.checkpoint.jsonstate import decode
+
+        enc = ((self.index.data.get(OPTIMIZER) or {}).get("scalars") or {}).get(self.index.canonical(key)) or {}
+        return {k: (v["v"] if "t" in v else decode(v["v"])) for k, v in enc.items()}
+
+    def tensor(self, key: str, dtype: torch.dtype | None = torch.float32, kind: str | None = None) -> torch.Tensor:
+        """The full tensor of ``key``; floating-point entries cast to ``dtype`` (None: as stored). ``kind``
+        defaults to the fp32 master where there is one, else the weight."""
         idx = self.index
         src = idx.canonical(key)
-        kind = "master" if idx.has_kind(src, "master") else "weight"
+        if kind is None:
+            kind = "master" if idx.has_kind(src, "master") else "weight"
         ops = plan_range(src, idx.sources(src), 0, idx.numel(src), 0)
         first = self.source.shard(ops[0].shard, kind) if ops else None
         flat = torch.empty(idx.numel(src), dtype=first.dtype if first is not None else self.source_dtype(key))

@@ -21,25 +21,15 @@ output file is written to a temporary name and renamed; the index file is rename
 
 from __future__ import annotations
 
-import json
-import os
-import re
 from typing import Any
 
 import torch
 
+from zerospeed.checkpoint.export import write_state_dict_files
 from zerospeed.checkpoint.full_tensors import FullTensors
-from zerospeed.checkpoint.publish import new_nonce
-from zerospeed.checkpoint.tensor_io import write_safetensors
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
            "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint"]
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12, "KIB": 2 ** 10,
-          "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
-
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,
@@ -56,84 +46,12 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         return out
 
 
-def _resolve_dtype(dtype: Any) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return dtype
-    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.lower().removeprefix("torch.")]
-    raise ValueError(f"dtype: {dtype!r} is not one of float32, float16, bfloat16")
-
-
-def _parse_size(size: int | str) -> int:
-    if isinstance(size, int) and size > 0:
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
-    if not match:
-        raise ValueError(f"max_shard_size: {size!r} is not a size like 5GB, 500MB or a number of bytes")
-    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
-
-
-def _write(path: str, tensors: dict[str, torch.Tensor], safe: bool) -> None:
-    tmp = os.path.join(os.path.dirname(path), f".tmp-{os.path.basename(path)}-{new_nonce()}")
-    try:
-        if safe:
-            write_safetensors(tmp, {k: v.contiguous() for k, v in tensors.items()}, {"format": "pt"})
-        else:
-            torch.save(tensors, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str, output_dir: str, dtype: Any = torch.float32,
                                           max_shard_size: int | str | None = "5GB", safe_serialization: bool = False,
                                           tag: str | None = None, exclude_frozen_parameters: bool = False) -> list[str]:
     """Write the checkpoint's consolidated ``state_dict`` into ``output_dir``; return the files written."""
-    out_dtype = _resolve_dtype(dtype)
-    limit = None if max_shard_size is None else _parse_size(max_shard_size)
-    os.makedirs(output_dir, exist_ok=True)
-    weights_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
-    with FullTensors(checkpoint_dir, tag, exclude_frozen_parameters) as ft:
-        def nbytes(key: str) -> int:
-            item = out_dtype.itemsize if ft.source_dtype(key).is_floating_point else ft.source_dtype(key).itemsize
-            return ft.numel(key) * item
-
-        # plan the shards first (sizes are known from the index), then build and write one shard at a time
-        shards: list[list[str]] = [[]]
-        size = 0
-        for key in ft.keys:
-            n = nbytes(key)
-            if limit is not None and shards[-1] and size + n > limit:
-                shards.append([])
-                size = 0
-            shards[-1].append(key)
-            size += n
-        total = len(shards)
-        names = [weights_name] if total == 1 else [
-            weights_name.replace(".bin", f"-{i + 1:05d}-of-{total:05d}.bin").replace(
-                ".safetensors", f"-{i + 1:05d}-of-{total:05d}.safetensors") for i in range(total)]
-        written = []
-        for name, keys in zip(names, shards):
-            tensors: dict[str, torch.Tensor] = {}
-            for key in keys:
-                t = ft.tensor(key, out_dtype)
-                tensors[key] = t.clone() if any(t is v for v in tensors.values()) else t
-            _write(os.path.join(output_dir, name), tensors, safe_serialization)
-            written.append(os.path.join(output_dir, name))
-            del tensors
-        if total > 1:
-            index = {"metadata": {"total_size": sum(nbytes(k) for k in ft.keys)},
-                     "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
-            index_name = weights_name + ".index.json"
-            path = os.path.join(output_dir, index_name)
-            tmp = os.path.join(output_dir, f".tmp-{index_name}-{new_nonce()}")
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-            os.replace(tmp, path)
-            written.append(path)
-        return written
+    return write_state_dict_files(checkpoint_dir, output_dir, dtype, max_shard_size, safe_serialization, tag,
+                                  exclude_frozen_parameters)
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str,
@@ -141,8 +59,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
                                                safe_serialization: bool = False, tag: str | None = None,
                                                exclude_frozen_parameters: bool = False) -> list[str]:
     """:func:`convert_zero_checkpoint_to_state_dict` in fp32 (DeepSpeed's name and arguments)."""
-    return convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, torch.float32, max_shard_size,
-                                                 safe_serialization, tag, exclude_frozen_parameters)
+    return write_state_dict_files(checkpoint_dir, output_dir, torch.float32, max_shard_size, safe_serialization, tag,
+                                  exclude_frozen_parameters)
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str,

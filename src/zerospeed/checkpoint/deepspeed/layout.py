@@ -231,6 +231,11 @@ class DeepSpeedFolder:
         self.stage = 3 if self.model_file.startswith("zero_pp_rank_") else 0
         optim_prefix = next((p for p in ("", "bf16_") if OPTIM_FILE.format(prefix=p, rank=0, mp=0) in names), None)
         self.buffer_names = [str(n) for n in (self.meta.get("buffer_names") or [])]
+        # the 16-bit training dtype, where there was one (ZeRO 3 saves only fp32 partitions: its weights are the
+        # masters rounded to it)
+        dtypes = {t.dtype for n, t in module.items() if torch.is_tensor(t) and n not in self.buffer_names}
+        self.weight_dtype = torch.bfloat16 if optim_prefix == "bf16_" or torch.bfloat16 in dtypes else \
+            torch.float16 if torch.float16 in dtypes else torch.float32
         if self.stage == 3:
             self._zero3(optim_prefix)
         elif optim_prefix is not None:
@@ -381,8 +386,9 @@ class DeepSpeedFolder:
                     parts = [st[i][kind] for i in sorted(st)]
                 return torch.cat([p.reshape(-1) for p in parts]) if len(parts) > 1 else parts[0].reshape(-1)
 
-            kinds: dict[str, Callable[[], torch.Tensor]] = {"master": lambda flat=flat: flat("master"),
-                                                            "weight": lambda flat=flat: flat("master")}
+            kinds: dict[str, Callable[[], torch.Tensor]] = {
+                "master": lambda flat=flat: flat("master"),
+                "weight": lambda flat=flat: flat("master").to(self.weight_dtype)}
             for k in keys:
                 kinds[f"optim.{k}"] = lambda k=k, flat=flat: flat(k)
             shard = self._b.add_shard(f, "flat", kinds)

@@ -1,0 +1,150 @@
+"""zerospeed-convert (issue #26): to DeepSpeed's layout and back, to HF safetensors and PyTorch DCP.
+
+Without DeepSpeed: a DeepSpeed fixture rewritten by ``--to deepspeed`` at its own size and stage holds the
+same tensors as the files DeepSpeed wrote (every fp32 partition, padded moment, module weight and
+counter), and ``--from deepspeed`` gives a zerospeed checkpoint that resumes as the folder itself does.
+With the bench venv's DeepSpeed 0.19.8 (.venv-bench): zerospeed trains on, saves, converts, and
+DeepSpeed resumes from the converted folder with the losses of zerospeed's own resume (fp32, 1e-6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkpoint_cases import merge
+from ds_checkpoint_cases import FIXTURES, make_model, resave_case, resume_case, zs_config
+from zerospeed.checkpoint.convert import main
+from zerospeed.checkpoint.deepspeed import load_pickle
+from zerospeed.checkpoint.deepspeed.writer import write_deepspeed
+from zerospeed.testing import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_PYTHON = os.path.join(ROOT, ".venv-bench", "bin", "python")
+HAS_DEEPSPEED = os.path.isfile(os.path.join(ROOT, ".venv-bench", ".installed"))
+#: entries DeepSpeed falls back to its own configuration for when a file lacks them (not written)
+NOT_WRITTEN = {"loss_scaler", "dynamic_loss_scale", "clip_grad", "param_slice_mappings", "ds_config", "zero_stage"}
+
+
+def _same(a, b, where: str) -> None:
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        for k in a:
+            if k not in NOT_WRITTEN:
+                assert k in b, f"{where}: {k!r} not written"
+                _same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+@pytest.mark.parametrize("case,stage", [("zero1_fp32", 1), ("zero2_bf16", 2), ("zero2_fp32", 2)])
+def test_rewritten_deepspeed_folder_equals_deepspeeds_own(tmp_path, case: str, stage: int) -> None:
+    out = write_deepspeed(os.path.join(FIXTURES, case, "ckpt"), str(tmp_path), 2, stage)
+    orig = os.path.join(FIXTURES, case, "ckpt", "global_step3")
+    assert sorted(os.listdir(out)) == sorted(os.listdir(orig))
+    for name in os.listdir(orig):
+        _same(load_pickle(os.path.join(orig, name)), load_pickle(os.path.join(out, name)), name)
+    with open(os.path.join(tmp_path, "latest")) as f:
+        assert f.read() == "global_step3"
+
+
+def test_rewritten_zero0_folder(tmp_path) -> None:
+    out = write_deepspeed(os.path.join(FIXTURES, "zero0_fp32", "ckpt"), str(tmp_path), 2, 0)
+    a = load_pickle(os.path.join(FIXTURES, "zero0_fp32", "ckpt", "global_step3", "mp_rank_00_model_states.pt"))
+    b = load_pickle(os.path.join(out, "mp_rank_00_model_states.pt"))
+    # DeepSpeed's FusedAdam keeps the group's step on its last parameter only; zerospeed writes it on all
+    last = max(a["optimizer"]["state"])
+    assert b["optimizer"]["state"][last]["step"] == a["optimizer"]["state"][last]["step"] == 3
+    for st in (a, b):
+        for s in st["optimizer"]["state"].values():
+            s.pop("step")
+    _same(a, b, "mp_rank_00_model_states.pt")
+
+
+def test_refusals_are_one_line(tmp_path, capsys) -> None:
+    src = os.path.join(FIXTURES, "zero3_bf16", "ckpt")
+    with pytest.raises(SystemExit) as e:
+        main(["--to", "deepspeed", src, str(tmp_path / "a"), "--zero-stage", "3"])
+    assert e.value.code == 2 and "invalid choice: 3" in capsys.readouterr().err
+    assert main(["--to", "deepspeed", src, str(tmp_path / "b"), "--zero-stage", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("zerospeed-convert: error: zero_stage 0 with bf16") and "\n" not in err
+    assert main(["--from", "dcp", str(tmp_path / "none"), str(tmp_path / "c")]) == 1
+    assert f"DCP folder {tmp_path / 'none'} does not exist" in capsys.readouterr().err
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
+
+
+@pytest.mark.timeout(200)
+def test_from_deepspeed_and_dcp_resume_in_zerospeed(tmp_path) -> None:
+    zs, dcp_dir, from_dcp = str(tmp_path / "zs"), str(tmp_path / "dcp"), str(tmp_path / "from_dcp")
+    assert main(["--from", "deepspeed", os.path.join(FIXTURES, "zero3_fp32", "ckpt"), zs]) == 0
+    assert main(["--to", "dcp", os.path.join(FIXTURES, "zero1_bf16", "ckpt"), dcp_dir]) == 0
+    assert main(["--from", "dcp", dcp_dir, from_dcp]) == 0
+    cfg = zs_config(2, "fp32", 2)
+    per_rank = run_distributed(_two, 2, cfg, zs, from_dcp, timeout=180)
+    exp = json.load(open(os.path.join(FIXTURES, "zero3_fp32", "expected.json")))
+    first = per_rank[0][0]
+    assert first["losses"] == pytest.approx(exp["losses_after_resume"], rel=1e-6)
+    assert first["global_steps"] == 3 and first["client"] == exp["client_state"]
+    ref = load_file(os.path.join(FIXTURES, "zero3_fp32", "expected.safetensors"))
+    full = merge([r[0]["state"] for r in per_rank])["full"]
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        for name, t in full[kind].items():
+            assert torch.equal(t, ref[f"{name}.{kind}"].reshape(-1)), (kind, name)
+    ref_bf16 = load_file(os.path.join(FIXTURES, "zero1_bf16", "expected.safetensors"))
+    weights = merge([r[1]["state"] for r in per_rank])["full"]["master"]
+    for name, t in weights.items():
+        assert torch.equal(t, ref_bf16[f"{name}.master"].reshape(-1)), name
+    # the DCP folder also loads with DCP itself into a plain model's state dict
+    import torch.distributed.checkpoint as dcp
+
+    sd = make_model(3).state_dict()
+    dcp.load(sd, checkpoint_id=dcp_dir, no_dist=True)
+    assert all(torch.equal(sd[n].reshape(-1), ref_bf16[f"{n}.master"].reshape(-1)) for n in weights)
+
+
+def _two(cfg: dict, zs: str, from_dcp: str) -> list[dict]:
+    return [resume_case(cfg, zs, 4), resume_case(cfg, from_dcp, 0)]
+
+
+def _deepspeed_resume(folder: str, stage: int, world: int, steps: int) -> dict:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               TORCH_EXTENSIONS_DIR=os.path.join(ROOT, ".venv-bench", "torch_extensions"))
+    proc = subprocess.run([BENCH_PYTHON, os.path.join(FIXTURES, "ds_resume.py"), folder, str(stage), "fp32",
+                           str(world), str(steps)], capture_output=True, text=True, timeout=240, env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("DS_RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    return json.loads(line[len("DS_RESULT "):])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs DeepSpeed 0.19.8 in .venv-bench (make bench-env); the "
+                    "fixture comparisons above run without it")
+def test_round_trip_deepspeed_resumes_a_zerospeed_checkpoint(tmp_path) -> None:
+    zs = str(tmp_path / "zs")
+    # zerospeed picks the DeepSpeed run up at ZeRO 3, trains 2 steps and saves...
+    run_distributed(resave_case, 2, zs_config(3, "fp32", 2), os.path.join(FIXTURES, "zero2_fp32", "ckpt"), zs, 2,
+                    timeout=120)
+    # ...zerospeed's own resume from that save...
+    own = run_distributed(_own_resume, 2, zs, timeout=120)
+    # ...and DeepSpeed's from the converted folder, at 2 ranks ZeRO 2 and 1 rank ZeRO 1
+    for world, stage in ((2, 2), (1, 1)):
+        ds_dir = str(tmp_path / f"ds{world}")
+        assert main(["--to", "deepspeed", zs, ds_dir, "--world-size", str(world), "--zero-stage", str(stage)]) == 0
+        got = _deepspeed_resume(ds_dir, stage, world, 3)
+        assert got["losses"] == pytest.approx(own[0], rel=1e-6), (world, stage, got["losses"], own[0])
+        assert got["global_steps"] == 5 + 3 and "epoch" in got["client_keys"]
+
+
+def _own_resume(zs: str) -> list[float]:
+    return resume_case(zs_config(3, "fp32", 2), zs, 3)["losses"]
