@@ -581,6 +581,18 @@ class DeepSpeedEngineAPI:
 
         return state_of(self).deepcompile is not None
 
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """DeepSpeed's private name, which Accelerate's ``get_state_dict`` and Transformers' ``Trainer.save_model``
+        call at ZeRO-3: the whole module state dict on data-parallel rank 0, ``{}`` on the others (a collective;
+        :meth:`consolidated_state_dict`), without the frozen parameters when asked."""
+        state = self.consolidated_state_dict()  # type: ignore[attr-defined]
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}  # type: ignore[attr-defined]
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
+    _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict  # DeepSpeed's name under AutoTP
+
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Declare whether the coming backward ends an accumulation window (Accelerate passes its ``sync_gradients``).
 
