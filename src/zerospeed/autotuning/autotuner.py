@@ -11,19 +11,30 @@
 3. **Micro-batch sizes.** Where the user gave none (or ``"auto"``), the largest runnable size per
    stage is found by bisection between ``min_train_micro_batch_size_per_gpu`` and the smallest of
    ``max_train_micro_batch_size_per_gpu``, the memory bound and ``max_train_batch_size``; the
-   sizes tuned are it and its halves (``num_tuning_micro_batch_sizes`` of them).
+   sizes tuned are it and its halves (``num_tuning_micro_batch_sizes`` of them). What stopped it is
+   logged and kept (``mbs_limits``): an upper bound, the first size that failed and why, and in
+   particular a size at which the script's data ran out before ``end_profile_step`` (``ended_early``),
+   which is a dataset limit, not a memory one.
 4. **Search** with the configured tuner, early stopping and trial cap; every experiment that ran
    (bisection probes included) is a measured config, and the best of them wins.
 5. **Results** (``results_dir``): ``summary.txt``, ``results.json``, ``ds_config_optimal.json``,
    ``cmd_optimal.txt`` and ``metric.png``, rewritten after every experiment.
 
 A re-run with ``overwrite: false`` reads finished experiments back instead of running them.
+
+**Cost.** Once the model is known, one line estimates the work: at most how many experiments (bisection
+probes plus candidates, capped by ``tuner_num_trials``) and, from the model-info run's duration, how long.
+``autotuning.max_seconds`` bounds it: no experiment starts once the time used plus the median duration of the
+experiments run so far would pass the budget; the tuning then ends with the best config measured (or, with none,
+one error line). The bound can be passed by at most one experiment that runs longer than the median.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shlex
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +53,10 @@ MODEL_INFO_EXP = "profile_model_info"
 
 class AutotuneError(RuntimeError):
     """The tuning cannot go on; the message is one line saying why."""
+
+
+class OutOfTime(Exception):
+    """``autotuning.max_seconds`` leaves no time for another experiment."""
 
 
 def _gib(n: float) -> str:
@@ -63,6 +78,12 @@ class Autotuner:
     num_run: int = 0
     num_reused: int = 0
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    #: stage -> what bounded its largest runnable micro-batch (see the module docstring)
+    mbs_limits: dict[int, str] = field(default_factory=dict)
+    started: float | None = None
+    model_info_seconds: float | None = None  # the model-info run's duration: the estimate's time per experiment
+    durations: list[float] = field(default_factory=list)  # of the experiments run (not read back) so far
+    clock: Callable[[], float] = time.perf_counter
 
     # -- helpers ----------------------------------------------------------------------------------
     @property
@@ -98,7 +119,9 @@ class Autotuner:
             self.num_reused += 1
             how = "finished earlier"
         else:
+            self.check_time()
             result = self.runner.run(name, self.config_for(name, cand), cand)
+            self.durations.append(result.elapsed)
             self.num_run += 1
             how = "ran"
         self.results[name] = result
@@ -110,6 +133,42 @@ class Autotuner:
                  f"best: {best_txt}")
         self.write()
         return result
+
+    def check_time(self) -> None:
+        """Raise :class:`OutOfTime` when the next experiment would not end within ``max_seconds``."""
+        if not self.at.max_seconds or self.started is None:
+            return
+        used = self.clock() - self.started
+        typical = statistics.median(self.durations) if self.durations else 0.0
+        if used + typical > self.at.max_seconds:
+            raise OutOfTime(f"autotuning.max_seconds {self.at.max_seconds:g} s: {used:.0f} s used and an experiment "
+                            f"takes about {typical:.0f} s")
+
+    def estimate(self, seconds_each: float | None) -> tuple[int, str]:
+        """(at most how many experiments the search runs, the line that says so and how long they take)."""
+        probes = 0
+        num_cands = 0
+        n = self.at.num_tuning_micro_batch_sizes
+        for stage in self.space.stages:
+            if self.space.mbs_values is None:
+                span = self.at.max_train_micro_batch_size_per_gpu - self.at.min_train_micro_batch_size_per_gpu
+                probes += 2 + math.ceil(math.log2(max(1, span)))
+                mbs = tuple(2 ** i for i in range(n))
+            else:
+                mbs = self.space.mbs_values
+            num_cands += len(candidates(self.space, stage, mbs, max(1, self.world_size), self.at.max_train_batch_size,
+                                        self.at.min_train_batch_size))
+        num_cands = min(num_cands, self.at.tuner_num_trials)
+        total = probes + num_cands
+        budget = f"autotuning.max_seconds {self.at.max_seconds:g} s" if self.at.max_seconds else \
+            "no autotuning.max_seconds"
+        if seconds_each is None:
+            when = "time per experiment unknown until the first runs (model_info was given)"
+        else:
+            when = (f"~{seconds_each:.0f} s each (the model-info run) = ~{total * seconds_each / 60:.1f} min "
+                    "at most")
+        return total, (f"[autotuning] estimate: up to {total} experiments ({probes} micro-batch probes + "
+                       f"{num_cands} candidates, tuner_num_trials {self.at.tuner_num_trials}), {when}; {budget}")
 
     def write(self) -> None:
         write_results(self.results_dir, self.results, self.best(), self.at.metric, self.skipped,
@@ -147,13 +206,16 @@ class Autotuner:
         if done is None or done.status != "ok" or not info_path.is_file():
             config = self.config_for(MODEL_INFO_EXP, cand, model_info_path=str(info_path))
             self.log(f"[autotuning] model-info run: ZeRO stage {stage}, micro-batch {cand[MBS]}")
+            self.check_time()
             done = self.runner.run(MODEL_INFO_EXP, config, cand)
+            self.durations.append(done.elapsed)
             self.num_run += 1
         else:
             self.num_reused += 1
         if done.status != "ok" or not info_path.is_file():
             raise AutotuneError(f"the model-info run failed, so the script is not runnable as given "
                                 f"({self.runner.exps_dir / MODEL_INFO_EXP}): {done.status}: {done.reason}")
+        self.model_info_seconds = done.elapsed
         data = json.loads(info_path.read_text())
         info = ModelInfo.from_dict(data)
         predicted = predict_bytes(info, cand, self.space.base, self.world_size, self.on_gpu)["budgeted"]
@@ -211,21 +273,35 @@ class Autotuner:
         low, high = self.at.min_train_micro_batch_size_per_gpu, min(upper, budget_bound)
         if high < low:
             self.log(f"[autotuning] stage {stage}: no micro-batch size fits (bound {high} < minimum {low})")
+            self.mbs_limits[stage] = f"no size fits: bound {high} < minimum {low}"
             return 0
+        why_not: dict[int, str] = {}
 
         def runs(mbs: int) -> bool:
             cand = dict(probe, **{MBS: mbs})
             if self.space.fixed_train_batch_size is not None:
                 if self.space.fixed_train_batch_size % (mbs * dp):
+                    why_not[mbs] = f"train_batch_size {self.space.fixed_train_batch_size} is not a multiple of it"
                     return False
                 cand[GAS] = self.space.fixed_train_batch_size // (mbs * dp)
             if not self.prune([cand]):
+                why_not[mbs] = self.skipped[-1]["reason"]
                 return False
-            return self.measure(cand).status == "ok"
+            result = self.measure(cand)
+            if result.status == "ended_early":
+                why_not[mbs] = (f"the script's data ran out before end_profile_step {self.at.end_profile_step} "
+                                "(a dataset limit, not memory)")
+            elif result.status != "ok":
+                why_not[mbs] = f"{result.status}: {result.reason[:200]}"
+            return result.status == "ok"
 
         if runs(high):
+            bound = ("max_train_micro_batch_size_per_gpu" if high == self.at.max_train_micro_batch_size_per_gpu
+                     else "max_train_batch_size" if high == upper else "the memory budget's prediction")
+            self.mbs_limits[stage] = f"the upper bound {high} ({bound})"
             return high
         if not runs(low):
+            self.mbs_limits[stage] = f"micro-batch {low}: {why_not.get(low, 'did not run')}"
             return 0
         while high - low > 1:  # invariant: low runs, high does not
             mid = (low + high) // 2
@@ -233,6 +309,7 @@ class Autotuner:
                 low = mid
             else:
                 high = mid
+        self.mbs_limits[stage] = f"micro-batch {high}: {why_not.get(high, 'did not run')}"
         return low
 
     def mbs_values(self, stage: int) -> tuple[int, ...]:
@@ -245,12 +322,28 @@ class Autotuner:
         while m >= self.at.min_train_micro_batch_size_per_gpu and len(values) < self.at.num_tuning_micro_batch_sizes:
             values.append(m)
             m //= 2
-        self.log(f"[autotuning] stage {stage}: largest runnable micro-batch {top}; tuning {sorted(values)}")
+        self.log(f"[autotuning] stage {stage}: largest runnable micro-batch {top} (limit: "
+                 f"{self.mbs_limits.get(stage, '?')}); tuning {sorted(values)}")
         return tuple(sorted(values))
 
     def tune(self) -> Result:
-        start = time.perf_counter()
+        start = self.started = self.clock()
+        try:
+            return self._tune(start)
+        except OutOfTime as stop:
+            best = self.best()
+            self.write()
+            if best is None:
+                raise AutotuneError(f"{stop}; no experiment succeeded before that ({len(self.results)} measured)") \
+                    from None
+            self.log(f"[autotuning] stopped: {stop}; {self.num_run} experiments run, {self.num_reused} read back; "
+                     f"best so far {best.name} {self.at.metric}={best.metric(self.at.metric):.4g}; "
+                     f"{self.results_dir / 'ds_config_optimal.json'}")
+            return best
+
+    def _tune(self, start: float) -> Result:
         self.model_info()
+        self.log(self.estimate(self.model_info_seconds)[1])
         all_cands: list[dict[str, Any]] = []
         for stage in self.space.stages:
             mbs = self.mbs_values(stage)
@@ -275,7 +368,7 @@ class Autotuner:
             failures = [r for r in self.results.values() if r.status != "ok"]
             first = f"; first failure {failures[0].name}: {failures[0].reason[:500]}" if failures else ""
             raise AutotuneError(f"no experiment succeeded ({len(self.results)} measured){first}")
-        self.log(f"[autotuning] done in {time.perf_counter() - start:.0f} s: {self.num_run} experiments run, "
+        self.log(f"[autotuning] done in {self.clock() - start:.0f} s: {self.num_run} experiments run, "
                  f"{self.num_reused} read back; best {best.name} {self.at.metric}={best.metric(self.at.metric):.4g}; "
                  f"{self.results_dir / 'ds_config_optimal.json'}")
         return best

@@ -134,12 +134,14 @@ def main(args: argparse.Namespace, argv: list[str], torchrun_argv: list[str]) ->
     if args.autotuning != "run":
         return 0
     optimal = str(tuner.results_dir / "ds_config_optimal.json")
-    from zerospeed.launcher.runner import run_torchrun
+    from zerospeed.launcher.runner import LaunchPlan, run_torchrun
 
     script_at = len(torchrun_argv) - len(args.user_args)
     train_argv = torchrun_argv[:script_at] + runner.script_args(Path(optimal), tuner.best().candidate)
+    # the program starts at the script (or its --module flag); a --no_python binary cannot be wrapped
+    program_at = None if args.no_python else script_at - 1 - (1 if args.module else 0)
     print(f"[autotuning] training with {optimal}", flush=True)
-    return run_torchrun(train_argv)
+    return run_torchrun(LaunchPlan(train_argv, program_at=program_at).worker_argv(), program=args.user_script)
 
 
 __all__ = ["main", "config_path_of", "launcher_args_of", "parse_autotuning", "replace_config_arg"]

@@ -14,8 +14,14 @@ Decisions:
 * The script receives the experiment's config where the user's command named theirs:
   ``--deepspeed_config X`` / ``--deepspeed X`` / ``--config X`` (also ``--flag=X``); keys in
   ``arg_mappings`` are passed as the mapped flags (replacing the user's value when present).
-* A run that exits 0 without ``metrics.json`` (the script ended before ``end_profile_step``)
-  fails with that reason; a measured peak above the memory budget fails as ``over_budget``.
+* A run that exits 0 without ``metrics.json`` is ``ended_early``: the script ended before
+  ``end_profile_step`` (its data or its own loop ran out, typically when a large micro-batch leaves fewer
+  batches than profile steps). It is not runnable as a candidate but, unlike a failure, says nothing about
+  memory (issue #33: a dataset running out was reported as the largest runnable micro-batch). A measured peak
+  above the memory budget fails as ``over_budget``.
+* A failed run's reason is the script's own exception, as the launcher's failure summary names it (type, message,
+  file and line: :mod:`zerospeed.launcher.failures`), not torchrun's banner; the last stderr lines only when
+  there is no summary (a crash, a timeout).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ class Result:
     """The outcome of one experiment."""
 
     name: str
-    status: str  # ok | failed | timeout | over_budget | skipped
+    status: str  # ok | failed | ended_early | timeout | over_budget | skipped
     metrics: dict[str, Any] = field(default_factory=dict)
     elapsed: float = 0.0
     reason: str = ""
@@ -136,7 +142,7 @@ class ExperimentRunner:
         # stderr.log, which the failure record quotes
         env = {"PYTHONFAULTHANDLER": "1", **os.environ, **self.env}
         start = time.perf_counter()
-        status, reason = "ok", ""
+        status, reason, summary = "ok", "", ""
         with open(folder / "stdout.log", "wb") as out, open(folder / "stderr.log", "wb") as err:
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True)
@@ -153,12 +159,16 @@ class ExperimentRunner:
             metrics = json.loads(metrics_path.read_text())
         if status == "ok" and code != 0:
             status, reason = "failed", f"exit status {code}"
+            summary = launcher_summary(folder / "stderr.log")
+            if summary:
+                reason = f"{reason}: {summary}"
         elif status == "ok" and not metrics:
-            status, reason = "failed", "the script ended before end_profile_step (no metrics.json)"
+            status, reason = "ended_early", ("the script ended before end_profile_step (no metrics.json): its data "
+                                             "or its loop ran out")
         elif status == "ok" and self.memory_budget and metrics.get("peak_memory_bytes", 0) > self.memory_budget:
             status, reason = "over_budget", (f"peak memory {metrics['peak_memory_bytes'] / 2**20:.0f} MiB > "
                                              f"memory_budget {self.memory_budget / 2**20:.0f} MiB")
-        if status != "ok":
+        if status in ("timeout", "over_budget") or (status == "failed" and not summary):
             tail = _tail(folder / "stderr.log")
             reason = f"{reason}; stderr: {tail}" if tail else reason
         result = Result(name=name, status=status, metrics=metrics, elapsed=elapsed, reason=reason,
@@ -184,6 +194,28 @@ def _kill_group(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+_SUMMARY_HEAD = re.compile(r"^zerospeed: .+ failed on ranks? [\d, -]+")
+
+
+def launcher_summary(path: Path) -> str:
+    """The launcher's failure summary in ``path`` as one line (``"ConfigError: ... at train.py:5 in main"``), or
+    ``""`` when there is none; the log's path is left out (the experiment's folder has stderr.log)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    heads = [i for i, line in enumerate(lines) if _SUMMARY_HEAD.match(line)]
+    if not heads:
+        return ""
+    body = []
+    for line in lines[heads[-1] + 1:]:
+        if not line.startswith("  "):
+            break
+        if not line.strip().startswith("full tracebacks:"):
+            body.append(line.strip())
+    return " ".join(body)
 
 
 _EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*)$")

@@ -14,8 +14,10 @@ Decisions:
 * ``overwrite`` defaults to **false** (DeepSpeed: true), so re-running an interrupted tuning
   resumes: experiments that already finished are read back, not run again. ``true`` starts over.
 * zerospeed keys: ``memory_budget`` (bytes per rank a candidate may use: host RAM on CPU runs,
-  device memory on GPU; 0 = no budget, candidates are only bounded by what runs) and
-  ``exp_timeout`` (seconds an experiment may take before it is killed and recorded as failed).
+  device memory on GPU; 0 = no budget, candidates are only bounded by what runs),
+  ``exp_timeout`` (seconds an experiment may take before it is killed and recorded as failed) and
+  ``max_seconds`` (the whole tuning's time budget, 0 = none: no experiment starts once the time used plus a
+  typical experiment's duration would pass it, and the best config measured so far wins; issue #33).
 * ``arg_mappings`` keys are DeepSpeed config keys; stray whitespace is stripped (a published
   DeepSpeed example writes ``"gradient_accumulation_steps "``).
 * ``metric_path`` / ``model_info_path`` are written by the tuner into each experiment's config;
@@ -91,6 +93,7 @@ class AutotuningConfig(Section):
     memory_budget: NonNegInt = 0
     exp_timeout: Annotated[float, bounded(float, 0.0, threading.TIMEOUT_MAX, "the longest wait the platform can "
                                                                             "time", low_open=True)] = 600.0
+    max_seconds: Annotated[float, bounded(float, 0.0, threading.TIMEOUT_MAX, "seconds (0 = no time budget)")] = 0.0
 
     @model_validator(mode="after")
     def _ranges(self) -> AutotuningConfig:
