@@ -25,6 +25,11 @@ so they come from the page cache for both formats (dropping caches would disturb
 shared machine); load figures compare the formats' CPU-side costs (parsing, checksums, copies,
 resharding), not the disk.
 
+``--migration`` (issue #26, DeepSpeed needed) measures instead a DeepSpeed ZeRO-3 folder of the same model
+saved at 2 ranks and resumed at 4: zerospeed's ``load_checkpoint`` of the folder as it is, against
+DeepSpeed's own resume (at 2 ranks: it cannot change the size) and ``ds_to_universal`` + a universal load
+at 4; wall time and peak RSS per rank; and the peak memory of ``zero_to_fp32`` (both libraries' helpers).
+
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/checkpoint_bench.py [--world 2] [--stage 2]
 [--repeats 3] [--no_deepspeed] [--no_write]``; with DeepSpeed: ``DS_ACCELERATOR=cpu
 TORCH_EXTENSIONS_DIR=$PWD/.venv-bench/torch_extensions OMP_NUM_THREADS=1 .venv-bench/bin/python
@@ -235,6 +240,182 @@ def worker_dcp_vs_ours(root: str, repeats: int) -> dict:
     return out
 
 
+# -- DeepSpeed migration rows (issue #26): a DeepSpeed ZeRO-3 folder resumed at another world size ----------
+
+class _PeakSampler:
+    """Peak resident memory of this process while a block runs (sampled every 2 ms from /proc)."""
+
+    def __enter__(self):
+        import threading
+
+        from common import current_rss_bytes
+
+        self.before = current_rss_bytes()
+        self.peak = self.before
+        self._stop = threading.Event()
+
+        def run() -> None:
+            while not self._stop.is_set():
+                self.peak = max(self.peak, current_rss_bytes())
+                self._stop.wait(0.002)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from common import current_rss_bytes
+
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, current_rss_bytes())
+
+
+def worker_ds_save(root: str, tag: str) -> None:
+    engine = _ds_engine(3, "fp32")
+    _step(engine, 0)
+    engine.save_checkpoint(root, tag=tag)
+    _barrier()
+
+
+def _timed_load(engine, root: str, tag: str) -> dict:
+    _barrier()
+    with _PeakSampler() as mem:
+        t0 = time.perf_counter()
+        path, _ = engine.load_checkpoint(root, tag=tag)
+        _barrier()
+        seconds = time.perf_counter() - t0
+    if path is None:
+        raise RuntimeError(f"load_checkpoint({root!r}, tag={tag!r}) loaded nothing")
+    _step(engine, 1)  # the loaded state trains
+    return {"s": seconds, "rss_before": mem.before, "rss_peak": mem.peak}
+
+
+def worker_zs_load_ds(root: str, tag: str) -> dict:
+    return _timed_load(_engine(3, "fp32"), root, tag)
+
+
+def worker_ds_load(root: str, tag: str, universal: bool) -> dict:
+    import deepspeed
+    from gpt_model import GPT, gpt_bench
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = GPT(gpt_bench())
+    cfg = _cfg(3, "fp32")
+    cfg["steps_per_print"] = 10 ** 9
+    cfg["checkpoint"] = {"load_universal": universal}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return _timed_load(engine, root, tag)
+
+
+_MEASURE = r"""
+import resource, sys, time
+sys.path.insert(0, {bench!r})
+from common import current_rss_bytes
+import torch
+{imports}
+before = current_rss_bytes()
+t0 = time.perf_counter()
+{call}
+seconds = time.perf_counter() - t0
+peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+print("MEASURED", seconds, before, peak * 1024)
+"""
+
+
+def _measure(imports: str, call: str) -> dict:
+    """Time and peak RSS of ``call`` in a fresh interpreter (so earlier work does not set the peak)."""
+    import subprocess
+
+    code = _MEASURE.format(bench=str(ROOT / "bench"), imports=imports, call=call)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("MEASURED ")), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(f"measurement failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    seconds, before, peak = line.split()[1:]
+    return {"s": float(seconds), "rss_before": int(before), "rss_peak": int(peak)}
+
+
+def migration(args) -> None:
+    """DeepSpeed ZeRO-3 folder written at 2 ranks, resumed at 4: zerospeed vs DeepSpeed's ways."""
+    from common import command_line, format_bytes, write_results
+    from zerospeed.testing import run_distributed
+
+    root = args.dir or tempfile.mkdtemp(prefix="zs_migration_bench_")
+    src_world, dst_world = 2, 4
+    try:
+        ds_dir = os.path.join(root, "ds")
+        run_distributed(worker_ds_save, src_world, ds_dir, "z3", timeout=900)
+        nbytes = sum(os.path.getsize(f) for f in _tree_files(os.path.join(ds_dir, "z3")))
+        zs = run_distributed(worker_zs_load_ds, dst_world, ds_dir, "z3", timeout=900)
+        ds_own = run_distributed(worker_ds_load, src_world, ds_dir, "z3", False, timeout=900)
+        conv = _measure("from deepspeed.checkpoint import ds_to_universal as m\n"
+                        f"sys.argv = ['ds_to_universal', '--input_folder', {os.path.join(ds_dir, 'z3')!r}, "
+                        f"'--output_folder', {os.path.join(ds_dir, 'z3_universal')!r}, '--num_extract_workers', '1', "
+                        "'--num_merge_workers', '1']", "m.main(m.parse_arguments())")
+        ds_uni = run_distributed(worker_ds_load, dst_world, ds_dir, "z3_universal", True, timeout=900)
+        out_ds, out_zs = os.path.join(root, "fp32_ds"), os.path.join(root, "fp32_zs")
+        z2f_ds = _measure("from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as f",
+                          f"sd = f({ds_dir!r}, tag='z3')")
+        z2f_zs = _measure("from zerospeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as f",
+                          f"sd = f({ds_dir!r}, tag='z3')")
+        cv_ds = _measure("from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as f",
+                         f"f({ds_dir!r}, {out_ds!r}, max_shard_size='10MB', safe_serialization=False, tag='z3')")
+        cv_zs = _measure("from zerospeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as f",
+                         f"f({ds_dir!r}, {out_zs!r}, max_shard_size='10MB', safe_serialization=False, tag='z3')")
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def ranks(res: list[dict]) -> dict:
+        return {"seconds": round(max(r["s"] for r in res), 3),
+                "peak_rss_per_rank": format_bytes(max(r["rss_peak"] for r in res)),
+                "rss_added_per_rank": format_bytes(max(r["rss_peak"] - r["rss_before"] for r in res))}
+
+    def one(r: dict) -> dict:
+        return {"seconds": round(r["s"], 3), "peak_rss_per_rank": format_bytes(r["rss_peak"]),
+                "rss_added_per_rank": format_bytes(r["rss_peak"] - r["rss_before"])}
+
+    folder = f"DeepSpeed ZeRO-3 folder of gpt_bench saved at {src_world} ranks ({format_bytes(nbytes)})"
+    uni_total = conv["s"] + max(r["s"] for r in ds_uni)
+    rows = [
+        {"what": f"zerospeed load_checkpoint of the folder at {dst_world} ranks, ZeRO 3", **ranks(zs)},
+        {"what": f"DeepSpeed's own resume at {src_world} ranks (it cannot change the size without universal)",
+         **ranks(ds_own)},
+        {"what": "DeepSpeed ds_to_universal (1 extract / 1 merge worker, one process)", **one(conv)},
+        {"what": f"DeepSpeed universal load at {dst_world} ranks", **ranks(ds_uni)},
+        {"what": "DeepSpeed ds_to_universal + universal load", "seconds": round(uni_total, 3),
+         "peak_rss_per_rank": "", "rss_added_per_rank": ""},
+        {"what": "DeepSpeed get_fp32_state_dict_from_zero_checkpoint", **one(z2f_ds)},
+        {"what": "zerospeed get_fp32_state_dict_from_zero_checkpoint", **one(z2f_zs)},
+        {"what": "DeepSpeed convert_zero_checkpoint_to_fp32_state_dict (10MB shards, .bin)", **one(cv_ds)},
+        {"what": "zerospeed convert_zero_checkpoint_to_fp32_state_dict (10MB shards, .bin)", **one(cv_zs)},
+    ]
+    for row in rows:
+        print(f"{row['what']:<96} {row['seconds']:>8} s  peak {row['peak_rss_per_rank']:>10}  added "
+              f"{row['rss_added_per_rank']:>10}")
+    t_zs = max(r["s"] for r in zs)
+    notes = [
+        folder,
+        f"time zerospeed {dst_world}-rank load / DeepSpeed's {src_world}-rank own resume: "
+        f"{t_zs / max(r['s'] for r in ds_own):.2f}x; / ds_to_universal + universal load: {t_zs / uni_total:.2f}x",
+        "zero_to_fp32 memory added, zerospeed / DeepSpeed: get_fp32_state_dict "
+        f"{(z2f_zs['rss_peak'] - z2f_zs['rss_before']) / max(1, z2f_ds['rss_peak'] - z2f_ds['rss_before']):.2f}x, "
+        f"convert (10MB shards) {(cv_zs['rss_peak'] - cv_zs['rss_before']) / max(1, cv_ds['rss_peak'] - cv_ds['rss_before']):.2f}x",
+        "rss_added: peak resident memory during the call minus resident memory just before it (per rank: the "
+        "largest); the loads sample /proc every 2 ms, the zero_to_fp32 rows use ru_maxrss of a fresh interpreter",
+        "DeepSpeed files are read memory-mapped by zerospeed (torch.load(mmap=True, weights_only=True)): mapped "
+        "pages count in RSS while touched but are file-backed and reclaimable",
+    ]
+    for n in notes[1:3]:
+        print(n)
+    if not args.no_write:
+        paths = write_results("checkpoint_migration", rows, params=vars(args), notes=notes, command=command_line())
+        print("wrote", *paths)
+
+
 def main(argv: list[str] | None = None) -> None:
     from common import command_line, format_bytes, write_results
     from zerospeed.testing import run_distributed
@@ -247,7 +428,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", default=None, help="scratch directory (default: a new temporary directory)")
     p.add_argument("--no_deepspeed", action="store_true", help="skip the DeepSpeed measurement")
     p.add_argument("--no_write", action="store_true", help="print only; do not write bench/results")
+    p.add_argument("--migration", action="store_true", help="only the DeepSpeed-migration rows (issue #26; needs "
+                   "DeepSpeed: run under .venv-bench)")
     args = p.parse_args(argv)
+    if args.migration:
+        migration(args)
+        return
     root = args.dir or tempfile.mkdtemp(prefix="zs_ckpt_bench_")
     med = statistics.median
     try:
