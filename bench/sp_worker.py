@@ -1,0 +1,181 @@
+"""One sp_bench trial on every rank (started by the launcher): train a random-init Llama at one sequence length with
+Ulysses sequence parallelism, through zerospeed or DeepSpeed 0.19.8's ALST (same model, data, loss and tiling
+recipe), and write each rank's peak activation memory and step times.
+
+Memory: the peak resident set size during the training steps minus the resident size just before them (the model,
+optimizer and imports are excluded, so the two libraries' import sizes do not count). Modes: "plain" (HF's
+graph), "tiled" (TiledMLP on every MLP, ceil(seq/hidden) tiles as DeepSpeed's example, and the tiled fused
+logits+loss), "tiled+ckpt" (plus activation checkpointing of every decoder layer; on CPU "offload" of the
+checkpoints is the same thing: they are in host memory already).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                      max_position_embeddings=max(args.seq, 128), tie_word_embeddings=False,
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--impl", choices=["zerospeed", "deepspeed"], required=True)
+    p.add_argument("--sp", type=int, required=True)
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--mode", choices=["plain", "tiled", "tiled+ckpt"], default="plain")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv_heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=16000)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if args.impl == "deepspeed":
+        import deepspeed as lib
+        ckpt_lib = lib.checkpointing  # an attribute of the package in DeepSpeed, not a module
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import (TiledFusedLogitsLoss, TiledMLP,
+                                                                    UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter)
+        from deepspeed.utils import groups
+        lib.init_distributed(dist_backend="gloo")
+    else:
+        import zerospeed as lib
+        import zerospeed.checkpointing as ckpt_lib
+        from zerospeed.runtime.sequence_parallel.ulysses_sp import (TiledFusedLogitsLoss, TiledMLP,
+                                                                    UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter)
+        from zerospeed.utils import groups
+        lib.init_distributed(dist_backend="gloo")
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = build_model(args)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", args.sp, 1) if args.sp > 1 else None
+    if args.mode != "plain":
+        def mlp_forward(module, x):
+            return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
+
+        for layer in model.model.layers:
+            mlp = layer.mlp
+
+            def tiled(x, mlp=mlp):
+                shards = max(1, math.ceil(x.shape[-2] / x.shape[-1]))
+                return TiledMLP.apply(mlp_forward, mlp, x, shards, [p for p in mlp.parameters()])
+
+            mlp.forward = tiled
+    if args.mode == "tiled+ckpt":
+        model._set_gradient_checkpointing(True, ckpt_lib.checkpoint)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2},
+              "sequence_parallel_size": args.sp}
+    kwargs = {"mpu": mpu} if mpu is not None else {}
+    engine, _, _, _ = lib.initialize(model=model, model_parameters=model.parameters(), config=config, **kwargs)
+    if args.mode == "tiled+ckpt":
+        ckpt_lib.configure(None, checkpoint_in_cpu=True)  # DeepSpeed's CPU offload of the checkpoints
+    sp_group = groups._get_sequence_parallel_group() if args.sp > 1 else None
+    sp_rank = groups._get_sequence_parallel_rank() if args.sp > 1 else 0
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(args.steps):
+        ids = torch.randint(1, args.vocab, (1, args.seq), generator=g)
+        batches.append({"input_ids": ids, "position_ids": torch.arange(args.seq).unsqueeze(0), "labels": ids.clone()})
+
+    class Shared(list):
+        sp_shared_samples = True
+
+    if args.sp > 1:
+        # both libraries: each rank reads its own copy of the same batch; zerospeed's marked loader skips the
+        # exchange, DeepSpeed's adapter (no such mark) exchanges and runs every rank's copy: take its first
+        loader = UlyssesSPDataLoaderAdapter(Shared(batches) if args.impl == "zerospeed" else batches, sp_rank=sp_rank,
+                                            sp_group=sp_group, sp_world_size=args.sp, device="cpu")
+        micro = []
+        for _ in range(args.steps):
+            micro.append(next(loader))
+            if args.impl == "deepspeed":
+                for _ in range(args.sp - 1):
+                    next(loader)
+    else:
+        micro = [{"input_ids": b["input_ids"], "position_ids": b["position_ids"],
+                  "shift_labels": F.pad(b["labels"], (0, 1), value=-100)[:, 1:]} for b in batches]
+    module = engine.module
+    vocab = args.vocab
+
+    def loss_fn(head, x, y):
+        logits = head(x).float()
+        return F.cross_entropy(logits.view(-1, vocab), y.reshape(-1), ignore_index=-100, reduction="sum")
+
+    def step(b):
+        y = b["shift_labels"]
+        if args.mode == "plain":
+            logits = engine(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+            total = loss_fn(lambda x: x, logits, y)
+        else:
+            hidden = module.model(input_ids=b["input_ids"], position_ids=b["position_ids"]).last_hidden_state
+            shards = max(1, math.ceil(hidden.shape[1] * vocab / (hidden.shape[1] * 1024)))  # ~1K-column tiles
+            total = TiledFusedLogitsLoss.apply(loss_fn, module.lm_head, hidden, y, None, shards,
+                                               [module.lm_head.weight], "sum")
+        good = (y != -100).sum()
+        loss = total / good.clamp_min(1)
+        if args.sp > 1:
+            losses = torch.distributed.nn.functional.all_gather(loss, group=sp_group)
+            goods = torch.distributed.nn.functional.all_gather(good, group=sp_group)
+            loss = sum(l * n for l, n in zip(losses, goods)) / max(sum(goods), 1)
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+
+    dist.barrier()
+    before = rss_bytes()
+    peak_before = peak_rss_bytes()
+    times, losses = [], []
+    for b in micro:
+        t0 = time.perf_counter()
+        losses.append(step(b))
+        times.append(time.perf_counter() - t0)
+    peak = peak_rss_bytes()
+    record = {"rank": rank, "activation_bytes": max(0, peak - before), "peak_rss_bytes": peak,
+              "peak_before_bytes": peak_before, "rss_before_bytes": before, "step_s": times, "losses": losses}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, record)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    if args.sp > 1:
+        UlyssesSPAttentionHF_unregister = getattr(UlyssesSPAttentionHF, "unregister_from_transformers", None)
+        if UlyssesSPAttentionHF_unregister is not None:
+            UlyssesSPAttentionHF_unregister()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
