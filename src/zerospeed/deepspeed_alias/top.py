@@ -3,6 +3,8 @@
 The generated ``deepspeed/__init__.py`` calls :func:`install` with its namespace. ``deepspeed.X`` is
 ``zerospeed.X`` (an attribute of the package, or its submodule ``zerospeed.X``); ``__version__`` is the
 alias's version (``0.19.8+zerospeed...``). A name zerospeed lacks raises ``AttributeError`` naming it.
+Installing also switches ZeRO-3's ``state_dict()`` guard to DeepSpeed's behaviour (empty placeholders; see
+:mod:`zerospeed.zero.stage3.state_dict_guard`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ def install(namespace: dict[str, Any]) -> None:
                               f"set {FORCE_ENV}=1 (zerospeed-as-deepspeed --force) to shadow it with zerospeed")
     finder.install()
     import zerospeed
+    from zerospeed.zero.stage3 import state_dict_guard
+
+    state_dict_guard.allow_placeholders()  # DeepSpeed's state_dict() at ZeRO-3 (HF reads it for the keys)
 
     namespace["__version__"] = alias_version()
     namespace["__version_zerospeed__"] = zerospeed.__version__

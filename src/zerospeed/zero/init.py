@@ -41,14 +41,32 @@ _active: list[Any] = []  # ConstructionPartitioner stack of nested Init contexts
 
 def _parse_config(config: Any) -> Any:
     """``zero.Init``'s ``config_dict_or_path`` (a public entry that takes the user's config): parsed by the config
-    package, whose batch sizes may be left out (they do not matter here)."""
-    from zerospeed.config import ZeroSpeedConfig, load_config
+    package, whose batch sizes may be left out (they do not matter here).
 
-    if config is None or isinstance(config, ZeroSpeedConfig):
-        return config
+    Returns what ``zero.Init`` reads: ``(precision, stage3_collective_timeout_s)``, or None without a config. A
+    config that still holds HF ``"auto"`` values the parser resolves only with the Trainer's arguments
+    (``optimizer.params.lr``, ``scheduler.params.warmup_num_steps``... - Transformers' ``from_pretrained`` passes
+    its DeepSpeed config before the Trainer has filled them) is read section by section: ``fp16``, ``bf16`` and
+    ``zero_optimization``, the only ones that matter here (as DeepSpeed's ``zero.Init``, which takes an
+    ``"auto"`` as unset). An ``"auto"`` left in those sections' math keys (``bf16.enabled``) is still refused.
+    """
+    from zerospeed.config import ConfigError, ZeroSpeedConfig, load_config, load_section
+
+    if config is None:
+        return None
+    if isinstance(config, ZeroSpeedConfig):
+        return config.precision, config.zero_optimization.stage3_collective_timeout_s
     from zerospeed import comm
 
-    return load_config(config, dp_world_size=comm.get_world_size(), batch_optional=True)
+    try:
+        cfg = load_config(config, dp_world_size=comm.get_world_size(), batch_optional=True)
+        return cfg.precision, cfg.zero_optimization.stage3_collective_timeout_s
+    except ConfigError as exc:
+        if "'auto'" not in str(exc) or "outside the HF Trainer" not in str(exc):
+            raise
+    fp16, bf16 = load_section(config, "fp16"), load_section(config, "bf16")
+    precision = "fp16" if fp16.enabled else "bf16" if bf16.enabled else "fp32"
+    return precision, load_section(config, "zero_optimization").stage3_collective_timeout_s
 
 
 class Init:
@@ -79,8 +97,8 @@ class Init:
 
         comm.init_distributed()
         cfg = _parse_config(config if config is not None else config_dict_or_path)
-        self.dtype = dtype if dtype is not None else (_DTYPES[cfg.precision] if cfg is not None else None)
-        self.timeout_s = cfg.zero_optimization.stage3_collective_timeout_s if cfg is not None else None
+        self.dtype = dtype if dtype is not None else (_DTYPES[cfg[0]] if cfg is not None else None)
+        self.timeout_s = cfg[1] if cfg is not None else None
         self.group = data_parallel_group
         self.device = torch.device("cpu") if remote_device == "cpu" else comm.device_for_backend()
         self._partitioner: Any = None

@@ -9,6 +9,10 @@ and the calls that consolidate it.
 Only values that would be written are checked: ``state_dict(keep_vars=True)`` returns the
 ``Parameter`` objects themselves (zerospeed's checkpoint code reads names and identities that way),
 and a parameter gathered at the time (inside ``zero.GatheredParameters``) has its full value.
+
+Under ``zerospeed-as-deepspeed`` (the alias calls :func:`allow_placeholders`) the check is off, as in DeepSpeed:
+libraries written for DeepSpeed call ``model.state_dict()`` on a partitioned model for its keys (Transformers'
+``from_pretrained`` at ZeRO-3) and save through DeepSpeed's consolidating calls instead.
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ from torch import nn
 from zerospeed.zero.stage3 import registry
 
 _guarded: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+_placeholders_allowed = [False]
+
+
+def allow_placeholders() -> None:
+    """DeepSpeed's behaviour for this process: ``state_dict()`` of a partitioned module holds its empty placeholders."""
+    _placeholders_allowed[0] = True
 
 ADVICE = ("call zerospeed.integrations.transformers.save_pretrained(engine, save_dir) or "
           "engine.save_16bit_model(save_dir) on every rank (or engine.consolidated_state_dict()), or read it "
@@ -28,6 +38,8 @@ ADVICE = ("call zerospeed.integrations.transformers.save_pretrained(engine, save
 
 
 def _check(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    if _placeholders_allowed[0]:
+        return
     for name, p in module._parameters.items():
         value = state_dict.get(prefix + name)
         if p is None or value is None or isinstance(value, nn.Parameter) or value.numel() != 0 or p.numel() != 0:
@@ -50,4 +62,4 @@ def guard_tree(root: nn.Module) -> None:
             guard(module)
 
 
-__all__ = ["ADVICE", "guard", "guard_tree"]
+__all__ = ["ADVICE", "allow_placeholders", "guard", "guard_tree"]
