@@ -1,0 +1,273 @@
+"""Pages generated from the code, so they cannot drift from it (issue #33).
+
+* ``reference/config.md``: every key the config schema accepts (:class:`zerospeed.config.schema.ZeroSpeedConfig`,
+  walked recursively through its sections), with its type, default, allowed range or values, the other spellings
+  DeepSpeed accepts (aliases) and, for the whole section, the DeepSpeed equivalent;
+* ``reference/cli.md``: the help of every command-line parser (the launcher, ``zerospeed serve``,
+  ``zerospeed-consolidate``);
+* ``migration.md``'s tables: the keys DeepSpeed removed, the features not built yet (``config/removed.py``) and the
+  optimizer / LR-schedule names (``config/names.py``).
+
+``python docs/gen_pages.py OUT_DIR`` writes them; ``docs/hooks.py`` adds them to the MkDocs build. Everything
+here reads the code's own tables; nothing is typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import AliasChoices, BaseModel
+from pydantic_core import PydanticUndefined
+
+# DeepSpeed's documentation of each top-level section (deepspeed.ai/docs/config-json); zerospeed's own sections
+# say so. Keys inside a section keep DeepSpeed's names.
+DEEPSPEED_SECTIONS = {
+    "fast_paths": "none (zerospeed's own)",
+    "pipeline": "`pipeline` (zerospeed adds `schedule`, `virtual_stages`)",
+    "torch_autocast": "`torch_autocast`",
+}
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) is dict:
+        return None  # a table of named sections: see _named_sections
+    for arg in typing.get_args(annotation):
+        found = _section_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _named_sections(annotation: Any) -> type[BaseModel] | None:
+    """``dict[str, Section]`` (compression's ``different_groups``): the section each named entry is."""
+    if typing.get_origin(annotation) is dict:
+        value = typing.get_args(annotation)[-1]
+        return value if inspect.isclass(value) and issubclass(value, BaseModel) else None
+    for arg in typing.get_args(annotation):
+        found = _named_sections(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _type_name(typing.get_args(annotation)[0])
+    if origin is typing.Literal:
+        return " | ".join(dict.fromkeys(type(v).__name__ for v in typing.get_args(annotation)))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        parts = [_type_name(a) for a in typing.get_args(annotation)]
+        return " | ".join(dict.fromkeys(parts))
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(annotation))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    if annotation is type(None):
+        return "null"
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return "section"
+    return getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+
+
+def _validators(annotation: Any, metadata: list[Any]) -> Iterator[Any]:
+    for item in metadata:
+        yield item
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(annotation) is typing.Annotated:
+            yield from typing.get_args(annotation)[1:]
+            break
+        yield from _validators(arg, [])
+
+
+def _range(annotation: Any, metadata: list[Any]) -> str:
+    """The allowed values, read from the field's Literal choices and its validators' own bounds."""
+    literals = _literals(annotation)
+    if literals:
+        return ", ".join(f"`{v}`" for v in literals)
+    for item in _validators(annotation, metadata):
+        func = getattr(item, "func", item)
+        if not callable(func):
+            continue
+        try:
+            names = inspect.getclosurevars(func).nonlocals
+        except TypeError:
+            continue
+        if "low" in names and "high" in names:
+            low, high = names["low"], names["high"]
+            left = "(" if names.get("low_open") else "["
+            lo = "-inf" if low is None else f"{low:g}"
+            hi = "inf" if high is None else f"{high:g}"
+            return f"{left}{lo}, {hi}]"
+        if "bound" in names:
+            return f">= {names['bound']}"
+        if "interval" in names:
+            return names["interval"]
+        if getattr(func, "__name__", "") == "_positive_float":
+            return "> 0"
+        if "allowed" in names and isinstance(names["allowed"], (tuple, list, set, frozenset)):
+            return ", ".join(f"`{v}`" for v in names["allowed"])
+    return ""
+
+
+def _literals(annotation: Any) -> list[Any]:
+    if typing.get_origin(annotation) is typing.Literal:
+        return list(typing.get_args(annotation))
+    out: list[Any] = []
+    for arg in typing.get_args(annotation):
+        out += _literals(arg)
+    return out
+
+
+def _default(info: Any) -> str:
+    if info.is_required():
+        return "required"
+    if info.default_factory is not None:
+        try:
+            value = info.default_factory()
+        except TypeError:
+            return "(computed)"
+        if isinstance(value, BaseModel):
+            return "(section defaults)"
+        return f"`{value!r}`"
+    if info.default is PydanticUndefined:
+        return ""
+    return f"`{info.default!r}`"
+
+
+def _aliases(info: Any) -> list[str]:
+    alias = info.validation_alias
+    if isinstance(alias, AliasChoices):
+        return [c for c in alias.choices if isinstance(c, str)]
+    return [alias] if isinstance(alias, str) else []
+
+
+def config_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[dict[str, str]]:
+    """One row per accepted key (dotted path), in the schema's order, sections before their keys."""
+    from zerospeed.config.normalize import ALIASES
+    from zerospeed.config.schema import ZeroSpeedConfig
+
+    model = model or ZeroSpeedConfig
+    rows: list[dict[str, str]] = []
+    extra_aliases = ALIASES.get(prefix.rstrip("."), {})
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        section = _section_model(info.annotation)
+        aliases = list(dict.fromkeys([a for a in _aliases(info) if a != name] + list(extra_aliases.get(name, ()))))
+        doc = (info.description or "").strip()
+        rows.append({"key": path, "type": _type_name(info.annotation), "default": _default(info),
+                     "range": _range(info.annotation, list(info.metadata)),
+                     "aliases": ", ".join(f"`{a}`" for a in aliases), "doc": doc,
+                     "section": "yes" if section is not None else ""})
+        if section is not None:
+            rows += config_keys(section, f"{path}.")
+        named = _named_sections(info.annotation) if section is None else None
+        if named is not None:  # {"<name>": {...}, ...}: each entry's keys under <name>
+            rows += config_keys(named, f"{path}.<name>.")
+    return rows
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def config_page() -> str:
+    rows = config_keys()
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the schema (`zerospeed.config.schema.ZeroSpeedConfig`) by `docs/gen_pages.py`; every key "
+        "zerospeed accepts is here. Keys keep DeepSpeed's names: the DeepSpeed equivalent of a key is the key "
+        "itself, in the section of the same name of DeepSpeed's config (deepspeed.ai/docs/config-json), unless "
+        "the section's row says otherwise. Keys DeepSpeed removed and features not built are in "
+        "[Migrating from DeepSpeed](../migration.md).",
+        "",
+    ]
+    top = None
+    for row in rows:
+        head = row["key"].split(".")[0]
+        if head != top:
+            top = head
+            if "." not in row["key"] and row["section"]:
+                lines += ["", f"## `{head}`", "", f"DeepSpeed: {DEEPSPEED_SECTIONS.get(head, f'`{head}`')}", ""]
+                lines += ["| key | type | default | allowed | DeepSpeed also accepts |", "|---|---|---|---|---|"]
+            if len(lines) < 8 or not lines[-1].startswith("|"):
+                lines += ["", "## Top-level keys", "", "| key | type | default | allowed | DeepSpeed also accepts |",
+                          "|---|---|---|---|---|"]
+        lines.append(f"| `{row['key']}` | {_cell(row['type'])} | {_cell(row['default'])} | {_cell(row['range'])} | "
+                     f"{_cell(row['aliases'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    from zerospeed.checkpoint import consolidate
+    from zerospeed.launcher.runner import build_parser
+
+    out = [("zerospeed", build_parser())]
+    try:
+        from zerospeed.inference.serving.cli import build_parser as serve_parser
+
+        out.append(("zerospeed serve", serve_parser()))
+    except ImportError:  # the serve extra is not installed where the docs are built: the page says so
+        pass
+    if hasattr(consolidate, "build_parser"):
+        out.append(("zerospeed-consolidate", consolidate.build_parser()))
+    return out
+
+
+def cli_page() -> str:
+    lines = ["# Command-line reference", "",
+             "Generated from the argparse parsers by `docs/gen_pages.py`: what `--help` prints.", ""]
+    for name, parser in _parsers():
+        parser.prog = name
+        lines += [f"## `{name}`", "", "```text", parser.format_help().rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def migration_tables() -> str:
+    from zerospeed.config import names, removed
+
+    lines = ["## Keys DeepSpeed removed", "",
+             f"Refused by name, whatever their value ({removed.REMOVED_PROBLEM}).", "",
+             "| key | hint |", "|---|---|"]
+    lines += [f"| `{key}` | {_cell(hint)} |" for key, hint in sorted(removed.REMOVED_KEYS.items())]
+    lines += ["", "## DeepSpeed features not built", "",
+              f"Refused only when the config turns them on ({removed.NOT_YET_PROBLEM}); a section that is present "
+              "but off is accepted.", "", "| key | feature |", "|---|---|"]
+    lines += [f"| `{path}` | {_cell(what)} |" for path, _, what in removed.NOT_YET]
+    lines += ["", "## Optimizer and LR-schedule names", "", "| names | status |", "|---|---|",
+              f"| {', '.join(f'`{n}`' for n in names.OPTIMIZER_NAMES)} | built |",
+              f"| {', '.join(f'`{n}`' for n in names.TORCH_OPTIMIZER_NAMES)} | built (torch.optim, as DeepSpeed's "
+              "fallback) |",
+              f"| {', '.join(f'`{n}`' for n in names.OPTIMIZER_NAMES_NOT_YET)} | not built |",
+              f"| {', '.join(f'`{n}`' for n in names.OPTIMIZER_NAMES_REMOVED)} | removed in DeepSpeed |",
+              f"| {', '.join(f'`{n}`' for n in names.SCHEDULER_NAMES)} | built (LR schedules) |",
+              f"| {', '.join(f'`{n}`' for n in names.SCHEDULER_NAMES_NOT_YET)} | not built (LR schedules) |", ""]
+    return "\n".join(lines)
+
+
+def pages() -> dict[str, str]:
+    """Generated page path (relative to docs/) -> Markdown."""
+    return {"reference/config.md": config_page(), "reference/cli.md": cli_page(),
+            "generated/migration_tables.md": migration_tables()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    out = Path((argv or sys.argv[1:] or ["docs-generated"])[0])
+    for rel, text in pages().items():
+        path = out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
