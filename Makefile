@@ -6,7 +6,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-isa test-multihost bench clean
+.PHONY: install demo test test-isa test-multihost bench clean docs
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not multihost" tests
+
+# The documentation site (mkdocs.yml, docs/): warnings are errors; generated pages come from docs/gen_pages.py
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -f mkdocs.yml -d site
 
 # The numeric and inference tests (marker "numeric", tests/conftest.py) again with the instruction set capped
 # (issue #25: tolerances must hold on any x86-64 CPU, not only on the kernels this one dispatches to): torch's
