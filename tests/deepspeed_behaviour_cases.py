@@ -35,3 +35,31 @@ def no_optimizer_forward(stage: int) -> dict:
             errors.append(str(e))
     return {"optimizer": optimizer, "scheduler": scheduler, "got": got.item(), "want": want.item(), "held": held,
             "errors": errors}
+
+
+def bf16_fp32_accumulation(stage: int, gas: int) -> dict:
+    """bf16 with data_types.grad_accum_dtype fp32: the first step's global gradient norm and gradient bytes, and the
+    norm computed here from this rank's and the other rank's bf16 micro-batch gradients summed in fp32."""
+    import zerospeed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config(stage, gas, precision="bf16", clip=0.0, data_types={"grad_accum_dtype": "fp32"})
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = zerospeed.initialize(model=make_model(), config=cfg)
+    reference = make_model().to(torch.bfloat16)
+    x, y = global_batch(0)
+    micro_x, micro_y = x.chunk(world * gas), y.chunk(world * gas)
+    sums = [torch.zeros(p.shape, dtype=torch.float32) for p in reference.parameters()]
+    for m in range(gas):
+        i = rank * gas + m
+        engine.backward(engine(micro_x[i], micro_y[i]))
+        if m == gas - 1:
+            grad_bytes = engine.memory_breakdown()["grads"]
+        engine.step()
+        reference.zero_grad()
+        (reference(micro_x[i].bfloat16(), micro_y[i].bfloat16()).float() * (1.0 / gas)).backward()
+        for s, p in zip(sums, reference.parameters()):
+            s.add_(p.grad.float())
+    flat = torch.cat([s.reshape(-1) for s in sums])
+    dist.all_reduce(flat)  # fp32: the two ranks' sums, one rounding each element
+    return {"norm": engine.get_global_grad_norm(), "want": (flat / world).norm().item(), "grad_bytes": grad_bytes}

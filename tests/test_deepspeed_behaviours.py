@@ -299,3 +299,28 @@ def test_every_exception_class_round_trips_through_pickle():
         if not same:
             broken.append(f"{cls.__module__}.{cls.__name__}: {back!r}")
     assert not broken, broken
+
+
+# -- bf16 with fp32 gradient accumulation ---------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_with_fp32_gradient_accumulation(stage):
+    from deepspeed_behaviour_cases import bf16_fp32_accumulation
+
+    numel = sum(p.numel() for p in make_model().parameters())
+    for out in run_distributed(bf16_fp32_accumulation, 2, stage, 4):
+        # stages 1 and 2 sum each rank's bf16 micro-batch gradients in fp32 and reduce in fp32: a few fp32 roundings
+        # per element (<= 8 terms), so the norm agrees to ~1e-6; stage 3 reduces each micro-batch in bf16 (as
+        # DeepSpeed's ZeRO-3 does) before the fp32 sum: one bf16 rounding (2**-8 relative) per micro-batch
+        rel = 1e-5 if stage < 3 else 4 * 2.0 ** -8
+        assert out["norm"] == pytest.approx(out["want"], rel=rel)
+        # the accumulated gradients are fp32: 4 bytes per element of the rank's share (all of it at stage 1's
+        # persistent buffer, its shard plus padding at stages 2 and 3)
+        share = numel if stage == 1 else numel / 2
+        assert out["grad_bytes"] >= 4 * share
+
+
+def test_bf16_with_fp32_accumulation_needs_zero():
+    cfg = config(0, 1, precision="bf16", data_types={"grad_accum_dtype": "fp32"})
+    with pytest.raises(ConfigError, match=r"data_types\.grad_accum_dtype: 'fp32' with bf16 needs ZeRO stage 1, 2 or 3"):
+        zerospeed.initialize(model=make_model(), config=cfg)

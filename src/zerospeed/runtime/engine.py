@@ -38,7 +38,7 @@ from zerospeed.checkpointing.settings import configure_from as configure_checkpo
 from zerospeed.runtime.loss_scaler import build_loss_scaler
 from zerospeed.runtime.precision_cast import cast_to_compute_dtype
 from zerospeed.runtime.precision_options import (DTYPES, autocast_context, autocast_settings, check_unbuilt_values,
-                                                 master_dtype)
+                                                 grad_accum_dtype, master_dtype)
 from zerospeed.runtime.torch_backward import TorchBackwardHooks
 from zerospeed.zero.factory import BUILT_STAGES, build_strategy
 from zerospeed.zero.offload import check_offload
@@ -116,6 +116,7 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
                                offload_optimizer=_enabled(zcfg.offload_optimizer),
                                offload_param=_enabled(zcfg.offload_param), aio=config.aio,
                                sub_group_size=int(zcfg.sub_group_size), master_dtype=master_dtype(config),
+                               grad_accum_dtype=grad_accum_dtype(config),
                                fast_paths=config.fast_paths)
         options = _with_expert_groups(options, model)
         check_offload(options, optimizer)

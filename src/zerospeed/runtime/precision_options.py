@@ -58,6 +58,25 @@ def master_dtype(config: ZeroSpeedConfig) -> torch.dtype:
     return torch.bfloat16
 
 
+def grad_accum_dtype(config: ZeroSpeedConfig) -> torch.dtype | None:
+    """The dtype gradients are summed in over micro-batches, when it is not the parameters' (None otherwise).
+
+    ``data_types.grad_accum_dtype: "fp32"`` with bf16 at ZeRO stage 1, 2 or 3, as DeepSpeed 0.19.8 builds it (its
+    engine's ``_do_optimizer_sanity_check``): each backward's bf16 gradient is added into an fp32 buffer (stage 1)
+    or the reduced shards are summed in fp32 (stages 2, 3). DeepSpeed refuses the mix without ZeRO ("unsupported
+    mix"), and so does zerospeed; any other dtype than the training precision is refused by
+    :func:`check_unbuilt_values`."""
+    value = config.data_types.grad_accum_dtype
+    if value is None or value == config.precision:
+        return None
+    if config.precision == "bf16" and value == "fp32":
+        if config.zero_optimization.stage == 0:
+            raise ConfigError("data_types.grad_accum_dtype", "'fp32' with bf16 needs ZeRO stage 1, 2 or 3 "
+                              "(DeepSpeed refuses this mix at stage 0 too); zero_optimization.stage is 0")
+        return torch.float32
+    return None  # refused by check_unbuilt_values
+
+
 def autocast_settings(config: ZeroSpeedConfig) -> tuple[bool, torch.dtype | None]:
     """(enabled, dtype) of ``torch_autocast``; dtype None means torch's default for the device."""
     section: Any = getattr(config, "torch_autocast", None)
@@ -90,6 +109,8 @@ def check_unbuilt_values(config: ZeroSpeedConfig) -> None:
     dt = config.data_types
     for name in ("grad_accum_dtype", "param_dtype", "buffer_dtype"):
         value = getattr(dt, name)
+        if name == "grad_accum_dtype" and grad_accum_dtype(config) is not None:
+            continue  # bf16 with fp32 accumulation at ZeRO 1-3: built
         if value is not None and value != config.precision:
             raise ConfigError(f"data_types.{name}", f"{value!r} differs from the training precision "
                               f"{config.precision!r}; zerospeed accumulates gradients in the bucket dtype and keeps "

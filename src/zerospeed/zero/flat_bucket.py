@@ -10,6 +10,11 @@ views of a flat buffer, and the only owner of gradient storage for its parameter
   gradient of a micro-step until its reduce-scatter completes; what persists is this rank's
   reduced shard (``grad_shard``), 1/N of the bucket.
 
+``grad_dtype`` other than the parameters' (bf16 parameters with fp32 accumulation, DeepSpeed's
+``data_types.grad_accum_dtype``): a ``.grad`` cannot view a buffer of another dtype, so ``param.grad`` stays
+autograd's own tensor for one backward and the reducer adds it into the buffer (persistent) or copies it into the
+transient buffer, then clears it; micro-batches are summed in ``grad_dtype``.
+
 Invariants: ``param_buffer`` has ``layout.padded_numel`` elements in the model dtype, padding
 zero; ``reduced_grad()`` is this rank's reduced (summed, not yet averaged or unscaled) gradient,
 either the whole bucket (stage 0) or its shard.
@@ -65,10 +70,17 @@ class FlatBucket:
         slot = self.layout.slots[i]
         return self._slot_view(self.grad_buffer, slot.offset, slot.numel, slot.shape)
 
+    @property
+    def grads_are_views(self) -> bool:
+        """Whether each ``param.grad`` is a view of the persistent buffer (same dtype), so autograd accumulates
+        into the buffer itself; otherwise the reducer adds each backward's gradient into it."""
+        return self.grad_mode == "persistent" and self.grad_dtype == self.dtype
+
     def attach_grad_views(self) -> None:
-        """Point every ``param.grad`` at its slot of the persistent gradient buffer."""
+        """Point every ``param.grad`` at its slot of the persistent gradient buffer (cleared when the buffer has
+        another dtype than the parameters: see the module docstring)."""
         for i, p in enumerate(self.params):
-            p.grad = self.grad_view(i)
+            p.grad = self.grad_view(i) if self.grads_are_views else None
 
     def new_transient_grad_buffer(self) -> torch.Tensor:
         return torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)

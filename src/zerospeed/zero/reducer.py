@@ -97,7 +97,9 @@ class GradientReducer:
         b, i = self._where[id(param)]
         bucket = self.buckets[b]
         with torch.no_grad():
-            if bucket.grad_mode == "persistent":
+            if bucket.grad_mode == "persistent" and not bucket.grads_are_views:  # fp32 accumulation: the hook adds
+                param.grad = grad if param.grad is None else param.grad + grad
+            elif bucket.grad_mode == "persistent":
                 view = bucket.grad_view(i)
                 if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
                     view.copy_(param.grad)
@@ -110,7 +112,11 @@ class GradientReducer:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         b, i = self._where[id(param)]
         bucket = self.buckets[b]
-        if bucket.grad_mode == "persistent":
+        if bucket.grad_mode == "persistent" and not bucket.grads_are_views:
+            if param.grad is not None:  # this backward's gradient, summed into the (fp32) buffer
+                bucket.grad_view(i).add_(param.grad.reshape(bucket.layout.slots[i].shape))
+                param.grad = None
+        elif bucket.grad_mode == "persistent":
             view = bucket.grad_view(i)
             if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
                 view.copy_(param.grad)  # user code replaced .grad (e.g. set_to_none): adopt its value

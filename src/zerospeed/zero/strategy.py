@@ -51,6 +51,8 @@ class StageOptions:
     fast_paths: Any = None  # config.FastPathsConfig: adam_kernel (offloaded step), direct_io (NVMe files)
     sub_group_size: int = 1_000_000_000
     master_dtype: torch.dtype = torch.float32  # bf16 with bf16.bf16_master_weights_and_grads
+    #: dtype gradients are accumulated in over micro-batches (``data_types.grad_accum_dtype``); None: the model's
+    grad_accum_dtype: torch.dtype | None = None
     #: parameter -> (process group, rank in it, its size) for parameters not reduced over the dp group
     #: (mixture-of-experts expert parameters: their expert-data-parallel group); None: all use dp
     group_of_param: Callable[[nn.Parameter], tuple[Any, int, int] | None] | None = None
@@ -110,7 +112,8 @@ class DataParallelStrategy:
         self.buckets = []
         for layout in layouts:
             group, rank, size = comm_of_group.get(layout.group_index, (dp_group, dp_rank, dp_world_size))
-            bucket = FlatBucket(layout, [ordered[s.index][1] for s in layout.slots], rank, sharded, grad_mode)
+            bucket = FlatBucket(layout, [ordered[s.index][1] for s in layout.slots], rank, sharded, grad_mode,
+                                grad_dtype=options.grad_accum_dtype)
             bucket.comm_group, bucket.comm_rank, bucket.comm_size = group, rank, size  # where its collectives run
             self.buckets.append(bucket)
         self.reducer = GradientReducer(self.buckets, "reduce_scatter" if sharded else "all_reduce", dp_group,

@@ -76,7 +76,7 @@ class Stage3Bucket:
             for piece in layout.pieces(rank):
                 src = values[self._slot_pos(piece.slot)].reshape(-1).narrow(0, piece.param_start, piece.numel)
                 self.shard.narrow(0, piece.shard_start, piece.numel).copy_(src)
-        self.grad_shard = torch.zeros_like(self.shard) if trainable else None
+        self.grad_shard = torch.zeros_like(self.shard) if trainable else None  # see accumulate_grads_in
         self.master: torch.Tensor | None = None
         #: when the fp32 master is swapped to NVMe (``master`` is None then): called with the bucket
         #: after ``write_back_shard`` changed the shard, to overwrite the master where it lives
@@ -102,6 +102,12 @@ class Stage3Bucket:
         with torch.no_grad():
             for p in params:
                 p.data = self._placeholder
+
+    def accumulate_grads_in(self, dtype: torch.dtype) -> None:
+        """Sum this rank's reduced gradients over micro-batches in ``dtype`` (``data_types.grad_accum_dtype``, e.g.
+        fp32 beside bf16 parameters, as DeepSpeed's ZeRO-3 does); before any gradient arrived."""
+        if self.grad_shard is not None and self.grad_shard.dtype != dtype:
+            self.grad_shard = torch.zeros(self.grad_shard.shape, dtype=dtype, device=self.grad_shard.device)
 
     def _slot_pos(self, slot: Any) -> int:
         return self.layout.slots.index(slot)

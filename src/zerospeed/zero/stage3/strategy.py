@@ -97,6 +97,9 @@ class Stage3Strategy:
                 if b.group is dp_group:
                     b.hpz_group = hpz_group
         self.trainable = [b for b in self.buckets if b.trainable]
+        accum = getattr(options, "grad_accum_dtype", None)
+        for b in self.trainable if accum is not None else ():
+            b.accumulate_grads_in(accum)  # reduced shards summed in fp32 (bf16 + data_types.grad_accum_dtype)
         self.state = Stage3OptimizerState(self.trainable, optimizer, dp_group, dp_world_size, options)
         # after the optimizer state: it reads the shards to build its masters (mixed precision)
         self.swapper: ParamSwapper | None = build_param_swapper(
