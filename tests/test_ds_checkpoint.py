@@ -65,7 +65,7 @@ def check_resume(case: str, per_rank: list[dict], stage: int) -> None:
         assert out["loss_scale"] == exp["loss_scale_loaded"], where
     assert out["client_keys"] == exp["client_state_keys"], where
     assert out["client"] == exp["client_state"] and out["client_weights"] == exp["client_weights"], where
-    assert out["path"] == os.path.join(FIXTURES, case, "ckpt", exp["load_path"].split("/")[1]), where
+    assert out["path"] == os.path.join(FIXTURES, case, "ckpt", exp["load_path"].split("/")[1]), where  # tag folder
     # the next steps
     got, want = out["losses"], exp["losses_after_resume"][:STEPS]
     if exp["precision"] == "fp32":
@@ -89,7 +89,8 @@ def test_every_fixture_resumes_at_its_stage_on_two_ranks() -> None:
 #: (fixture, zerospeed stage, optimizer offloaded) per zerospeed world size
 RESHARD = {
     1: [("zero2_fp32", 0, False), ("zero3_fp32", 2, False), ("zero0_fp32", 1, True), ("zero1_bf16", 3, False)],
-    4: [("zero2_fp32", 3, False), ("zero3_fp32", 1, False), ("zero0_fp32", 2, True), ("zero3_bf16", 2, False)],
+    4: [("zero2_fp32", 3, False), ("zero3_fp32", 1, False), ("zero0_fp32", 2, True), ("zero3_bf16", 2, False),
+        ("zero3_fp32_universal", 1, False)],
 }
 
 
@@ -207,6 +208,15 @@ def test_missing_rank_file(tmp_path) -> None:
     msg = str(err.value)
     assert msg.startswith(f"{path} is missing") and "rank 1" in msg and "data-parallel size 2" in msg
     assert "\n" not in msg
+
+
+def test_universal_folder_missing_a_parameter(tmp_path) -> None:
+    d = os.path.join(_copy("zero3_fp32_universal", tmp_path), "global_step3_universal")
+    shutil.rmtree(os.path.join(d, "zero", "mid.bias"))
+    with pytest.raises(DeepSpeedFileMissingError) as err:
+        open_folder(d)
+    msg = str(err.value)
+    assert msg.startswith(os.path.join(d, "zero", "mid.bias", "fp32.pt") + " is missing") and "\n" not in msg
 
 
 def test_shard_of_another_world_size(tmp_path) -> None:

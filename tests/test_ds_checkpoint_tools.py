@@ -37,13 +37,15 @@ def zerospeed_ckpt(tmp_path_factory) -> str:
     return d
 
 
-@pytest.mark.parametrize("case", ["zero0_fp32", "zero0_fp16", "zero1_bf16", "zero2_fp32", "zero3_fp32", "zero3_bf16"])
+@pytest.mark.parametrize("case", ["zero0_fp32", "zero0_fp16", "zero1_bf16", "zero2_fp32", "zero3_fp32", "zero3_bf16",
+                                  "zero3_fp32_universal"])
 def test_fp32_state_dict_of_deepspeed_folders(case: str) -> None:
     sd = get_fp32_state_dict_from_zero_checkpoint(os.path.join(FIXTURES, case, "ckpt"))
     for n, t in reference(case).items():
         assert sd[n].dtype == torch.float32 and torch.equal(sd[n], t), n
     assert torch.equal(sd["offset"], torch.tensor([0.1, -0.2, 0.3]))
-    tag_dir = get_fp32_state_dict_from_zero_checkpoint(os.path.join(FIXTURES, case, "ckpt", "global_step3"))
+    tag = "global_step3_universal" if case.endswith("_universal") else "global_step3"
+    tag_dir = get_fp32_state_dict_from_zero_checkpoint(os.path.join(FIXTURES, case, "ckpt", tag))
     assert all(torch.equal(tag_dir[k], sd[k]) for k in sd) and list(tag_dir) == list(sd)
 
 

@@ -90,6 +90,10 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str | None, str | None]:
     from_latest = tag is None
     if tag is None:
         tag = publish.read_latest(load_dir)
+        if tag is None and os.path.isfile(os.path.join(load_dir, "latest_universal")):
+            # a DeepSpeed universal checkpoint alone: follow DeepSpeed's latest_universal (issue #26)
+            with open(os.path.join(load_dir, "latest_universal"), encoding="utf-8") as f:
+                tag = f.read().strip()
         if tag is None:
             return None, None
     tag = publish.validate_tag(str(tag))

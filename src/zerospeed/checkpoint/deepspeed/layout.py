@@ -55,6 +55,8 @@ _DS_FILE = re.compile(r"^(bf16_)?(zero_pp_rank_\d+_)?mp_rank_\d\d_(model|optim)_
 #: the model-states entry (DeepSpeed's OPTIMIZER constant) holding a ZeRO-0 optimizer's state_dict; the same name
 #: is the optimizer entry of zerospeed's index
 OPTIMIZER = "optimizer"
+#: the folder of a universal checkpoint (ds_to_universal) holding zero/<parameter>/<state>.pt
+UNIVERSAL_DIR = "zero"
 #: top-level keys of mp_rank_XX_model_states.pt that are DeepSpeed's own (the rest is the user's client state)
 DEEPSPEED_STATES = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
                     "random_ltd")
@@ -116,11 +118,11 @@ class _Files:
         if not self.exists(name):
             raise DeepSpeedFileMissingError(f"{self.path(name)} is missing: {why}")
 
-    def get(self, name: str) -> Any:
+    def get(self, name: str, kind: type | None = dict) -> Any:
         with self._lock:
             if name not in self._loaded:
                 obj = load_pickle(self.path(name))
-                if not isinstance(obj, dict):
+                if kind is not None and not isinstance(obj, kind):
                     raise DeepSpeedLayoutError(f"{self.path(name)}: holds a {type(obj).__name__}, not the dict "
                                                "DeepSpeed saves")
                 self._loaded[name] = obj
@@ -236,7 +238,9 @@ class DeepSpeedFolder:
         dtypes = {t.dtype for n, t in module.items() if torch.is_tensor(t) and n not in self.buffer_names}
         self.weight_dtype = torch.bfloat16 if optim_prefix == "bf16_" or torch.bfloat16 in dtypes else \
             torch.float16 if torch.float16 in dtypes else torch.float32
-        if self.stage == 3:
+        if os.path.isdir(os.path.join(self.directory, UNIVERSAL_DIR)):
+            self._universal()
+        elif self.stage == 3:
             self._zero3(optim_prefix)
         elif optim_prefix is not None:
             self._zero12(optim_prefix, module)
@@ -400,6 +404,58 @@ class DeepSpeedFolder:
                 self._b.add_piece(n, shard, offset, start, max(0, min(part, numel - start)))
                 offset += part
                 self.scalar_group[n] = 0
+
+    def _universal(self) -> None:
+        """``ds_to_universal`` output: every parameter's full fp32 value and optimizer states in its own files
+        (``zero/<name>/fp32.pt``, ``exp_avg.pt``, ...; a tensor, or a dict with it under ``param``), the
+        shared optimizer state in ``zero/optimizer_state.pt``."""
+        self.zero_optimizer = True
+        where_model = self.files.path(self.model_file)
+        shapes = _need(self.meta, "param_shapes", where_model, list)
+        common_name = os.path.join(UNIVERSAL_DIR, "optimizer_state.pt")
+        common = self.files.get(common_name) if self.files.exists(common_name) else {}
+        self.loss_scaler = _loss_scaler(common.get("loss_scaler"))
+        groups = common.get("param_groups") or (common.get("optimizer_state_dict") or {}).get("param_groups") or []
+        self._set_groups(list(groups)[:len(shapes)], self.files.path(common_name))
+        inner_state = (common.get("optimizer_state_dict") or {}).get("state") or {}
+        shared_step = next((_step_scalar({"step": st["step"]}) for st in inner_state.values()
+                            if isinstance(st, dict) and "step" in st), None)
+
+        def tensor_of(rel: str, shape: list[int]) -> torch.Tensor:
+            obj = self.files.get(rel, None)
+            t = obj.get("param") if isinstance(obj, dict) else obj
+            if not torch.is_tensor(t):
+                raise DeepSpeedLayoutError(f"{self.files.path(rel)}: holds a {type(t).__name__}, not a tensor")
+            if t.numel() != _numel(shape):
+                raise DeepSpeedUnsupportedError(f"{self.files.path(rel)}: {t.numel()} elements for a parameter of "
+                                                f"shape {tuple(shape)} (a tensor-parallel slice?): not read yet")
+            return t.detach().reshape(-1)
+
+        for g, group in enumerate(shapes):
+            for name, shape in group.items():
+                name, shape = str(name), [int(d) for d in shape]
+                folder = os.path.join(UNIVERSAL_DIR, name)
+                self.files.require(os.path.join(folder, "fp32.pt"), f"a universal checkpoint holds every parameter's "
+                                   f"fp32 value ({name!r} is in param_shapes of {self.model_file})")
+                keys = sorted(f[:-3] for f in os.listdir(self.files.path(folder))
+                              if f.endswith(".pt") and f not in ("fp32.pt", "step.pt"))
+                self.state_keys.update(keys)
+                fp32 = os.path.join(folder, "fp32.pt")
+                kinds: dict[str, Callable[[], torch.Tensor]] = {
+                    "master": lambda fp32=fp32, shape=shape: tensor_of(fp32, shape),
+                    "weight": lambda fp32=fp32, shape=shape: tensor_of(fp32, shape).to(self.weight_dtype)}
+                for k in keys:
+                    kinds[f"optim.{k}"] = lambda rel=os.path.join(folder, f"{k}.pt"), shape=shape: tensor_of(rel, shape)
+                self._b.add_param(name, shape, torch.float32, "param")
+                shard = self._b.add_shard(self.model_file, f"u.{name}", kinds)
+                self._b.add_piece(name, shard, 0, 0, _numel(shape))
+                step_file = os.path.join(folder, "step.pt")
+                if self.files.exists(step_file):
+                    value = self.files.get(step_file, None)
+                    self.scalars[("u", name)] = _step_scalar({"step": value})
+                elif shared_step is not None:
+                    self.scalars[("u", name)] = shared_step
+                self.scalar_group[name] = ("u", name)
 
     def _fp16_optimizer(self, module: dict[str, Any]) -> None:
         where = self.files.path(self.model_file)
