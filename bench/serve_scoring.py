@@ -4,7 +4,7 @@ What lm-eval's ``local-completions`` sends for a loglikelihood request (token id
 ``echo: true``, ``logprobs: 1``, ``max_tokens: 1``, greedy) is sent to each server by ``--concurrency``
 clients at once (lm-eval's ``num_concurrent``), every prompt distinct (``PROMPT_LEN`` random words,
 so no prefix cache can hit); a system's rate is the number of prompts over the wall time from the
-first request to the last answer, after a warm-up of two requests. ``zerospeed`` is measured twice:
+first request to the last answer, after a warm-up of two rounds of concurrent requests (hf: two requests). ``zerospeed`` is measured twice:
 with lm-eval's shape and with ``max_tokens: 0`` (score the prompt, generate nothing; vLLM refuses
 ``max_tokens: 0``). The baseline without a server is lm-eval's own ``hf`` model backend
 (``HFLM.loglikelihood`` on the same folder, in a subprocess with the same thread count, the prompt
@@ -128,8 +128,11 @@ def run(args, env: dict[str, str], model_dir: Path, vocab: int, start_server, sc
         load_avg) -> tuple[list[dict[str, Any]], list[str]]:
     """The scoring rows: each system of ``args.scoring_systems`` scores the same prompts.
     ``start_server(system, model_dir, env, max_model_len)`` starts a server (a ``Server``)."""
-    batch = prompts(args.scoring_prompts + 2, args.seed + 77, vocab)  # the first 2: warm-up
-    warm, measured = batch[:2], batch[2:]
+    # warm-up: two rounds of concurrent requests, so every batch shape of the measured run has been
+    # served once (zerospeed measures its fast paths per shape class when a class is first served)
+    num_warm = 2 * args.scoring_concurrency
+    batch = prompts(args.scoring_prompts + num_warm, args.seed + 77, vocab)
+    warm, measured = batch[:num_warm], batch[num_warm:]
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     answers: dict[str, list[dict[str, Any]]] = {}
@@ -151,7 +154,7 @@ def run(args, env: dict[str, str], model_dir: Path, vocab: int, start_server, sc
             try:
                 if system == "hf":
                     row["client"] = f"lm-eval HFLM batch_size {args.hf_batch_size}, in-process"
-                    wall, out = run_hf(model_dir, batch, args.hf_batch_size, env, script,
+                    wall, out = run_hf(model_dir, batch[num_warm - 2:], args.hf_batch_size, env, script,
                                        args.timeout * 4)
                 else:
                     if system not in servers:

@@ -1,12 +1,13 @@
 """Structured-output rows of ``bench/serve_bench.py`` (issue #31): the tokens/s cost of a JSON schema.
 
-The same prompts go to ``zerospeed serve`` twice, free and with ``response_format: json_schema``,
+The same prompts go to ``zerospeed serve`` twice, with ``response_format: json_schema`` and free,
 greedy and sampled, ``--structured-concurrency`` requests in flight; generated tokens/s is the
-completion tokens over the wall time. Each mode gets a fresh server (no prefix cache carried over)
+completion tokens over the wall time. A guided reply ends when its grammar is complete, so the free
+run asks each prompt for exactly as many tokens as its guided reply had (``ignore_eos``): both
+modes generate the same tokens per prompt and differ only by the grammar. Each mode gets a fresh server (no prefix cache carried over)
 and the modes alternate over ``--structured-repeats`` rounds, so drift in the shared machine's load
-hits both. The schema (an object holding an array of free strings) lets a random-init model write
-until ``max_tokens`` most of the time, so both modes generate about as many tokens; every guided
-reply that ended by its grammar (``finish_reason`` "stop") must parse and validate.
+hits both. Every guided reply that ended by its grammar (``finish_reason`` "stop") must parse and
+validate against the schema (an object with a title and at most 4 strings of at most 24 characters).
 
 The model needs a vocabulary that can spell JSON: a byte-level BPE of 32000 tokens (Llama 2's size)
 trained on a synthetic Zipf-distributed word corpus, so llguidance's token trie is as large as a
@@ -81,14 +82,16 @@ async def _one(client, url: str, prompt: str, guided: bool, temperature: float, 
 
 
 async def generate(url: str, batch: list[str], guided: bool, temperature: float, concurrency: int,
-                   max_tokens: int, timeout: float) -> tuple[float, list[dict[str, Any]]]:
+                   max_tokens: int | list[int], timeout: float) -> tuple[float, list[dict[str, Any]]]:
+    """``max_tokens``: one for all, or one per prompt."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as client:
         async def one(i, p):
             async with sem:
-                return await _one(client, url, p, guided, temperature, 1000 + i, max_tokens)
+                limit = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
+                return await _one(client, url, p, guided, temperature, 1000 + i, limit)
 
         t0 = time.perf_counter()
         out = await asyncio.wait_for(asyncio.gather(*(one(i, p) for i, p in enumerate(batch))), timeout)
@@ -152,16 +155,19 @@ def run(args, env: dict[str, str], model_dir: Path, lexicon: list[str], vocab_si
     samples: dict[tuple[str, float], list[float]] = {}
     for rep in range(args.structured_repeats):
         for temperature in (0.0, 1.0):
-            for guided in (False, True):
+            lengths: list[int] = []
+            for guided in (True, False):  # guided first: free generation then makes as many tokens
                 mode = "json_schema" if guided else "free"
                 server = start_server("zerospeed", model_dir, env, None)
                 try:
                     asyncio.run(generate(server.url, batch[:2], guided, temperature, 2, 8, args.timeout))
                     wall, out = asyncio.run(generate(server.url, batch, guided, temperature,
                                                      args.structured_concurrency,
-                                                     args.structured_max_tokens, args.timeout))
+                                                     lengths or args.structured_max_tokens, args.timeout))
                 finally:
                     server.stop()
+                if guided:
+                    lengths = [max(1, o.get("tokens", 1)) for o in out]
                 ok = [o for o in out if "error" not in o]
                 tokens = sum(o["tokens"] for o in ok)
                 stops = [o for o in ok if o["finish"] == "stop"]
