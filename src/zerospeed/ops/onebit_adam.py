@@ -43,7 +43,9 @@ class OneBitAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, freeze_step: int = 100000,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bias_correction: bool = True, amsgrad: bool = False, cuda_aware: bool = False,
-                 comm_backend_name: str = "nccl", group: Any = None) -> None:
+                 comm_backend_name: str = "nccl", eps_inside_sqrt: bool = False, group: Any = None) -> None:
+        if eps_inside_sqrt:
+            raise ValueError("OneBitAdam: eps_inside_sqrt=True is not supported (eps is added after the square root)")
         if amsgrad:
             raise ValueError("OneBitAdam: amsgrad=True is not supported (nor by DeepSpeed's 1-bit Adam)")
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
@@ -56,9 +58,22 @@ class OneBitAdam(torch.optim.Optimizer):
                                       bias_correction=bias_correction))
         self.freeze_step = freeze_step
         self.group = group
+        self.engine_reduces_warmup = False  # standalone: the optimizer averages warm-up gradients itself
+        self.steps_taken = 0
         if dist.is_initialized() and dist.get_rank() == 0:
             logger.info("OneBitAdam: comm_backend_name %r (cuda_aware=%s) maps to the data-parallel group's own "
                         "backend (%s)", comm_backend_name, cuda_aware, dist.get_backend(group))
+
+    def bind_data_parallel_group(self, group: Any) -> None:
+        """Engine mode (ZeRO stage 0): ``group`` is the data-parallel group; during warm-up the engine averages the
+        gradients (its usual all-reduce), after it the engine skips that all-reduce
+        (:meth:`communicates_gradients`) and this optimizer compresses the momentum."""
+        self.group = group
+        self.engine_reduces_warmup = True
+
+    def communicates_gradients(self) -> bool:
+        """Whether the next step exchanges the momentum itself (after warm-up): the engine then sends nothing."""
+        return self.steps_taken >= self.freeze_step
 
     def _world(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -74,6 +89,7 @@ class OneBitAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         world = self._world()
+        self.steps_taken += 1
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
@@ -89,7 +105,7 @@ class OneBitAdam(torch.optim.Optimizer):
                 grad = p.grad.detach().float()
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 if t <= self.freeze_step:
-                    if world > 1:
+                    if world > 1 and not self.engine_reduces_warmup:
                         grad = grad.clone()
                         collectives.all_reduce(grad, group=self.group)
                         grad.div_(world)
@@ -122,7 +138,14 @@ class OneBitAdam(torch.optim.Optimizer):
         compressed_all_reduce(buf, state["worker_error"], state["server_error"], self.group)
         m.view(-1).copy_(buf[:numel])
 
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        out["steps_taken"] = self.steps_taken
+        return out
+
     def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        self.steps_taken = int(state_dict.pop("steps_taken", 0))
         super().load_state_dict(state_dict)
         world = self._world()
         for state in self.state.values():  # error buffers of another world size: restart them from zero

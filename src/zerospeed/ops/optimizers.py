@@ -68,6 +68,7 @@ from zerospeed.ops.fast_paths import FastPathError
 from zerospeed.ops.lamb import Lamb
 from zerospeed.ops import muon as _muon
 from zerospeed.ops.lion import Lion
+from zerospeed.ops.onebit_adam import OneBitAdam
 from zerospeed.ops.mup import MU_OPTIMIZERS, mu_param_groups
 
 __all__ = ["build_optimizer", "resolve_client_optimizer", "OPTIMIZERS"]
@@ -117,6 +118,7 @@ OPTIMIZERS: dict[str, _OptimizerSpec] = {
     "muadam": _OptimizerSpec("MuAdam", (torch.optim.Adam,)),
     "muadamw": _OptimizerSpec("MuAdamW", (torch.optim.AdamW,)),
     "musgd": _OptimizerSpec("MuSGD", (torch.optim.SGD,)),
+    "onebitadam": _OptimizerSpec("OneBitAdam", (OneBitAdam,), excluded=("group",)),  # ZeRO-0 only (zero/strategy)
     "muon": _OptimizerSpec("Muon", (), deepspeed_only=("lr", "momentum", "weight_decay", "ns_method", "muon_lr",
                                                        "adam_lr", "betas", "eps", "adam_w_mode", "variant")),
 }
@@ -160,7 +162,7 @@ def _check_values(spec: _OptimizerSpec, params: Mapping[str, Any]) -> None:
             if not ok:
                 raise ConfigError(_key(name), f"{value!r} must be two numbers in [0, 1)")
     for name in ("bias_correction", "set_grad_none"):
-        if spec.name != "Lamb" and params.get(name) is False:
+        if spec.name not in ("Lamb", "OneBitAdam") and params.get(name) is False:
             raise ConfigError(_key(name), f"false is not supported: torch's {spec.name} always does this")
     if spec.name == "Lamb" and params.get("amsgrad") is True:
         raise ConfigError(_key("amsgrad"), "Lamb has no AMSGrad variant (DeepSpeed's FusedLamb refuses it too)")
@@ -343,6 +345,15 @@ def build_optimizer(
         if "betas" in kwargs:
             kwargs["betas"] = tuple(kwargs["betas"])
         return Lion(groups, **kwargs)
+    if spec.name == "OneBitAdam":  # issue #28: 1-bit Adam, its own communication after freeze_step
+        if "betas" in kwargs:
+            kwargs["betas"] = tuple(kwargs["betas"])
+        try:
+            return OneBitAdam(groups, **kwargs)
+        except ValueError as exc:
+            key = next((k for k in ("freeze_step", "comm_backend_name", "amsgrad", "eps_inside_sqrt") if k in str(exc)),
+                       "type")
+            raise ConfigError(_key(key) if key != "type" else "optimizer.type", str(exc)) from None
     if spec.name == "Lamb":
         if "betas" in kwargs:
             kwargs["betas"] = tuple(kwargs["betas"])

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerospeed import comm
 from zerospeed.zero.flat_bucket import FlatBucket
 from zerospeed.zero.layout import plan_buckets
 from zerospeed.zero.partitioned_optimizer import ShardedOptimizerState, ShardView, StepResult, optimizer_group_of
@@ -121,9 +122,21 @@ class DataParallelStrategy:
                                        prescale=options.prescale)
         self.state = ShardedOptimizerState(self.buckets, optimizer, options.master_dtype, sharded, dp_group, dp_world_size,
                                            options=options)
+        # 1-bit Adam (ops/onebit_adam.py) exchanges compressed momenta itself after its warm-up: the engine's
+        # gradient all-reduce is skipped then (DeepSpeed's enable_backward_allreduce = False)
+        self._communicates = getattr(optimizer, "communicates_gradients", None)
+        if self._communicates is not None:
+            if sharded:
+                raise ValueError(f"optimizer.type: {type(optimizer).__name__} works at ZeRO stage 0 (as in DeepSpeed), "
+                                 f"got zero_optimization.stage {options.stage}")
+            optimizer.bind_data_parallel_group(dp_group)
+            self._dp_group = dp_group
+
+    def _optimizer_communicates(self) -> bool:
+        return self._communicates is not None and bool(self._communicates())
 
     def begin_backward(self, boundary: bool) -> None:
-        self.reducer.begin(reduce_now=boundary)
+        self.reducer.begin(reduce_now=boundary and not self._optimizer_communicates())
 
     def end_backward(self) -> None:
         self.reducer.finish()
@@ -134,6 +147,12 @@ class DataParallelStrategy:
             raise RuntimeError("gradients were produced by a backward pass that started neither in "
                                "engine.backward(loss) nor from the engine's output (was the model called directly "
                                "instead of engine(...)?); call engine.backward(loss) on the engine's output")
+        if self._optimizer_communicates():  # local, unreduced gradients: unscale only; skip together on overflow
+            local = self.state.grad_norm_sq_local().reshape(1)
+            overflow = torch.tensor([0.0 if bool(torch.isfinite(local).all()) else 1.0])
+            comm.all_reduce(overflow, op=comm.ReduceOp.MAX, group=self._dp_group)
+            return self.state.step(loss_scale / self.dp_world_size, max_norm, force_skip or bool(overflow.item()),
+                                   norm_sq_hook)
         # gradients were multiplied by `prescale` before the reduction; the step divides it out again
         return self.state.step(loss_scale * self.options.prescale, max_norm, force_skip, norm_sq_hook)
 
