@@ -324,3 +324,14 @@ def test_bf16_with_fp32_accumulation_needs_zero():
     cfg = config(0, 1, precision="bf16", data_types={"grad_accum_dtype": "fp32"})
     with pytest.raises(ConfigError, match=r"data_types\.grad_accum_dtype: 'fp32' with bf16 needs ZeRO stage 1, 2 or 3"):
         zerospeed.initialize(model=make_model(), config=cfg)
+
+
+def test_pipeline_without_optimizer_is_refused():
+    """The forward-only engine is built for a plain module; a PipelineModule without an optimizer is refused (its
+    train_batch would otherwise run no update)."""
+    from zerospeed.pipe import PipelineModule
+
+    model = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)], num_stages=1,
+                           loss_fn=torch.nn.MSELoss())
+    with pytest.raises(ConfigError, match=r"optimizer: no optimizer: the pipeline engine trains"):
+        zerospeed.initialize(model=model, config={"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2})

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerospeed import comm
-from zerospeed.config import ZeroSpeedConfig
+from zerospeed.config import ConfigError, ZeroSpeedConfig
 from zerospeed.pipe.module import PipelineModule
 from zerospeed.pipe.p2p import P2P
 from zerospeed.pipe.runtime import MicroBatchSource, PipelineExecutor
@@ -96,7 +96,7 @@ def initialize_pipeline(model: PipelineModule, config: ZeroSpeedConfig, *, optim
     mesh's dp group.
     """
     from zerospeed.runtime.dataloader import build_dataloader
-    from zerospeed.runtime.builders import optimizer_from_config, param_groups_of, scheduler_from_config
+    from zerospeed.runtime.builders import NoOptimizer, optimizer_from_config, param_groups_of, scheduler_from_config
 
     if not isinstance(config, ZeroSpeedConfig):
         raise TypeError(f"initialize_pipeline: config must be a parsed ZeroSpeedConfig (zerospeed.initialize reads "
@@ -144,6 +144,9 @@ def initialize_pipeline(model: PipelineModule, config: ZeroSpeedConfig, *, optim
                            "stage chunks and optimizes all their trainable parameters")
         groups = param_groups_of(container, None)
     opt = optimizer_from_config(cfg, optimizer, groups, container)  # names for Muon's tagging
+    if isinstance(opt, NoOptimizer):  # the forward-only engine (issue #27) is built for a plain module only
+        raise ConfigError("optimizer", "no optimizer: the pipeline engine trains; set 'optimizer' in the config or "
+                          "pass initialize(optimizer=...)")
     engine = PipelineEngine(container, chunks, cfg, opt, layout=layout, actions=actions, tied=tied,
                             pipe_group=pipe_group, data_group=data_group, loss_fn=model.loss_fn,
                             dynamic_shape=model.dynamic_shape)
