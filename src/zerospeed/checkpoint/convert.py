@@ -2,7 +2,7 @@
 
 ::
 
-    zerospeed-convert --to deepspeed SRC DST [--world-size N] [--zero-stage 0|1|2] [--precision fp32|bf16]
+    zerospeed-convert --to deepspeed SRC DST [--world-size N] [--zero-stage 0|1|2|3] [--precision fp32|bf16]
     zerospeed-convert --to hf        SRC DST [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
     zerospeed-convert --to dcp       SRC DST
     zerospeed-convert --from deepspeed SRC DST
@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", default=None, help="tag of SRC to read (default: its 'latest')")
     p.add_argument("--out-tag", default=None, help="tag to write (default: global_step<N>)")
     p.add_argument("--world-size", type=int, default=None, help="--to deepspeed: data-parallel size to lay out for")
-    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2], help="--to deepspeed: ZeRO stage")
+    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="--to deepspeed: ZeRO stage")
     p.add_argument("--precision", default=None, choices=["fp32", "bf16"], help="--to deepspeed: training dtype")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="--to hf / dcp: tensor dtype")
     p.add_argument("--max-shard-size", default="5GB", help="--to hf: largest output file (HF index when split)")

@@ -13,10 +13,16 @@ the target size is chosen here):
 * ZeRO 0 in fp32: the module and a torch optimizer ``state_dict`` (state by parameter index) in
   ``mp_rank_00_model_states.pt``; every parameter's step is the group's (FusedAdam reads the last one).
 
-Only plain types are pickled (tensors, dicts, lists, ``torch.Size``): DeepSpeed keeps its own loss
-scaler when the files have none, so 16-bit runs with a dynamic loss scale restart at the configured
-initial scale. ZeRO 3 targets, frozen parameters and fp16 (dynamic scale) targets are refused with a
-one-line error. The folder is written under a temporary name in ``dst`` and renamed to the tag, then
+* ZeRO 3: per rank ``zero_pp_rank_R_mp_rank_00_model_states.pt`` (buffers, parameters as empty
+  placeholders, ``param_shapes``) and ``..._optim_states.pt``: one sub-group per optimizer group, the
+  concatenation of the rank's ``ceil(numel / world)`` elements of each parameter (zero-padded), its
+  moments alike, and a static loss scaler record (ZeRO 3 requires one).
+
+Only plain types are pickled (tensors, dicts, lists, ``torch.Size``) plus, at ZeRO 3, DeepSpeed's static
+``LossScaler`` named by a pickler that writes the class name without importing DeepSpeed. At ZeRO 0-2
+DeepSpeed keeps its own loss scaler when the files have none, so 16-bit runs with a dynamic loss scale
+restart at the configured initial scale. Frozen parameters and fp16 targets are refused with a one-line
+error. The folder is written under a temporary name in ``dst`` and renamed to the tag, then
 ``latest`` is replaced: an interrupted conversion leaves no partial tag.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import shutil
 from collections import OrderedDict
 from typing import Any
@@ -31,7 +38,7 @@ from typing import Any
 import torch
 
 from zerospeed.checkpoint.deepspeed.errors import DeepSpeedUnsupportedError
-from zerospeed.checkpoint.deepspeed.layout import MODEL_FILE, OPTIM_FILE, OPTIMIZER
+from zerospeed.checkpoint.deepspeed.layout import MODEL_FILE, OPTIM_FILE, OPTIMIZER, ZERO3_MODEL_FILE
 from zerospeed.checkpoint.full_tensors import FullTensors
 from zerospeed.checkpoint.jsonstate import decode
 from zerospeed.checkpoint.publish import new_nonce, validate_tag
@@ -172,6 +179,67 @@ def _zero0_optimizer(ft: FullTensors, groups: list[list[str]], param_groups: lis
     return {"state": state, "param_groups": out_groups}
 
 
+class StaticLossScalerRecord:
+    """Pickled as DeepSpeed's ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` (static scale; what ZeRO 3 needs
+    in its optimizer file): only its two attributes are written, and no DeepSpeed code is imported here."""
+
+    _deepspeed_global = ("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+
+    def __init__(self, cur_scale: float = 1.0) -> None:
+        self.cur_scale = float(cur_scale)
+        self.dynamic = False
+
+
+class _Pickler(pickle._Pickler):  # the pure-Python pickler: its save_global can name a class it cannot import
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        target = getattr(obj, "_deepspeed_global", None) if isinstance(obj, type) else None
+        if target is None:
+            return super().save_global(obj, name)
+        self.write(pickle.GLOBAL + target[0].encode() + b"\n" + target[1].encode() + b"\n")
+        self.memoize(obj)
+
+
+class _PickleModule:
+    """What ``torch.save(pickle_module=...)`` needs: a ``Pickler`` that writes DeepSpeed's class names."""
+
+    Pickler = _Pickler
+    Unpickler = pickle.Unpickler
+    load = staticmethod(pickle.load)
+    dump = staticmethod(pickle.dump)
+
+
+def _save(obj: Any, path: str) -> None:
+    torch.save(obj, path, pickle_module=_PickleModule)
+
+
+def _zero3_rank(ft: FullTensors, groups: list[list[str]], param_groups: list[dict[str, Any]], rank: int,
+                world_size: int, state_keys: list[str]) -> dict[str, Any]:
+    """Rank ``rank``'s ZeRO-3 optimizer file: per group (one sub-group each), the concatenation of this rank's
+    ``ceil(numel / world)`` elements of every parameter (the last rank's part zero-padded)."""
+    flats, states = [], {}
+    for g, names in enumerate(groups):
+        parts: dict[str, list[torch.Tensor]] = {"master": [], **{k: [] for k in state_keys}}
+        for n in names:
+            numel = ft.numel(n)
+            size = math.ceil(numel / world_size)
+            lo, hi = min(rank * size, numel), min((rank + 1) * size, numel)
+            for kind in parts:
+                piece = torch.zeros(size, dtype=torch.float32)
+                if hi > lo:
+                    full = ft.tensor(n, torch.float32, kind=None if kind == "master" else f"optim.{kind}")
+                    piece[:hi - lo] = full.reshape(-1)[lo:hi]
+                parts[kind].append(piece)
+        flats.append(torch.cat(parts["master"]))
+        states[g] = {"step": _step(ft, names), **{k: torch.cat(parts[k]) for k in state_keys}}
+    osd = {"zero_stage": 3, "loss_scaler": StaticLossScalerRecord(), "dynamic_loss_scale": False, "overflow": False,
+           "partition_count": world_size,
+           "optimizer_state_dict": {"state": states, "param_groups": [dict(pg, params=[g])
+                                                                      for g, pg in enumerate(param_groups)]},
+           "fp32_flat_groups": flats}
+    return {"optimizer_state_dict": osd, "ds_config": {"zero_optimization": {"stage": 3}},
+            "ds_version": DEEPSPEED_VERSION}
+
+
 def write_deepspeed(src: str, dst: str, world_size: int | None = None, zero_stage: int | None = None,
                     precision: str | None = None, src_tag: str | None = None, tag: str | None = None) -> str:
     """Write checkpoint ``src`` (zerospeed or DeepSpeed layout) as DeepSpeed folder ``dst/<tag>``; return its path.
@@ -183,9 +251,8 @@ def write_deepspeed(src: str, dst: str, world_size: int | None = None, zero_stag
         stage = int(data.get("zero_stage", 0) if zero_stage is None else zero_stage)
         if world_size < 1:
             raise ValueError(f"world_size: {world_size} is not a positive number of ranks")
-        if stage not in (0, 1, 2):
-            raise DeepSpeedUnsupportedError(f"zero_stage: {stage}: writing DeepSpeed's layout supports ZeRO stages 0, "
-                                            "1 and 2 so far")
+        if stage not in (0, 1, 2, 3):
+            raise DeepSpeedUnsupportedError(f"zero_stage: {stage} is not a ZeRO stage (0, 1, 2, 3)")
         if precision is None:
             sample = next((k for k in ft.keys if ft.index.params[ft.index.canonical(k)].get("kind") == "param"), None)
             found = ft.tensor(sample, None, kind="weight").dtype if sample is not None and ft.has(sample, "weight") \
@@ -221,12 +288,21 @@ def write_deepspeed(src: str, dst: str, world_size: int | None = None, zero_stag
             model = _model_states(ft, dtype, world_size, stage, groups, buffers, client_state)
             if stage == 0:
                 model[OPTIMIZER] = _zero0_optimizer(ft, groups, param_groups, state_keys) if state_keys else None
-            torch.save(model, os.path.join(tmp, MODEL_FILE.format(mp=0)))
-            del model
             prefix = "bf16_" if precision == "bf16" else ""
-            for rank in range(world_size if stage > 0 else 0):
-                torch.save(_zero12_rank(ft, groups, param_groups, rank, world_size, stage, state_keys),
-                           os.path.join(tmp, OPTIM_FILE.format(prefix=prefix, rank=rank, mp=0)))
+            if stage == 3:  # every rank's model file: buffers whole, parameters as empty placeholders
+                for n in (n for names in groups for n in names):
+                    model["module"][n] = torch.empty(0, dtype=dtype)
+                model["frozen_param_shapes"], model["frozen_param_fragments"] = OrderedDict(), OrderedDict()
+                for rank in range(world_size):
+                    _save(model, os.path.join(tmp, ZERO3_MODEL_FILE.format(rank=rank, mp=0)))
+                    _save(_zero3_rank(ft, groups, param_groups, rank, world_size, state_keys),
+                          os.path.join(tmp, OPTIM_FILE.format(prefix=prefix, rank=rank, mp=0)))
+            else:
+                _save(model, os.path.join(tmp, MODEL_FILE.format(mp=0)))
+            del model
+            for rank in range(world_size if stage in (1, 2) else 0):
+                _save(_zero12_rank(ft, groups, param_groups, rank, world_size, stage, state_keys),
+                      os.path.join(tmp, OPTIM_FILE.format(prefix=prefix, rank=rank, mp=0)))
             final = os.path.join(dst, tag)
             if os.path.exists(final):
                 aside = os.path.join(dst, f".old-{tag}-{new_nonce()}")
