@@ -338,6 +338,10 @@ def _measure(imports: str, call: str) -> dict:
     return {"s": float(seconds), "rss_before": int(before), "rss_peak": int(peak)}
 
 
+def _added_ratio(ours: dict, theirs: dict) -> float:
+    return (ours["rss_peak"] - ours["rss_before"]) / max(1, theirs["rss_peak"] - theirs["rss_before"])
+
+
 def migration(args) -> None:
     """DeepSpeed ZeRO-3 folder written at 2 ranks, resumed at 4: zerospeed vs DeepSpeed's ways."""
     from common import command_line, format_bytes, write_results
@@ -401,9 +405,8 @@ def migration(args) -> None:
         folder,
         f"time zerospeed {dst_world}-rank load / DeepSpeed's {src_world}-rank own resume: "
         f"{t_zs / max(r['s'] for r in ds_own):.2f}x; / ds_to_universal + universal load: {t_zs / uni_total:.2f}x",
-        "zero_to_fp32 memory added, zerospeed / DeepSpeed: get_fp32_state_dict "
-        f"{(z2f_zs['rss_peak'] - z2f_zs['rss_before']) / max(1, z2f_ds['rss_peak'] - z2f_ds['rss_before']):.2f}x, "
-        f"convert (10MB shards) {(cv_zs['rss_peak'] - cv_zs['rss_before']) / max(1, cv_ds['rss_peak'] - cv_ds['rss_before']):.2f}x",
+        f"zero_to_fp32 memory added, zerospeed / DeepSpeed: get_fp32_state_dict {_added_ratio(z2f_zs, z2f_ds):.2f}x, "
+        f"convert (10MB shards) {_added_ratio(cv_zs, cv_ds):.2f}x",
         "rss_added: peak resident memory during the call minus resident memory just before it (per rank: the "
         "largest); the loads sample /proc every 2 ms, the zero_to_fp32 rows use ru_maxrss of a fresh interpreter",
         "DeepSpeed files are read memory-mapped by zerospeed (torch.load(mmap=True, weights_only=True)): mapped "
