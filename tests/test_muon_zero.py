@@ -2,7 +2,8 @@
 
 The sharded step orthogonalises each matrix whole (on its owner rank, after an all-gather) with the
 same code as the single process, and the element-wise parts are the same arithmetic on slices, so
-stages 1-3 equal stage 0 at the same world size to TOL = 1e-6 relative on losses and fp32 weights.
+stages 1-3 equal stage 0 at the same world size to TOL = 1e-6 relative on losses and fp32 weights where
+the gradient sums agree (2 ranks; at 4 the reductions may add in another order: REF_TOL below).
 Against the single process the gradients themselves differ in rounding (the batch is split over ranks
 and summed by a collective), and five Newton-Schulz steps amplify that by up to a^5 ~ 480 (see
 tests/test_muon.py): held to the suite's fp32 parity tolerance, REF_TOL = 1e-5.
@@ -32,11 +33,15 @@ def test_muon_matches_single_process(stage, world):
     ref_losses, ref_weights = reference_run()
     base = _stage0(world)
     results = run_distributed(engine_run, world, config(stage), timeout=150)
+    # two ranks' gradients sum the same in any order (a + b == b + a); at four, ZeRO-0's all-reduce and
+    # the sharded stages' reduce-scatter (comm picks its algorithm by size) may add in different orders, so
+    # the gradients differ by rounding and Newton-Schulz amplifies it: the single-process bound applies
+    tol = TOL if world <= 2 else REF_TOL
     for r in results:
         assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses)) < REF_TOL
         assert max_rel_err(r["weights"], ref_weights) < REF_TOL
-        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"])) < TOL
-        assert max_rel_err(r["weights"], base["weights"]) < TOL
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"])) < tol
+        assert max_rel_err(r["weights"], base["weights"]) < tol
     if world > 1:  # every matrix orthogonalised exactly once, by one owner (ZeRO-0 too)
         owned = [name for r in results for name in r["owned"]]
         assert sorted(owned) == sorted(set(owned)) and set(owned) == {"up.weight", "down.weight"}

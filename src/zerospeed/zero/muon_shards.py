@@ -1,19 +1,27 @@
 """Muon on flat ZeRO shards (stages 1, 2, 3): each matrix is orthogonalised once, by its owner rank.
 
-At ZeRO-0 on several ranks each matrix likewise has one owner, and one all-reduce per bucket shares
-the results (every rank already holds every update there).
+At ZeRO-0 on several ranks each matrix likewise has one owner, and the owners' results are shared
+(every rank already holds every update there).
 
 Newton-Schulz needs a whole matrix while a ZeRO bucket's shard holds ``[r*L/N, (r+1)*L/N)`` of a flat
 layout, so a matrix can straddle ranks. The element-wise parts of Muon (momentum, nesterov blend,
-decay, the step) run on the shard as for any optimizer; for the orthogonalisation
-(:class:`zerospeed.ops.muon.Muon` calls the orthogonaliser bound here for each Muon shard):
+decay, the step) run on the shard as for any optimizer; the orthogonalisation runs here. The unit bound
+to :meth:`zerospeed.ops.muon.Muon.bind_orthogonalizer` is *every* Muon bucket of one optimizer group that
+shares one communication group (usually all of them), so a step costs two collectives, not two per bucket:
 
-1. the bucket's momentum-updated gradient U is all-gathered (one collective per bucket, coalesced like
-   the parameter all-gather), so the owner of each matrix holds it whole;
-2. each rank orthogonalises only the matrices it owns, writing ``NS(U_i) * scale_i`` into a zeroed
-   bucket-sized buffer;
-3. one reduce-scatter of that buffer (a sum in which each element has exactly one non-zero term, so it
-   is exact) hands every rank its shard of the result.
+1. one all-to-all sends each owner the pieces of its matrices that the other ranks' shards hold (a rank
+   receives only what it orthogonalises: about 1/N of the Muon elements, where an all-gather would bring it
+   all of them);
+2. each rank orthogonalises the matrices it owns;
+3. one all-to-all sends every piece of the results back to the rank whose shard holds it.
+
+Every element is moved, never summed, so the exchange is exact. The buckets of a zerospeed model are often
+one matrix each (a new bucket starts where the optimizer group changes, and biases sit between the weights),
+which is why the exchange is per unit and not per bucket: the earlier per-bucket all-gather and
+reduce-scatter cost two collectives (each an all-reduce on gloo) per matrix.
+
+At ZeRO-0 (replicated buckets, ``sharded=False``) every rank holds every update already: owners
+orthogonalise their matrices and one all-to-all hands each rank the other owners' results.
 
 Owners: every Muon matrix of every bucket (in bucket order, the same on all ranks) is given to the
 least-loaded rank of its bucket's group, largest Newton-Schulz cost first (LPT, ties to the lower
@@ -23,9 +31,9 @@ rank), so each rank does about 1/N of the FLOPs. :class:`MuonShardPlan` counts t
 Offload (``offload_optimizer.device: cpu``): the offload tier's step is Adam's, so for a Muon optimizer the
 chosen buckets are *host-held* instead (``ShardedOptimizerState.host_held``): their fp32 master and
 momentum / Adam states live in host memory and this optimizer steps them there, so the Newton-Schulz
-iteration of an offloaded bucket runs on the host, where its states live. The bucket's collectives run on
-the device its parameters use (NCCL cannot move host tensors): the update is copied there for the
-all-gather and back for the iteration. NVMe is refused (one line).
+iteration of an offloaded bucket runs on the host, where its states live. The collectives run on the
+device the buckets' parameters use (NCCL cannot move host tensors): the pieces are copied there for the
+exchange and back for the iteration.
 """
 
 from __future__ import annotations
@@ -47,6 +55,39 @@ class _BucketMatrices:
     world_size: int
     owners: list[int]  # per slot
     device: torch.device  # where the bucket's collectives run (its parameters' device)
+
+
+@dataclass(frozen=True)
+class _Owned:
+    """One matrix this rank orthogonalises, at ``[start, start + numel)`` of the unit's owned buffer."""
+
+    shape: tuple[int, ...]
+    start: int
+    numel: int
+
+
+@dataclass
+class _Exchange:
+    """The static plan of one unit's exchange (the same layouts on every rank give matching orders).
+
+    ``send[o]``: ``(tensor index, start, length)`` runs of this rank's tensors whose elements go to owner
+    ``o``, in bucket then slot order; ``recv[q]``: ``(start, length)`` runs of the owned buffer that rank
+    ``q`` sends, in the same order; ``keep``: runs passed through unchanged (vectors the user put on Muon).
+    """
+
+    send: list[list[tuple[int, int, int]]]
+    recv: list[list[tuple[int, int]]]
+    keep: list[tuple[int, int, int]]
+    owned: list[_Owned]
+    owned_numel: int
+
+    @property
+    def send_splits(self) -> list[int]:
+        return [sum(n for _, _, n in runs) for runs in self.send]
+
+    @property
+    def recv_splits(self) -> list[int]:
+        return [sum(n for _, n in runs) for runs in self.recv]
 
 
 @dataclass
@@ -73,15 +114,94 @@ def _assign_owners(entries: list[tuple[int, int, int]], world_size: int) -> dict
     return owner
 
 
+def _overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int] | None:
+    lo, hi = max(a0, b0), min(a1, b1)
+    return (lo, hi) if hi > lo else None
+
+
+def _sharded_exchange(bms: list[_BucketMatrices]) -> _Exchange:
+    """Stages 1-3: tensor ``k`` is bucket ``k``'s flat shard ``[rank*S, (rank+1)*S)``."""
+    rank, world = bms[0].rank, bms[0].world_size
+    send: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+    recv: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    keep: list[tuple[int, int, int]] = []
+    owned: list[_Owned] = []
+    pos = 0
+    for k, bm in enumerate(bms):
+        size = bm.layout.shard_numel
+        mine = (rank * size, (rank + 1) * size)
+        for slot, owner in zip(bm.layout.slots, bm.owners):
+            span = (slot.offset, slot.offset + slot.numel)
+            if len(slot.shape) < 2:  # a vector the user put on Muon: its update passes through
+                cut = _overlap(*span, *mine)
+                if cut:
+                    keep.append((k, cut[0] - mine[0], cut[1] - cut[0]))
+                continue
+            cut = _overlap(*span, *mine)
+            if cut:
+                send[owner].append((k, cut[0] - mine[0], cut[1] - cut[0]))
+            if owner == rank:
+                for q in range(world):
+                    piece = _overlap(*span, q * size, (q + 1) * size)
+                    if piece:
+                        recv[q].append((pos + piece[0] - slot.offset, piece[1] - piece[0]))
+                owned.append(_Owned(tuple(slot.shape), pos, slot.numel))
+                pos += slot.numel
+    return _Exchange(send, recv, keep, owned, pos)
+
+
+@dataclass
+class _Shares:
+    """Stage 0's plan: ``mine`` are this rank's owned matrices ``(tensor, numel)`` (its results go to every
+    other rank), ``theirs[q]`` rank ``q``'s, in the order ``q`` sends them; ``keep``: vectors passed through."""
+
+    mine: list[tuple[int, int]]
+    theirs: list[list[tuple[int, int]]]
+    keep: list[int]
+    owned: list[_Owned]
+    rank: int
+
+    @property
+    def send_splits(self) -> list[int]:
+        n = sum(k for _, k in self.mine)
+        return [0 if q == self.rank else n for q in range(len(self.theirs))]
+
+    @property
+    def recv_splits(self) -> list[int]:
+        return [sum(k for _, k in runs) for runs in self.theirs]
+
+
+def _replicated_exchange(bms: list[_BucketMatrices], tensor_index: list[list[int]]) -> _Shares:
+    """Stage 0: every rank holds every update (tensor ``tensor_index[k][s]`` is bucket ``k``'s slot ``s``)."""
+    rank, world = bms[0].rank, bms[0].world_size
+    theirs: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    keep: list[int] = []
+    owned: list[_Owned] = []
+    pos = 0
+    for k, bm in enumerate(bms):
+        for s, (slot, owner) in enumerate(zip(bm.layout.slots, bm.owners)):
+            t = tensor_index[k][s]
+            if len(slot.shape) < 2:
+                keep.append(t)
+                continue
+            theirs[owner].append((t, slot.numel))
+            if owner == rank:
+                owned.append(_Owned(tuple(slot.shape), pos, slot.numel))
+                pos += slot.numel
+    mine = theirs[rank]
+    theirs[rank] = []
+    return _Shares(mine, theirs, keep, owned, rank)
+
+
 def bind_sharded_muon(optimizer: torch.optim.Optimizer, buckets: list[Any], masters: list[torch.Tensor],
                       dp_group: Any, offloaded: set[int], opt_tensors: list[list[torch.Tensor]] | None = None,
                       sharded: bool = True, dp_world_size: int = 1) -> MuonShardPlan | None:
-    """Bind an orthogonaliser to each Muon bucket of ``optimizer`` (a no-op for other optimizers).
+    """Bind an orthogonaliser to each unit of Muon buckets of ``optimizer`` (a no-op for other optimizers).
 
-    Sharded (stages 1-3): the unit is the bucket's flat master shard. Replicated (stage 0, ``opt_tensors``
-    are the bucket's parameter-shaped tensors): every rank holds every update already, so owners
-    orthogonalise their matrices and one all-reduce per bucket shares the results; a single rank binds
-    nothing (the whole-matrix path is the same computation).
+    A unit is every Muon bucket of one optimizer group whose collectives run on one group. Sharded (stages
+    1-3): its tensors are the buckets' flat master shards. Replicated (stage 0, ``opt_tensors`` are the
+    buckets' parameter-shaped tensors): owners orthogonalise their matrices and share the results; a single
+    rank binds nothing (the whole-matrix path is the same computation).
     """
     if not getattr(optimizer, "needs_whole_matrices", False):
         return None
@@ -113,64 +233,120 @@ def bind_sharded_muon(optimizer: torch.optim.Optimizer, buckets: list[Any], mast
     for world, es in by_world.items():
         owner.update(_assign_owners(es, world))
     variant = getattr(optimizer, "variant", "deepspeed")
+    units: dict[tuple[int, int], list[int]] = {}  # (optimizer group, id(comm group)) -> its buckets, in order
     for i in muon_buckets:
         b = buckets[i]
         group, rank, world = info[i]
         bm = _BucketMatrices(b.layout, group, rank, world,
                              [owner[(i, si)] for si in range(len(b.layout.slots))], b.param_shard().device)
         plan.buckets[id(masters[i])] = bm
+        units.setdefault((b.layout.group_index, id(group)), []).append(i)
+    for members in units.values():
+        bms = [plan.buckets[id(masters[i])] for i in members]
         if sharded:
-            optimizer.bind_orthogonalizer([masters[i]], _sharded(bm, plan, variant))
+            optimizer.bind_orthogonalizer([masters[i] for i in members],
+                                          _sharded(bms, _sharded_exchange(bms), plan, variant))
         else:
             assert opt_tensors is not None
-            optimizer.bind_orthogonalizer(opt_tensors[i], _replicated(bm, plan, variant))
+            tensors, index = [], []
+            for i in members:
+                index.append(list(range(len(tensors), len(tensors) + len(opt_tensors[i]))))
+                tensors += opt_tensors[i]
+            optimizer.bind_orthogonalizer(tensors, _replicated(bms, _replicated_exchange(bms, index), plan, variant))
     optimizer.shard_plan = plan
     return plan
 
 
-def _ns(piece: torch.Tensor, shape: tuple[int, ...], method: str, variant: str, plan: MuonShardPlan) -> torch.Tensor:
-    """``NS(U) * scale`` of one matrix, flat (a vector the user forced onto Muon passes through)."""
-    if len(shape) < 2:
-        return piece.reshape(-1)
-    plan.ns_flops_done += ns_flops(shape, method)
-    return (newton_schulz(piece.reshape(shape[0], -1), method, variant=variant) * muon_scale(shape)).reshape(-1)
+def _orthogonalize(buf: torch.Tensor, owned: list[_Owned], method: str, variant: str,
+                   plan: MuonShardPlan) -> torch.Tensor:
+    """``NS(U) * scale`` of every owned matrix of ``buf``, in the same layout.
+
+    One matrix at a time: stacking same-shape matrices into batched matmuls was measured slower on CPU
+    (torch 2.13, one thread: 16 matrices of the example GPT 94-118 ms looped, 160-187 ms batched).
+    """
+    out = torch.empty_like(buf)
+    for m in owned:
+        plan.ns_flops_done += ns_flops(m.shape, method)
+        # a fresh (aligned) copy: a reduction's rounding can depend on where a view starts, and the
+        # single process orthogonalises a tensor of its own
+        piece = buf.narrow(0, m.start, m.numel).view(m.shape[0], -1).clone()
+        out.narrow(0, m.start, m.numel).copy_((newton_schulz(piece, method, variant=variant)
+                                               * muon_scale(m.shape)).reshape(-1))
+    return out
 
 
-def _sharded(bm: _BucketMatrices, plan: MuonShardPlan, variant: str) -> Any:
-    layout = bm.layout
+def _all_to_all(send: torch.Tensor, recv_numel: int, send_splits: list[int], recv_splits: list[int],
+                device: torch.device, group: Any) -> torch.Tensor:
+    home = send.device
+    out = torch.empty(recv_numel, dtype=send.dtype, device=device)
+    comm.all_to_all_single(out, send.to(device), output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                           group=group)
+    return out.to(home)
+
+
+def _sharded(bms: list[_BucketMatrices], ex: _Exchange, plan: MuonShardPlan, variant: str) -> Any:
+    send_splits, recv_splits = ex.send_splits, ex.recv_splits
+    send_runs = [run for runs in ex.send for run in runs]
+    recv_runs = [run for runs in ex.recv for run in runs]
+    device, group = bms[0].device, bms[0].group
 
     def run(updates: list[torch.Tensor], group_settings: Mapping[str, Any]) -> list[torch.Tensor]:
-        (update,) = updates
-        method = group_settings["ns_method"]
-        home = update.device  # where the states live (host memory when offloaded)
-        full = torch.empty(layout.padded_numel, dtype=update.dtype, device=bm.device)
-        comm.all_gather(full, update.reshape(-1).to(bm.device), group=bm.group)
-        full = full.to(home)
-        out = torch.zeros_like(full)
-        for slot, owner in zip(layout.slots, bm.owners):
-            if owner == bm.rank:
-                piece = full.narrow(0, slot.offset, slot.numel)
-                out.narrow(0, slot.offset, slot.numel).copy_(_ns(piece, slot.shape, method, variant, plan))
-        mine = torch.empty(update.numel(), dtype=update.dtype, device=bm.device)
-        comm.reduce_scatter(mine, out.to(bm.device), group=bm.group)
-        return [mine.to(home).view_as(update)]
+        flats = [u.reshape(-1) for u in updates]
+        dtype, home = flats[0].dtype, flats[0].device  # where the states live (host memory when offloaded)
+        send = torch.empty(sum(send_splits), dtype=dtype, device=home)
+        at = 0
+        for k, start, n in send_runs:
+            send.narrow(0, at, n).copy_(flats[k].narrow(0, start, n))
+            at += n
+        got = _all_to_all(send, sum(recv_splits), send_splits, recv_splits, device, group)
+        owned = torch.empty(ex.owned_numel, dtype=dtype, device=home)
+        at = 0
+        for start, n in recv_runs:
+            owned.narrow(0, start, n).copy_(got.narrow(0, at, n))
+            at += n
+        result = _orthogonalize(owned, ex.owned, group_settings["ns_method"], variant, plan)
+        at = 0
+        for start, n in recv_runs:  # the way back: the same runs, read from the results
+            got.narrow(0, at, n).copy_(result.narrow(0, start, n))
+            at += n
+        back = _all_to_all(got, sum(send_splits), recv_splits, send_splits, device, group)
+        outs = [torch.zeros_like(f) for f in flats]  # padding stays zero
+        for k, start, n in ex.keep:
+            outs[k].narrow(0, start, n).copy_(flats[k].narrow(0, start, n))
+        at = 0
+        for k, start, n in send_runs:
+            outs[k].narrow(0, start, n).copy_(back.narrow(0, at, n))
+            at += n
+        return [o.view_as(u) for o, u in zip(outs, updates)]
 
     return run
 
 
-def _replicated(bm: _BucketMatrices, plan: MuonShardPlan, variant: str) -> Any:
-    layout = bm.layout
+def _replicated(bms: list[_BucketMatrices], ex: _Shares, plan: MuonShardPlan, variant: str) -> Any:
+    send_splits, recv_splits = ex.send_splits, ex.recv_splits
+    owned_numel = sum(n for _, n in ex.mine)
+    device, group = bms[0].device, bms[0].group
 
     def run(updates: list[torch.Tensor], group_settings: Mapping[str, Any]) -> list[torch.Tensor]:
-        method = group_settings["ns_method"]
-        home = updates[0].device
-        out = torch.zeros(layout.numel, dtype=updates[0].dtype, device=home)
-        for slot, owner, u in zip(layout.slots, bm.owners, updates):
-            if owner == bm.rank:
-                out.narrow(0, slot.offset, slot.numel).copy_(_ns(u, slot.shape, method, variant, plan))
-        shared = out.to(bm.device)
-        comm.all_reduce(shared, group=bm.group)  # one non-zero term per element: exact
-        shared = shared.to(home)
-        return [shared.narrow(0, slot.offset, slot.numel).view_as(u) for slot, u in zip(layout.slots, updates)]
+        dtype, home = updates[0].dtype, updates[0].device
+        owned = torch.empty(owned_numel, dtype=dtype, device=home)
+        at = 0
+        for t, n in ex.mine:
+            owned.narrow(0, at, n).copy_(updates[t].reshape(-1))
+            at += n
+        result = _orthogonalize(owned, ex.owned, group_settings["ns_method"], variant, plan)
+        got = _all_to_all(result.repeat(len(send_splits) - 1), sum(recv_splits), send_splits, recv_splits,
+                          device, group)  # this rank's results to every other rank, theirs to this one
+        outs: list[torch.Tensor] = list(updates)  # vectors on Muon pass through
+        at = 0
+        for t, n in ex.mine:
+            outs[t] = result.narrow(0, at, n).view_as(updates[t])
+            at += n
+        at = 0
+        for runs in ex.theirs:
+            for t, n in runs:
+                outs[t] = got.narrow(0, at, n).view_as(updates[t])
+                at += n
+        return outs
 
     return run
