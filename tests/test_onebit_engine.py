@@ -75,8 +75,8 @@ def test_after_warm_up_only_compressed_momenta_travel():
 @pytest.mark.skipif(not ONEBIT_ADAM, reason="the shared DeepSpeedExamples configs are not in /work/shared/ds_configs")
 @pytest.mark.parametrize("path", ONEBIT_ADAM, ids=[p.name[:40] for p in ONEBIT_ADAM])
 def test_published_1bit_adam_configs_run(path):
-    got = run_distributed(shared_config_run, 2, str(path), 2, 4, timeout=250)[0]
-    assert got["global_steps"] == 4 and all(torch.isfinite(torch.tensor(got["losses"])))
+    got = run_distributed(shared_config_run, 2, str(path), 1, 2, timeout=250)[0]  # warm-up 1, then 1-bit
+    assert got["global_steps"] == 2 and all(torch.isfinite(torch.tensor(got["losses"])))
 
 
 def _stage_1(allow: bool) -> None:
