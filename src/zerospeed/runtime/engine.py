@@ -316,8 +316,9 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
                     [round(x, 8) for x in self.get_lr()], self._grad_norm, self.loss_scaler.scale)
         if cfg.comms_logger.enabled:
             for op, d in sorted(self.last_step_comms.items()):
-                logger.info("comms %s: %d calls, %d elements, %.3f MB this step", op, d["count"], d["elements"],
-                            d["bytes"] / 1e6)
+                logger.info("comms %s: %d calls, %d elements, %.3f MB this step; sent %.3f MB inside the host, "
+                            "%.3f MB across hosts", op, d["count"], d["elements"], d["bytes"] / 1e6,
+                            d.get("intra_host_bytes", 0) / 1e6, d.get("inter_host_bytes", 0) / 1e6)
         if cfg.wall_clock_breakdown:
             logger.info("time (s, cumulative): forward=%.3f backward=%.3f step=%.3f", self._timers["forward"],
                         self._timers["backward"], self._timers["step"])
