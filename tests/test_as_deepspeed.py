@@ -34,10 +34,10 @@ LIBRARY_PATHS = [
                    "__version__"]),
     ("deepspeed.zero", ["Init", "GatheredParameters", "register_external_parameter"]),
     ("deepspeed.comm", ["get_rank", "init_distributed", "is_initialized"]),
-    ("deepspeed.utils", ["logger", "groups", "set_z3_leaf_modules", "safe_get_full_grad"]),
+    ("deepspeed.utils", ["logger", "groups"]),
     ("deepspeed.utils.groups", []),
     ("deepspeed.accelerator", ["get_accelerator"]),
-    ("deepspeed.runtime.engine", ["DeepSpeedEngine"]),
+    ("deepspeed.runtime.engine", []),
     ("deepspeed.runtime.zero", ["GatheredParameters"]),
     ("deepspeed.runtime.zero.partition_parameters", ["ZeroParamStatus"]),
     ("deepspeed.runtime.lr_schedules", ["VALID_LR_SCHEDULES"]),
@@ -49,6 +49,13 @@ LIBRARY_PATHS = [
     ("deepspeed.launcher.runner", ["DEEPSPEED_ENVIRONMENT_NAME"]),
     ("deepspeed.checkpoint.utils", ["clone_tensors_for_torch_save"]),
 ]
+
+#: names those libraries import that zerospeed does not build yet: importing them fails with Python's one line naming
+#: the name (``cannot import name ...``); when one is built, move it to LIBRARY_PATHS (this test then says so).
+#: set_z3_leaf_modules: Accelerate, only for MoE models it lists; safe_get_full_grad: PEFT's AdaLoRA at ZeRO-3;
+#: runtime.engine.DeepSpeedEngine: TRL's generation unwrapping (the top-level deepspeed.DeepSpeedEngine exists).
+NOT_BUILT = [("deepspeed.utils", "set_z3_leaf_modules"), ("deepspeed.utils", "safe_get_full_grad"),
+             ("deepspeed.runtime.engine", "DeepSpeedEngine")]
 
 
 def _env(**extra):
@@ -81,7 +88,7 @@ def fake_deepspeed(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_libraries_find_zerospeed_and_import_every_path():
-    checks = repr(LIBRARY_PATHS)
+    checks, not_built = repr(LIBRARY_PATHS), repr(NOT_BUILT)
     code = f"""
         import importlib, importlib.util, importlib.metadata, os
         import zerospeed
@@ -106,6 +113,13 @@ def test_libraries_find_zerospeed_and_import_every_path():
                 continue
             missing += [f"{{module}}.{{n}}" for n in names if not hasattr(m, n)]
         assert not missing, missing
+        for module, name in {not_built}:
+            try:
+                exec(f"from {{module}} import {{name}}")
+            except ImportError as exc:
+                assert f"cannot import name '{{name}}'" in str(exc), exc
+            else:
+                raise AssertionError(f"{{module}}.{{name}} is built now: move it to LIBRARY_PATHS")
         assert os.path.isdir(os.environ["ZEROSPEED_AS_DEEPSPEED_DIR"])
         print("DIR", os.environ["ZEROSPEED_AS_DEEPSPEED_DIR"])
     """
@@ -221,3 +235,27 @@ def test_launcher_exit_status_and_bad_command():
     assert empty.returncode == 2 and "no command given" in empty.stderr
     bad = _run(CLI + ["--frce", "python"])
     assert bad.returncode == 2 and "unknown option '--frce'" in bad.stderr
+
+
+def test_cpu_optimizer_names_are_torch_optimizers_with_deepspeeds_signature():
+    import torch
+
+    from zerospeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from zerospeed.ops.lion import DeepSpeedCPULion, Lion
+
+    def run(make):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(5))
+        opt = make([p])
+        for i in range(3):
+            p.grad = torch.sin(torch.arange(5.0) + i)
+            opt.step()
+        return p.detach()
+
+    assert torch.equal(run(lambda ps: DeepSpeedCPUAdagrad(ps, lr=0.1)), run(lambda ps: torch.optim.Adagrad(ps, lr=0.1,
+                                                                                                         eps=1e-10)))
+    assert torch.equal(run(lambda ps: DeepSpeedCPULion(ps, lr=0.1)), run(lambda ps: Lion(ps, lr=0.1)))
+    with pytest.raises(ValueError, match="fp32_optimizer_states=False"):
+        DeepSpeedCPUAdagrad([torch.nn.Parameter(torch.ones(1))], fp32_optimizer_states=False)
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        DeepSpeedCPUAdagrad([torch.nn.Parameter(torch.ones(1))], amsgrad=True)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["Lion"]
+__all__ = ["DeepSpeedCPULion", "Lion"]
 
 
 class Lion(torch.optim.Optimizer):
@@ -51,3 +51,14 @@ class Lion(torch.optim.Optimizer):
                 p.add_(c.sign_(), alpha=-lr)
                 m.mul_(beta2).add_(g, alpha=1 - beta2)
         return loss
+
+
+class DeepSpeedCPULion(Lion):
+    """DeepSpeed's ``deepspeed.ops.lion.DeepSpeedCPULion`` (Accelerate maps ``torch`` Lion to it under CPU offload):
+    :class:`Lion`, whose states are fp32 (``fp32_optimizer_states=False`` is refused rather than ignored)."""
+
+    def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0.0, fp32_optimizer_states: bool = True) -> None:
+        if not fp32_optimizer_states:
+            raise ValueError("DeepSpeedCPULion: fp32_optimizer_states=False is not supported (states are fp32)")
+        super().__init__(model_params, lr=lr, betas=betas, weight_decay=weight_decay)
