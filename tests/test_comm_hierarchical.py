@@ -50,7 +50,7 @@ def _simulated(inputs: list[torch.Tensor], hierarchical: bool) -> torch.Tensor:
 
 
 @pytest.mark.timeout(120)
-def test_hierarchical_equals_flat_bit_exactly_on_exact_sums():
+def test_hierarchical_equals_flat_bit_exactly_on_exact_sums_and_link_bytes():
     hier = run_distributed(collectives, WORLD, PER_HOST, N, True, True, timeout=100)
     flat = run_distributed(collectives, WORLD, PER_HOST, N, True, False, timeout=100)
     for rank in range(WORLD):
@@ -62,6 +62,7 @@ def test_hierarchical_equals_flat_bit_exactly_on_exact_sums():
         assert torch.equal(hier[rank]["shard"], total[rank * N:(rank + 1) * N])
         assert torch.equal(hier[rank]["summed"], total[: WORLD * N - 3])
         assert torch.equal(hier[rank]["gathered"], torch.cat([rank_input(N, True, rank=r) for r in range(WORLD)]))
+    _check_link_bytes(hier, flat)
 
 
 @pytest.mark.timeout(120)
@@ -80,10 +81,7 @@ def test_hierarchical_matches_its_simulation_and_flat_within_the_bound():
         assert torch.equal(hier[rank]["summed"], hier[0]["summed"])  # every rank holds the same bits
 
 
-@pytest.mark.timeout(120)
-def test_link_bytes_of_each_collective():
-    hier = run_distributed(collectives, WORLD, PER_HOST, N, True, True, timeout=100)
-    flat = run_distributed(collectives, WORLD, PER_HOST, N, True, False, timeout=100)
+def _check_link_bytes(hier: list[dict], flat: list[dict]) -> None:
     message = WORLD * N * 4
     # two-level: a host's link carries (H-1)/H = half of the message per direction, per pass
     assert _host_link_bytes(hier, ("reduce_scatter",)) == message
