@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -32,6 +33,17 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "sp_worker.py"
 BENCH_PY = Path(os.environ.get("BENCH_PYTHON", ROOT / ".venv-bench" / "bin" / "python"))
 MIB = 1 << 20
+#: trials read back from an earlier run's log (--reuse_log): (impl, sp, mode, seq) -> {"ok", "activation_mib"}
+REUSED: dict[tuple[str, int, str, int], dict] = {}
+_LOG_LINE = re.compile(r"^\[sp_bench\] (\w+) sp=(\d+) (\S+) seq=(\d+): ([\d.]+) MiB$")
+
+
+def read_log(path: str) -> None:
+    for line in Path(path).read_text(errors="replace").splitlines():
+        m = _LOG_LINE.match(line.strip())
+        if m:
+            impl, sp, mode, seq, mib = m.groups()
+            REUSED[(impl, int(sp), mode, int(seq))] = {"ok": True, "activation_mib": float(mib), "reused": True}
 
 
 def trial(impl: str, sp: int, seq: int, mode: str, steps: int = 1, timeout_s: float = 600) -> dict:
@@ -60,7 +72,7 @@ def longest(impl: str, sp: int, mode: str, budget_mib: float, granularity: int, 
 
     def fits(seq: int) -> bool:
         if seq not in tried:
-            tried[seq] = trial(impl, sp, seq, mode)
+            tried[seq] = REUSED.get((impl, sp, mode, seq)) or trial(impl, sp, seq, mode, timeout_s=420)
             r = tried[seq]
             print(f"[sp_bench] {impl} sp={sp} {mode} seq={seq}: "
                   f"{'%.0f MiB' % r['activation_mib'] if r['ok'] else r['error']}", flush=True)
@@ -114,6 +126,7 @@ def main() -> None:
     p.add_argument("--modes", default="plain,tiled+ckpt")
     p.add_argument("--impls", default="zerospeed,deepspeed")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--reuse_log", help="an earlier run's output: its trials are not run again (named in the notes)")
     args = p.parse_args()
     sps = [int(s) for s in args.sps.split(",")]
     impls = args.impls.split(",")
@@ -121,6 +134,8 @@ def main() -> None:
         sps, impls = [1, 2], ["zerospeed"]
     if "deepspeed" in impls and not BENCH_PY.exists():
         impls.remove("deepspeed")
+    if args.reuse_log:
+        read_log(args.reuse_log)
     rows = []
     for mode in args.modes.split(","):
         for impl in impls:
@@ -138,6 +153,9 @@ def main() -> None:
                          "tokens_per_s_per_rank": round(args.fixed_per_rank / step, 1) if step else None,
                          "loss": r.get("loss"), "error": r.get("error")})
     notes = []
+    if args.reuse_log:
+        notes.append(f"{len(REUSED)} trials were read back from an earlier run of this script on this machine "
+                     f"({args.reuse_log}, same parameters) instead of being run again")
     for impl in impls:
         for mode in args.modes.split(","):
             got = {r["sp"]: r["longest_seq"] for r in rows if r["table"] == "longest" and r["impl"] == impl
