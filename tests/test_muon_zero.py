@@ -58,6 +58,11 @@ def test_newton_schulz_flops_are_spread_over_ranks(stage):
     assert sum(done) == total * steps
     for d in done:
         assert d == total * steps // 2
+    # one exchange per unit (all Muon buckets of the group), not collectives per bucket: stages 1-3 send the
+    # owners their pieces and the results back (2 all-to-alls), stage 0 the owners' results (1)
+    for r in results:
+        assert r["step_ops"].get("all_to_all") == (1 if stage == 0 else 2)
+        assert "reduce_scatter" not in r["step_ops"]
 
 
 def _deep_run(stage):
@@ -73,14 +78,19 @@ def _deep_run(stage):
            "optimizer": {"type": "Muon", "params": {"lr": 0.01}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 600, "allgather_bucket_size": 600}}
     engine, opt, _, _ = zerospeed.initialize(model=model, config=cfg)
+    from zerospeed.comm.counter import COUNTER
+
     rank = dist.get_rank()
     for step in range(2):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step)).chunk(2)[rank]
         loss = engine(x).square().mean()
         engine.backward(loss)
+        COUNTER.reset()
         engine.step()
+        step_ops = {k: v.count for k, v in COUNTER.ops.items() if v.count}
     plan = opt.shard_plan
-    return {"ns_flops_total": plan.ns_flops_total, "ns_flops_done": plan.ns_flops_done, "steps": 2}
+    return {"ns_flops_total": plan.ns_flops_total, "ns_flops_done": plan.ns_flops_done, "steps": 2,
+            "step_ops": step_ops}
 
 
 @pytest.mark.timeout(300)
