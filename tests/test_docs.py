@@ -1,21 +1,25 @@
 """Issue #33: the docs site builds with warnings as errors, its generated config reference covers every key the
-schema accepts, and the Getting-started script runs as written under the launcher with 2 processes."""
+schema accepts, the Getting-started script runs as written under the launcher with 2 processes, and the built site
+works in headless Chromium."""
 
 from __future__ import annotations
 
+import functools
+import http.server
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
+import typing
 from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
 from zerospeed.config import removed
-import typing
-
 from zerospeed.config.loader import _field_keys
 from zerospeed.config.normalize import ALIASES
 from zerospeed.config.schema import ZeroSpeedConfig
@@ -81,13 +85,21 @@ def test_migration_tables_list_every_removed_and_unbuilt_key() -> None:
         assert f"| `{key}` |" in text
 
 
-@pytest.mark.timeout(300)
-def test_docs_build_strict(tmp_path: Path) -> None:
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built once for this module's tests (mkdocs build --strict: any warning fails it)."""
+    site = tmp_path_factory.mktemp("site")
     env = dict(os.environ, OMP_NUM_THREADS="1", NO_MKDOCS_2_WARNING="1")
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
-                          "-d", str(site)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+                          "-d", str(site)], cwd=tmp_path_factory.getbasetemp(), env=env, capture_output=True,
+                         text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return site
+
+
+@pytest.mark.timeout(300)
+def test_docs_build_strict(built_site: Path) -> None:
+    site = built_site
     for page in ("index.html", "migration/index.html", "errors/index.html", "reference/config/index.html",
                  "reference/cli/index.html", "api/index.html"):
         assert (site / page).is_file(), page
@@ -106,3 +118,48 @@ def test_getting_started_script_runs_under_the_launcher(tmp_path: Path) -> None:
                          timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "16 steps, last loss" in out.stdout
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+PAGES = ("", "migration/", "errors/", "reference/config/", "reference/cli/", "api/")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(CHROMIUM is None, reason="the browser check needs Debian's chromium (apt-get install chromium)")
+def test_pages_load_search_finds_a_key_and_home_is_screenshotted(built_site: Path, tmp_path: Path) -> None:
+    """Headless Chromium (Debian's chromium driven by Playwright's pip package, which downloads no browser): every
+    page loads without console errors, the search finds a config key, and the home page is screenshotted
+    (docs/screenshots/home.png is the committed copy of one such screenshot, 1280x900)."""
+    from playwright.sync_api import sync_playwright
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(built_site)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    site = f"http://127.0.0.1:{server.server_address[1]}/"
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        page.on("console", lambda msg: errors.append(f"{page.url}: {msg.text}") if msg.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(f"{page.url}: {exc}"))
+        for path in PAGES:
+            response = page.goto(site + path, wait_until="networkidle")
+            assert response is not None and response.status == 200, path
+        assert errors == []
+        page.goto(site, wait_until="networkidle")
+        shot = tmp_path / "home.png"
+        page.screenshot(path=str(shot))
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        search = page.locator("input.md-search__input")
+        search.click()
+        page.keyboard.type("max_seconds", delay=20)  # a key inside autotuning.max_seconds
+        result = page.locator(".md-search-result__item").first
+        result.wait_for(timeout=60000)
+        assert "reference/config" in (result.locator("a").first.get_attribute("href") or "")
+        assert errors == []
+        browser.close()
+    server.shutdown()
