@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures", "deepspeed")
 sys.path.insert(0, FIXTURES)
 
-from tiny_model import batch, config, make_model  # noqa: E402
+from tiny_model import batch, config, make_model, param_groups  # noqa: E402
 
 from checkpoint_cases import shard_state  # noqa: E402
 
@@ -26,11 +26,13 @@ def zs_config(stage: int, precision: str, world: int, offload: bool = False) -> 
     return cfg
 
 
-def build(cfg: dict, seed: int = 99):
+def build(cfg: dict, seed: int = 99, groups: bool = False):
+    """The fixture model; ``groups``: with tiny_model.param_groups, as the ``*_groups`` fixtures trained."""
     import zerospeed
 
     model = make_model(seed)
-    engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    params = param_groups(model) if groups else model.parameters()
+    engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=params, config=cfg)
     return engine
 
 
@@ -50,8 +52,8 @@ def train(engine, first: int, num: int) -> list[float]:
     return losses
 
 
-def resume_case(cfg: dict, load_dir: str, num_steps: int, **load_kwargs) -> dict:
-    engine = build(cfg)
+def resume_case(cfg: dict, load_dir: str, num_steps: int, groups: bool = False, **load_kwargs) -> dict:
+    engine = build(cfg, groups=groups)
     path, client = engine.load_checkpoint(load_dir, **load_kwargs)
     state = shard_state(engine)
     scaler = getattr(engine, "loss_scaler", None)
@@ -90,7 +92,8 @@ class Wrapped(torch.nn.Module):
 
 def resume_many(items: list[tuple[str, dict, int, dict]]) -> list[dict]:
     """``resume_case`` for several (fixture, config, steps, load options) in one set of processes."""
-    return [resume_case(cfg, os.path.join(FIXTURES, case, "ckpt"), steps, **opts) for case, cfg, steps, opts in items]
+    return [resume_case(cfg, os.path.join(FIXTURES, case, "ckpt"), steps, groups=case.endswith("_groups"), **opts)
+            for case, cfg, steps, opts in items]
 
 
 def mismatch_case(cfg: dict, load_dir: str) -> str:

@@ -90,7 +90,7 @@ def test_every_fixture_resumes_at_its_stage_on_two_ranks() -> None:
 RESHARD = {
     1: [("zero2_fp32", 0, False), ("zero3_fp32", 2, False), ("zero0_fp32", 1, True), ("zero1_bf16", 3, False)],
     4: [("zero2_fp32", 3, False), ("zero3_fp32", 1, False), ("zero0_fp32", 2, True), ("zero3_bf16", 2, False),
-        ("zero3_fp32_universal", 1, False)],
+        ("zero3_fp32_universal", 1, False), ("zero3_fp32_groups", 2, False), ("zero2_fp32_groups", 3, False)],
 }
 
 

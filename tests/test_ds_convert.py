@@ -48,7 +48,8 @@ def _same(a, b, where: str) -> None:
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
-@pytest.mark.parametrize("case,stage", [("zero1_fp32", 1), ("zero2_bf16", 2), ("zero2_fp32", 2)])
+@pytest.mark.parametrize("case,stage", [("zero1_fp32", 1), ("zero2_bf16", 2), ("zero2_fp32", 2),
+                                        ("zero2_fp32_groups", 2)])
 def test_rewritten_deepspeed_folder_equals_deepspeeds_own(tmp_path, case: str, stage: int) -> None:
     out = write_deepspeed(os.path.join(FIXTURES, case, "ckpt"), str(tmp_path), 2, stage)
     orig = os.path.join(FIXTURES, case, "ckpt", "global_step3")
@@ -59,22 +60,24 @@ def test_rewritten_deepspeed_folder_equals_deepspeeds_own(tmp_path, case: str, s
         assert f.read() == "global_step3"
 
 
-@pytest.mark.parametrize("case", ["zero3_fp32", "zero3_bf16"])
+@pytest.mark.parametrize("case", ["zero3_fp32", "zero3_bf16", "zero3_fp32_groups"])
 def test_rewritten_zero3_folder(tmp_path, case: str) -> None:
     out = write_deepspeed(os.path.join(FIXTURES, case, "ckpt"), str(tmp_path), 2, 3)
     orig = os.path.join(FIXTURES, case, "ckpt", "global_step3")
     assert sorted(os.listdir(out)) == sorted(os.listdir(orig))
     prefix = "bf16_" if case.endswith("bf16") else ""
-    numels = [s.numel() for s in load_pickle(os.path.join(out, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
-              ["param_shapes"][0].values()]
+    groups = [[s.numel() for s in g.values()] for g in
+              load_pickle(os.path.join(out, "zero_pp_rank_0_mp_rank_00_model_states.pt"))["param_shapes"]]
     for rank in (0, 1):
         name = f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         a, b = (load_pickle(os.path.join(d, name))["optimizer_state_dict"] for d in (orig, out))
         assert b["loss_scaler"].as_dict() == {"cur_scale": 1.0, "dynamic": False}  # DeepSpeed's class, read back
-        # DeepSpeed leaves the padding of a rank's last partial part of each parameter uninitialised
-        keep = torch.cat([torch.arange(math.ceil(n / 2)) < n - rank * math.ceil(n / 2) for n in numels])
-        fa, fb = a.pop("fp32_flat_groups")[0], b.pop("fp32_flat_groups")[0]
-        assert torch.equal(fa[keep], fb[keep]) and not fb[~keep].any(), name
+        flats_a, flats_b = a.pop("fp32_flat_groups"), b.pop("fp32_flat_groups")
+        assert len(flats_a) == len(flats_b) == len(groups)
+        for numels, fa, fb in zip(groups, flats_a, flats_b):
+            # DeepSpeed leaves the padding of a rank's last partial part of each parameter uninitialised
+            keep = torch.cat([torch.arange(math.ceil(n / 2)) < n - rank * math.ceil(n / 2) for n in numels])
+            assert torch.equal(fa[keep], fb[keep]) and not fb[~keep].any(), name
         a.pop("loss_scaler"), b.pop("loss_scaler")
         _same(a, b, name)
         model = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"

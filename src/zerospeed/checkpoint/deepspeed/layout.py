@@ -90,10 +90,13 @@ class _Builder:
         self.shards.append(_Shard(file, prefix, kinds))
         return len(self.shards) - 1
 
-    def add_param(self, name: str, shape: Iterable[int], dtype: torch.dtype, kind: str) -> None:
+    def add_param(self, name: str, shape: Iterable[int], dtype: torch.dtype, kind: str,
+                  group: int | None = None) -> None:
+        """``group``: the optimizer group (parameters are added in the group's own order)."""
         if name in self.params:
             raise DeepSpeedLayoutError(f"{self.directory}: parameter {name!r} appears twice in the folder's layout")
-        self.params[name] = {"shape": [int(d) for d in shape], "dtype": dtype_name(dtype), "kind": kind, "pieces": []}
+        self.params[name] = {"shape": [int(d) for d in shape], "dtype": dtype_name(dtype), "kind": kind, "pieces": [],
+                             "group": group, "order": len(self.params)}
 
     def add_piece(self, name: str, shard: int, key_offset: int, param_start: int, numel: int) -> None:
         if numel > 0:
@@ -293,7 +296,7 @@ class DeepSpeedFolder:
         for g, group_shapes in enumerate(shapes):
             names = [str(n) for n in group_shapes]
             for n in names:
-                self._b.add_param(n, group_shapes[n], torch.float32, "param")
+                self._b.add_param(n, group_shapes[n], torch.float32, "param", g)
             lengths = []
             for r, f in enumerate(files):
                 parts = _need(self._osd(f), "single_partition_of_fp32_groups", self.files.path(f), list)
@@ -362,10 +365,11 @@ class DeepSpeedFolder:
         inner = _need(first, "optimizer_state_dict", where0, dict)
         self._set_groups(_need(inner, "param_groups", where0, list)[:len(shapes)], where0)
         ordered = [(str(n), s) for group in shapes for n, s in group.items()]
+        group_of = {str(n): g for g, group in enumerate(shapes) for n in group}
         world = self.dp_world_size
         per_rank = sum(math.ceil(_numel(s) / world) for _, s in ordered)
         for n, s in ordered:
-            self._b.add_param(n, s, torch.float32, "param")
+            self._b.add_param(n, s, torch.float32, "param", group_of[n])
         for r, f in enumerate(files):
             where = self.files.path(f)
             osd = self._osd(f)
@@ -446,7 +450,7 @@ class DeepSpeedFolder:
                     "weight": lambda fp32=fp32, shape=shape: tensor_of(fp32, shape).to(self.weight_dtype)}
                 for k in keys:
                     kinds[f"optim.{k}"] = lambda rel=os.path.join(folder, f"{k}.pt"), shape=shape: tensor_of(rel, shape)
-                self._b.add_param(name, shape, torch.float32, "param")
+                self._b.add_param(name, shape, torch.float32, "param", g)
                 shard = self._b.add_shard(self.model_file, f"u.{name}", kinds)
                 self._b.add_piece(name, shard, 0, 0, _numel(shape))
                 step_file = os.path.join(folder, "step.pt")
@@ -485,7 +489,7 @@ class DeepSpeedFolder:
         offset = 0
         for n in names:
             t = module[n]
-            self._b.add_param(n, t.shape, t.dtype, "param")
+            self._b.add_param(n, t.shape, t.dtype, "param", 0)
             self._b.add_piece(n, shard, offset, 0, t.numel())
             self.scalar_group[n] = 0
             offset += t.numel()
@@ -518,10 +522,10 @@ class DeepSpeedFolder:
                     self.scalars[("g", gi)] = _step_scalar(last)
         for n in names:
             t = module[n]
-            self._b.add_param(n, t.shape, t.dtype, "param")
+            gi, i = index_of.get(n, (0, -1))
+            self._b.add_param(n, t.shape, t.dtype, "param", gi)
             kinds: dict[str, Callable[[], torch.Tensor]] = {"weight": lambda n=n: module[n].reshape(-1)}
             kinds["master"] = kinds["weight"]
-            gi, i = index_of.get(n, (0, -1))
             st = state.get(i) or {}
             for k in _moment_keys(st):
                 kinds[f"optim.{k}"] = lambda k=k, st=st: st[k].reshape(-1)

@@ -51,7 +51,9 @@ FUSED_ADAM_DEFAULTS = {"lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999
 
 
 def _groups(ft: FullTensors) -> tuple[list[list[str]], list[str]]:
-    """Trainable parameter names per optimizer group (state_dict order) and the buffer names."""
+    """Trainable parameter names per optimizer group and the buffer names. Within a group: the source's order
+    where it records one (a DeepSpeed folder's param_shapes), else state_dict order (DeepSpeed rebuilds its
+    flat groups from the order of the user's param groups, which is module order unless built otherwise)."""
     groups: dict[int, list[str]] = {}
     buffers: list[str] = []
     seen: set[str] = set()
@@ -69,7 +71,8 @@ def _groups(ft: FullTensors) -> tuple[list[list[str]], list[str]]:
                                             "DeepSpeed's layout is not supported yet")
         else:
             groups.setdefault(int(info.get("group") or 0), []).append(key)
-    return [groups[g] for g in sorted(groups)], buffers
+    order = {k: ft.index.params[k].get("order", i) for i, k in enumerate(ft.keys) if k in ft.index.params}
+    return [sorted(groups[g], key=lambda k: order.get(k, 0)) for g in sorted(groups)], buffers
 
 
 def _param_groups(ft: FullTensors, num_groups: int) -> list[dict[str, Any]]:
