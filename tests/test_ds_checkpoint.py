@@ -246,3 +246,14 @@ def test_latest_names_a_missing_tag(tmp_path) -> None:
 
     with pytest.raises(CheckpointNotFoundError, match="global_step9"):
         resolve(d, None)
+
+
+@pytest.mark.parametrize("extra,what", [("layer_01-model_00-model_states.pt", "pipeline-parallel"),
+                                        ("mp_rank_01_model_states.pt", "tensor-parallel")])
+def test_layouts_not_read_yet_are_named(tmp_path, extra: str, what: str) -> None:
+    from zerospeed.checkpoint.deepspeed import DeepSpeedUnsupportedError
+
+    d = os.path.join(_copy("zero0_fp32", tmp_path), "global_step3")
+    shutil.copy(os.path.join(d, "mp_rank_00_model_states.pt"), os.path.join(d, extra))
+    with pytest.raises(DeepSpeedUnsupportedError, match=f"^{d}: a {what} DeepSpeed folder"):
+        open_folder(d)
