@@ -188,3 +188,24 @@ def _offload_run(name, offload):
         engine.step()
         losses.append(loss.item())
     return {"losses": losses, "weights": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["Lion", "NAdam"])
+def test_host_held_optimizer_with_nvme_is_one_line(name, tmp_path):
+    # only the Adam tier swaps states to NVMe; the others' states stay in host memory (device cpu)
+    from zerospeed.testing.distributed import DistributedTestError
+
+    with pytest.raises(DistributedTestError) as err:
+        run_distributed(_nvme_init, 1, name, str(tmp_path), timeout=100)
+    line = [ln for ln in str(err.value).splitlines() if "ConfigError:" in ln][-1]
+    assert f"zero_optimization.offload_optimizer.device: 'nvme' with {name} is not built yet" in line
+
+
+def _nvme_init(name, nvme_path):
+    import zerospeed
+
+    zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}}
+    cfg = {"train_batch_size": GLOBAL_BATCH, "steps_per_print": 0,
+           "optimizer": {"type": name, "params": CASES[name]}, "zero_optimization": zero}
+    zerospeed.initialize(model=make_model(), config=cfg)
