@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from zerospeed.utils import extras
+from zerospeed.config import extras
 
 ROOT = Path(__file__).resolve().parents[1]
 

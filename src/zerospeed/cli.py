@@ -24,7 +24,7 @@ from zerospeed.launcher import commands
 
 def serve(argv: Sequence[str]) -> int:
     """``zerospeed serve ARGS``."""
-    from zerospeed.utils.extras import MissingExtraError
+    from zerospeed.config.extras import MissingExtraError
 
     try:
         from zerospeed.inference.serving.cli import main as serve_main

@@ -28,7 +28,7 @@ from zerospeed.autotuning.experiment import CONFIG_FLAGS, ExperimentRunner, repl
 from zerospeed.autotuning.space import SpaceError, split_space
 from zerospeed.autotuning.tuners import TUNER_PACKAGES
 from zerospeed.config.autotuning import AutotuningConfig
-from zerospeed.utils import extras
+from zerospeed.config import extras
 
 EXIT_USAGE = 2
 EXIT_NOTHING_FOUND = 1

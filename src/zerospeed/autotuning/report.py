@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from zerospeed.autotuning.experiment import Result
-from zerospeed.utils import extras
+from zerospeed.config import extras
 
 
 def _atomic(path: Path, text: str) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zerospeed.utils import extras
+from zerospeed.config import extras
 
 Evaluate = Callable[[dict[str, Any]], float | None]
 
@@ -213,7 +213,7 @@ TUNERS: dict[str, type[Tuner]] = {"gridsearch": GridSearchTuner, "random": Rando
                                   "cost_model": CostModelTuner}
 
 
-#: the optional package each tuner needs (checked before any experiment runs: zerospeed.utils.extras)
+#: the optional package each tuner needs (checked before any experiment runs: zerospeed.config.extras)
 TUNER_PACKAGES: dict[str, tuple[str, ...]] = {"model_based": ("optuna",), "cost_model": ("sklearn",)}
 
 

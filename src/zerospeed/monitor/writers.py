@@ -22,7 +22,7 @@ import csv
 import os
 from typing import Any, Sequence
 
-from zerospeed.utils import extras
+from zerospeed.config import extras
 
 Event = tuple[str, float, int]
 

@@ -7,7 +7,7 @@ that owns the engine), ``generation`` (one HTTP request's engine work), ``metric
 ``tensor_parallel`` (ranks through torchrun).
 """
 
-from zerospeed.utils.extras import check as _check_extra
+from zerospeed.config.extras import check as _check_extra
 
 _check_extra("fastapi", "uvicorn", "prometheus_client", feature="zerospeed serve")  # one line, not fastapi's traceback
 from zerospeed.inference.serving.server import ServeError, ServerHandle, serve  # noqa: E402

@@ -46,7 +46,7 @@ def check(*packages: str, feature: str) -> None:
     not installed."""
     for package in packages:
         if package not in EXTRAS:
-            raise KeyError(f"zerospeed.utils.extras: {package!r} is not an optional dependency (EXTRAS)")
+            raise KeyError(f"zerospeed.config.extras: {package!r} is not an optional dependency (EXTRAS)")
         if importlib.util.find_spec(package) is None:
             raise MissingExtraError(missing_message(package, feature)) from None
 
