@@ -46,3 +46,11 @@ def test_step_lines_print_every_steps_per_print(prelude: str) -> None:
 def test_an_application_level_is_kept() -> None:
     text = _run("import logging; logging.getLogger('zerospeed').setLevel(logging.WARNING)", 1)
     assert "step=" not in text
+
+
+def test_log_dist_names_its_caller(caplog: pytest.LogCaptureFixture) -> None:
+    from zerospeed.utils import log_dist
+
+    with caplog.at_level("INFO", logger="zerospeed"):
+        log_dist("hello", ranks=[0])
+    assert [(r.filename, r.getMessage()) for r in caplog.records] == [("test_steps_per_print.py", "[Rank -1] hello")]

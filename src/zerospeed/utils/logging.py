@@ -45,4 +45,4 @@ def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logg
         rank = comm.get_rank()
         should = bool(wanted) and (wanted[0] == -1 or rank in set(wanted))
     if should:
-        logger.log(level, "[Rank %d] %s", rank, message)
+        logger.log(level, "[Rank %d] %s", rank, message, stacklevel=2)  # the caller's file:line, not this one
