@@ -68,3 +68,30 @@ def shared_config_run(path: str, freeze: int, steps: int) -> dict:
             engine.step()
         losses.append(float(loss))
     return {"losses": losses, "global_steps": engine.global_steps}
+
+
+def checkpoint_resume(ckpt: str, freeze: int, steps: int, save_at: int) -> dict:
+    """Train ``steps`` steps saving at ``save_at`` (after the warm-up), then a fresh engine loads that checkpoint and
+    trains the rest: both final weights."""
+    import zerospeed
+
+    def build():
+        cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 0, "gradient_clipping": 0.0,
+               "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": freeze}}}
+        return zerospeed.initialize(model=model(), config=cfg)[0]
+
+    def train(engine, start: int, stop: int) -> None:
+        for step in range(start, stop):
+            x, y = batch(step, dist.get_rank())
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+            engine.step()
+
+    first = build()
+    train(first, 0, save_at)
+    first.save_checkpoint(ckpt)
+    train(first, save_at, steps)
+    second = build()
+    second.load_checkpoint(ckpt)
+    train(second, save_at, steps)
+    return {"straight": {k: v.clone() for k, v in first.module.state_dict().items()},
+            "resumed": {k: v.clone() for k, v in second.module.state_dict().items()}}

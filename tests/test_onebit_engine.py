@@ -100,3 +100,15 @@ def test_refusals():
     for name in ("ZeroOneAdam", "OneBitLamb"):
         with pytest.raises(ConfigError, match=f"'{name}': not supported by zerospeed yet"):
             load_config({"train_batch_size": 2, "optimizer": {"type": name}})
+
+
+@pytest.mark.timeout(120)
+def test_engine_checkpoint_during_warm_up_resumes_bit_for_bit_and_after_it_is_refused(tmp_path):
+    from onebit_engine_cases import checkpoint_resume
+
+    got = run_distributed(checkpoint_resume, 2, str(tmp_path / "ckpt"), 3, 6, 2, timeout=100)  # saved at step 2 of 3
+    for r in got:
+        for k, v in r["straight"].items():
+            assert torch.equal(r["resumed"][k], v), k
+    with pytest.raises(DistributedTestError, match="optimizer state 'worker_error' has shape"):
+        run_distributed(checkpoint_resume, 2, str(tmp_path / "ckpt2"), 2, 4, 3, timeout=100)

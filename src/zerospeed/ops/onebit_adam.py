@@ -17,7 +17,9 @@ other gradient all-reduce):
 L2 in the gradient). The error buffers are optimizer state (``worker_error`` the padded size of the parameter,
 ``server_error`` this rank's 1/world of it): a checkpoint resumed at the same world size continues bit for bit;
 at another world size they restart from zero (the server chunks are per rank; DeepSpeed resets them too), which
-costs one step of compression error. ``cuda_aware`` and ``comm_backend_name`` ("nccl", "mpi", "hccl") choose
+costs one step of compression error. Through the engine, zerospeed's checkpoint format holds element-wise states
+only: a checkpoint taken during warm-up resumes exactly; after it, saving is refused in one line naming
+``worker_error`` (the rank-specific error buffers have no place in it yet). ``cuda_aware`` and ``comm_backend_name`` ("nccl", "mpi", "hccl") choose
 DeepSpeed's transport; here the group's own backend carries the messages (one log line says so).
 """
 
@@ -59,7 +61,6 @@ class OneBitAdam(torch.optim.Optimizer):
         self.freeze_step = freeze_step
         self.group = group
         self.engine_reduces_warmup = False  # standalone: the optimizer averages warm-up gradients itself
-        self.steps_taken = 0
         if dist.is_initialized() and dist.get_rank() == 0:
             logger.info("OneBitAdam: comm_backend_name %r (cuda_aware=%s) maps to the data-parallel group's own "
                         "backend (%s)", comm_backend_name, cuda_aware, dist.get_backend(group))
@@ -73,7 +74,11 @@ class OneBitAdam(torch.optim.Optimizer):
 
     def communicates_gradients(self) -> bool:
         """Whether the next step exchanges the momentum itself (after warm-up): the engine then sends nothing."""
-        return self.steps_taken >= self.freeze_step
+        return self.steps_taken() >= self.freeze_step
+
+    def steps_taken(self) -> int:
+        """Steps so far, read from the per-parameter state (so a checkpoint's state carries it)."""
+        return max((int(st.get("step", 0)) for st in self.state.values()), default=0)
 
     def _world(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -89,7 +94,6 @@ class OneBitAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         world = self._world()
-        self.steps_taken += 1
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
@@ -138,14 +142,7 @@ class OneBitAdam(torch.optim.Optimizer):
         compressed_all_reduce(buf, state["worker_error"], state["server_error"], self.group)
         m.view(-1).copy_(buf[:numel])
 
-    def state_dict(self) -> dict:
-        out = super().state_dict()
-        out["steps_taken"] = self.steps_taken
-        return out
-
     def load_state_dict(self, state_dict: dict) -> None:
-        state_dict = dict(state_dict)
-        self.steps_taken = int(state_dict.pop("steps_taken", 0))
         super().load_state_dict(state_dict)
         world = self._world()
         for state in self.state.values():  # error buffers of another world size: restart them from zero
