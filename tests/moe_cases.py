@@ -312,6 +312,7 @@ def hf_mixtral_parity(ep_size: int, steps: int = 2, family: str = "mixtral", aut
         total = sum(ref(mixtral_tokens(r), labels=mixtral_tokens(r)).loss for r in range(world)) / world
         total.backward()
         track_min_grad(ref, min_grad)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # the config has no gradient_clipping: 1.0, as DeepSpeed
         ref_opt.step()
         x = mixtral_tokens(rank)
         loss = engine(x, labels=x).loss
