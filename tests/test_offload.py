@@ -201,8 +201,8 @@ def test_config_combinations_that_cannot_work_are_named(tmp_path):
     msgs = run_distributed(_combination_errors, 1, str(tmp_path), timeout=50)[0]
     assert "zero_optimization.offload_optimizer" in msgs["stage0"] and "stage 1, 2 or 3" in msgs["stage0"]
     assert "zero_optimization.offload_optimizer" in msgs["lamb"] and "Lamb" in msgs["lamb"]
-    # SGD, Lion, Muon...: host-held in host memory (device cpu); NVMe swaps only Adam's states
-    assert "zero_optimization.offload_optimizer.device" in msgs["sgd_nvme"] and "SGD" in msgs["sgd_nvme"]
+    # SGD, Lion, Muon...: host-held, with NVMe their states are swapped (tests/test_optimizer_nvme.py): accepted
+    assert msgs["sgd_nvme"] is None
     assert "zero_optimization.offload_param" in msgs["param_stage2"] and "stage 3" in msgs["param_stage2"]
     assert "zero_optimization.offload_optimizer.buffer_count" in msgs["buffers"]
 

@@ -33,7 +33,9 @@ chosen buckets are *host-held* instead (``ShardedOptimizerState.host_held``): th
 momentum / Adam states live in host memory and this optimizer steps them there, so the Newton-Schulz
 iteration of an offloaded bucket runs on the host, where its states live. The collectives run on the
 device the buckets' parameters use (NCCL cannot move host tensors): the pieces are copied there for the
-exchange and back for the iteration.
+exchange and back for the iteration. With ``device: nvme`` the momentum is read from the swap files into
+``optimizer.state`` before the step and written back after it (:mod:`zerospeed.zero.offload.host_held`), so the
+owner's Newton-Schulz still reads it in host memory, where the step keeps it.
 """
 
 from __future__ import annotations

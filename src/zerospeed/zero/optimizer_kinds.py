@@ -6,7 +6,8 @@
   :mod:`zerospeed.zero.muon_shards` runs on whole matrices;
 * offload: Adam/AdamW (:data:`OFFLOADABLE_OPTIMIZERS`) run in the offload tier's CPU Adam (memory or NVMe);
   Muon and the other element-wise ones are *host-held* (:func:`host_held_optimizer`): masters and states in
-  host memory, the optimizer's own step run there.
+  host memory (with ``device: nvme`` the states are swapped to NVMe between steps), the optimizer's own step
+  run there.
 """
 
 from __future__ import annotations

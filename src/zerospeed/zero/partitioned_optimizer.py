@@ -31,7 +31,7 @@ anything else collective happens, so every rank raises instead of the others han
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
@@ -41,6 +41,7 @@ import torch.distributed as dist
 from zerospeed import comm
 from zerospeed.zero.flat_bucket import FlatBucket
 from zerospeed.zero.layout import BucketLayout
+from zerospeed.zero.offload.host_held import HostHeldNvmeStates
 from zerospeed.zero.offload.tier import OffloadTier, choose_offloaded, same_memory
 from zerospeed.zero.optimizer_kinds import ELEMENTWISE_OPTIMIZERS, host_held_optimizer
 
@@ -138,6 +139,14 @@ class ShardedOptimizerState:
         #: (``hold(buckets, dirty=)`` / ``acquire`` / ``release`` / ``prefetch``); None otherwise
         self.residency: Any = None
         self.offload: OffloadTier | None = None
+        #: ``device: nvme`` with a host-held optimizer: its states swapped between steps
+        self.host_nvme: HostHeldNvmeStates | None = None
+        if self.host_held and offload_cfg.device == "nvme":
+            self.host_nvme = HostHeldNvmeStates(optimizer, offload_cfg, getattr(options, "aio", None),
+                                                comm.get_rank(dp_group) if sharded else 0,
+                                                [self.masters[i] for i in sorted(self.host_held)],
+                                                sub_group_size=int(getattr(options, "sub_group_size", 1_000_000_000)),
+                                                fast_paths=getattr(options, "fast_paths", None))
         if offloaded:
             rank = comm.get_rank(dp_group) if sharded else 0
             self.offload = OffloadTier(optimizer, offload_cfg, getattr(options, "aio", None), rank,
@@ -222,13 +231,34 @@ class ShardedOptimizerState:
                     for t, g in zip(tensors, b.param_views_of(master_grad)):
                         t.grad = g
             if on_device:
-                self.optimizer.step()
+                self._host_held_step()
             if self.separate_master:  # the fp32 gradients were made for this step only
                 for i in on_device:
                     for t in self._opt_tensors[i]:
                         t.grad = None
         self._publish_params(skip=self._offloaded_step(factor))
         return StepResult(norm, False)
+
+    def _host_held_step(self) -> None:
+        """The user's optimizer step; host-held states on NVMe are read before it and written back after
+        (every rank agrees on an I/O failure before the next collective, so none waits for another)."""
+        if self.host_nvme is None:
+            self.optimizer.step()
+            return
+        error: BaseException | None = None
+        try:
+            self.host_nvme.read_in()
+        except Exception as exc:  # noqa: BLE001 - re-raised by _agree, on every rank
+            error = exc
+        self._agree(error, "reading the host-held optimizer states from NVMe")
+        try:
+            self.optimizer.step()
+        finally:
+            try:
+                self.host_nvme.write_out(write_back=True)
+            except Exception as exc:  # noqa: BLE001 - re-raised by _agree, on every rank
+                error = exc
+        self._agree(error, "writing the host-held optimizer states to NVMe")
 
     def _offloaded_step(self, factor: float) -> set[int]:
         """Run the offloaded tier's update; all ranks agree whether it failed anywhere."""
@@ -240,6 +270,11 @@ class ShardedOptimizerState:
             published = self.offload.step(factor, self.residency)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the agreement
             error = exc
+        self._agree(error, "the offloaded optimizer step")
+        return published
+
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """Raise ``error`` here, or a RuntimeError when another data-parallel rank failed ``what``."""
         if self.sharded and self.dp_world_size > 1:
             failed = torch.zeros(self.dp_world_size, dtype=torch.float32)
             if error is not None:
@@ -247,11 +282,10 @@ class ShardedOptimizerState:
             comm.all_reduce(failed, group=self.dp_group)
             ranks = [r for r, f in enumerate(failed.tolist()) if f]
             if ranks and error is None:
-                raise RuntimeError(f"the offloaded optimizer step failed on data-parallel rank(s) {ranks} (see "
-                                   "their error); this rank stops too so that no rank waits for it")
+                raise RuntimeError(f"{what} failed on data-parallel rank(s) {ranks} (see their error); this "
+                                   "rank stops too so that no rank waits for it")
         if error is not None:
             raise error
-        return published
 
     def _resident(self, buckets: list[Any]) -> ContextManager[None]:
         """Parameter shards of ``buckets`` in memory, and marked written, for the block."""
@@ -262,7 +296,12 @@ class ShardedOptimizerState:
     def resident_for_checkpoint(self, write_back: bool) -> ContextManager[None]:
         """Make every optimizer state visible in ``optimizer.state`` for a checkpoint save
         (``write_back=False``) or load (``write_back=True``: keep what the load put there)."""
-        return self.offload.resident_state(write_back) if self.offload is not None else nullcontext()
+        stack = ExitStack()
+        if self.offload is not None:
+            stack.enter_context(self.offload.resident_state(write_back))
+        if self.host_nvme is not None:
+            stack.enter_context(self.host_nvme.resident(write_back))
+        return stack
 
     @property
     def checkpoint_needs_copy(self) -> bool:
@@ -270,12 +309,18 @@ class ShardedOptimizerState:
         return self.offload is not None and self.offload.swap_master
 
     def offload_memory_bytes(self) -> dict[str, int]:
-        return self.offload.memory_bytes() if self.offload is not None else {}
+        out = self.offload.memory_bytes() if self.offload is not None else {}
+        if self.host_nvme is not None:
+            for k, v in self.host_nvme.memory_bytes().items():
+                out[k] = out.get(k, 0) + v
+        return out
 
     def close(self) -> None:
         """Release offload resources (NVMe swap files); the optimizer cannot step afterwards."""
         if self.offload is not None:
             self.offload.close()
+        if self.host_nvme is not None:
+            self.host_nvme.close()
 
     def _publish_params(self, skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         """Refresh the 16-bit shards from the masters (except buckets in ``skip``: ids of those the

@@ -6,7 +6,8 @@ Each problem is a :class:`~zerospeed.config.ConfigError` naming the key that ask
   rank; there is nothing partitioned to offload). Adam/AdamW run :mod:`zerospeed.ops.adam`'s CPU
   Adam/AdamW in the offload tier (DeepSpeed likewise swaps its ``DeepSpeedCPUAdam`` in for
   ``"type": "Adam"``); Muon and the other element-wise optimizers (SGD, Adagrad, Lion, RAdam, ...) are
-  host-held (:func:`host_held_optimizer`), ``device: cpu`` only; others (Lamb, Adafactor) are refused;
+  host-held (:func:`host_held_optimizer`; with ``device: nvme`` their states are swapped between steps by
+  :mod:`zerospeed.zero.offload.host_held`); others (Lamb, Adafactor) are refused;
 * ``offload_param`` needs stage 3 (only stage 3 partitions parameters);
 * an ``nvme`` device needs an existing, writable ``nvme_path`` (checked with a probe file, so a
   read-only mount or a full disk shows here and not in the middle of the first step).
@@ -41,12 +42,8 @@ def check_offload(options: Any, optimizer: torch.optim.Optimizer) -> None:
             raise ConfigError("zero_optimization.offload_optimizer",
                               f"optimizer offload needs zero_optimization.stage 1, 2 or 3, got stage {options.stage}")
         # other optimizers are host-held: their own step runs on host-memory masters and states (Muon: its
-        # Newton-Schulz there too, see zero/muon_shards); only the Adam tier swaps to NVMe
+        # Newton-Schulz there too, see zero/muon_shards); with nvme their states are swapped between steps
         host_held = host_held_optimizer(optimizer)
-        if host_held and opt_cfg.device == "nvme":
-            raise ConfigError("zero_optimization.offload_optimizer.device", f"'nvme' with {type(optimizer).__name__} "
-                              "is not built yet (only Adam/AdamW states swap to NVMe; others stay in host memory): "
-                              "use device 'cpu'")
         if not isinstance(optimizer, OFFLOADABLE_OPTIMIZERS) and not host_held:
             raise ConfigError("zero_optimization.offload_optimizer",
                               f"the offloaded optimizer step is CPU Adam/AdamW; {type(optimizer).__name__} is not "
