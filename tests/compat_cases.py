@@ -298,6 +298,7 @@ def attn_reference(steps: int = 3) -> dict:
         opt.zero_grad()
         loss = model(x, y)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # _attn_cfg has no gradient_clipping: 1.0 (DeepSpeed's)
         opt.step()
         losses.append(loss.item())
     model.eval()
