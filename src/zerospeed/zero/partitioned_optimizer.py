@@ -245,20 +245,28 @@ class ShardedOptimizerState:
         if self.host_nvme is None:
             self.optimizer.step()
             return
-        error: BaseException | None = None
-        try:
-            self.host_nvme.read_in()
-        except Exception as exc:  # noqa: BLE001 - re-raised by _agree, on every rank
-            error = exc
-        self._agree(error, "reading the host-held optimizer states from NVMe")
-        try:
-            self.optimizer.step()
-        finally:
+        if getattr(self.optimizer, "needs_whole_matrices", False):  # Muon: collectives inside its step
+            error: BaseException | None = None
             try:
-                self.host_nvme.write_out(write_back=True)
+                self.host_nvme.read_in()
             except Exception as exc:  # noqa: BLE001 - re-raised by _agree, on every rank
                 error = exc
-        self._agree(error, "writing the host-held optimizer states to NVMe")
+            self._agree(error, "reading the host-held optimizer states from NVMe")
+            try:
+                self.optimizer.step()
+            finally:
+                try:
+                    self.host_nvme.write_out(write_back=True)
+                except Exception as exc:  # noqa: BLE001 - re-raised by _agree, on every rank
+                    error = exc
+            self._agree(error, "writing the host-held optimizer states to NVMe")
+            return
+        error = None
+        try:  # element-wise: no collective inside, swap group by swap group
+            self.host_nvme.step()
+        except Exception as exc:  # noqa: BLE001 - re-raised by _agree, on every rank
+            error = exc
+        self._agree(error, "the host-held optimizer step with states on NVMe")
 
     def _offloaded_step(self, factor: float) -> set[int]:
         """Run the offloaded tier's update; all ranks agree whether it failed anywhere."""

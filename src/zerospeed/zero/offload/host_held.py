@@ -17,9 +17,12 @@ state names (an optimizer with several kinds of groups, e.g. MuAdamW's Muon and 
 different states per group), rebuilt if that set ever changes. Values go through the files
 unchanged (fp32 in, fp32 out), so a run equals the ``device: cpu`` run bit for bit.
 
-Memory: while a block runs, all the states of the host-held buckets are in memory (as with
-``device: cpu``); between steps only the swap buffers (``buffer_count`` groups of up to
-``sub_group_size`` elements per state name) are.
+The step (:meth:`HostHeldNvmeStates.step`): the element-wise optimizers step one swap group (consecutive
+buckets up to ``sub_group_size`` elements) at a time on views of the swap buffers, the next groups read
+and the previous ones written back meanwhile, so their states take only the swap buffers
+(``buffer_count`` groups per state name) in memory. Muon steps all its buckets at once (one exchange of
+whole matrices per step), so its states are all read before its step and written back after it, as
+the first step of any optimizer (its states are made by that step) and checkpoints do.
 """
 
 from __future__ import annotations
@@ -108,6 +111,62 @@ class HostHeldNvmeStates:
                 swapper.write(j, {k: state.get(k) for k in keys})
             for k in keys:
                 state.pop(k, None)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> None:
+        """The optimizer's step with the swapped states in memory (see the module docstring).
+
+        Muon (its orthogonalisation exchanges whole matrices between ranks in one collective per step)
+        and the first step (no swap files yet) read every state in, step once and write them back. The
+        element-wise optimizers step one swap group at a time on views of the swap buffer (only that
+        group's masters carry a ``.grad``, so the optimizer skips the others), while the swapper reads
+        the next groups and writes the previous ones back: memory stays at the swap buffers."""
+        if not self.swappers or getattr(self.optimizer, "needs_whole_matrices", False):
+            self.read_in()
+            try:
+                self.optimizer.step()
+            finally:
+                self.write_out(write_back=True)
+            return
+        grads = [m.grad for m in self.masters]
+        for m, place in zip(self.masters, self.places):
+            if place is not None:  # masters without swapped states step with the other buckets
+                m.grad = None
+        others = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        other_grads = [p.grad for p in others]
+        try:
+            self.optimizer.step()
+            for p in others:  # stepped: the group steps below see only their own members' gradients
+                p.grad = None
+            for swapper in self.swappers.values():
+                self._grouped(swapper, grads)
+        finally:
+            for p, g in zip(others, other_grads):
+                p.grad = g
+            for m, g in zip(self.masters, grads):
+                m.grad = g
+
+    def _grouped(self, swapper: NvmeStateSwapper, grads: list[torch.Tensor | None]) -> None:
+        members = [i for i, p in enumerate(self.places) if p is not None and p[1] is swapper]  # by sub-group
+
+        def update(_g: int, states: dict[int, dict[str, torch.Tensor]]) -> None:
+            for j, views in states.items():
+                master = self.masters[members[j]]
+                self.optimizer.state[master].update(views)
+                master.grad = grads[members[j]]
+            try:
+                self.optimizer.step()
+            finally:
+                for j, views in states.items():
+                    master = self.masters[members[j]]
+                    master.grad = None
+                    state = self.optimizer.state[master]
+                    for k, view in views.items():
+                        now = state.pop(k, None)
+                        if now is not None and now is not view:  # an optimizer that replaced the tensor
+                            view.copy_(now.reshape(-1))
+
+        swapper.run(update)
 
     # -- accounting and lifecycle -----------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
