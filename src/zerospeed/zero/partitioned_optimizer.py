@@ -25,7 +25,9 @@ Offload (``options.offload_optimizer``): the buckets chosen by ``ratio`` belong 
 memory or on NVMe, CPU Adam update). They stay in the user's param groups, so lr schedulers and
 checkpoints see them, but never get a ``.grad``, so the torch optimizer skips them. A failure in
 the offloaded update (an NVMe error) is agreed on by all ranks with one small all-reduce before
-anything else collective happens, so every rank raises instead of the others hanging.
+anything else collective happens, so every rank raises instead of the others hanging. Non-Adam optimizers
+are *host-held* instead (their own step on host-memory masters); with ``device: nvme`` their states are
+swapped by :class:`~zerospeed.zero.offload.host_held.HostHeldNvmeStates`, I/O failures agreed on likewise.
 """
 
 from __future__ import annotations

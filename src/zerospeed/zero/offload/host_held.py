@@ -73,6 +73,7 @@ class HostHeldNvmeStates:
         for keys, idx in members.items():
             swapper = NvmeStateSwapper(self.config.nvme_path, keys, [self.masters[i].numel() for i in idx],
                                        self.aio_config, int(self.config.buffer_count), self.rank,
+                                       pin_memory=bool(self.config.pin_memory) and torch.cuda.is_available(),
                                        group_numel=self.sub_group_size, direct_io=self.direct_io)
             self.swappers[keys] = swapper
             for j, i in enumerate(idx):
