@@ -119,3 +119,40 @@ def test_nvme_equals_cpu_offload_and_resumes(stage, tmp_path):
                 assert 0 < r["states"] < r["cpu_states"] and r["nvme"] > 0, what
             assert r["buffers"] > 0, what
             assert r["swap_files_left"] == [], what  # destroy() removed the swap folders
+
+
+def _vanished(root):
+    import zerospeed
+
+    out = {}
+    for name in ("Muon", "Lion"):  # read-all step, and the swap-group step
+        nvme = os.path.join(root, name)
+        if dist.get_rank() == 0:
+            os.makedirs(nvme)
+        dist.barrier()
+        engine, _, _, _ = zerospeed.initialize(model=make_model(), config=_cfg(2, name, "nvme", nvme))
+        _train(engine, range(1))
+        victim = None
+        if dist.get_rank() == 0:
+            folder = engine.strategy.state.host_nvme.swap_folders[0]
+            victim = os.path.join(folder, sorted(os.listdir(folder))[0])
+            os.unlink(victim)
+        dist.barrier()
+        try:
+            _train(engine, range(1, 2))
+            error = None
+        except Exception as e:  # noqa: BLE001 - the point of the test
+            error = f"{type(e).__name__}: {e}"
+        engine.destroy()
+        out[name] = {"victim": victim, "error": error}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_vanished_swap_file_fails_every_rank(tmp_path):
+    # rank 0 names the file; rank 1 stops too instead of waiting in the next collective
+    results = run_distributed(_vanished, 2, str(tmp_path), timeout=110)
+    for name in ("Muon", "Lion"):
+        first, second = results[0][name], results[1][name]
+        assert first["victim"] in (first["error"] or "") and "disappeared" in first["error"], name
+        assert "rank(s) [0]" in (second["error"] or ""), name

@@ -91,6 +91,8 @@ class HostHeldNvmeStates:
             self.write_out(write_back)
 
     def read_in(self) -> None:
+        for swapper in self.swappers.values():
+            swapper.check_files()  # a deleted or replaced swap file is named before anything is read
         for master, place in zip(self.masters, self.places):
             if place is not None:
                 keys, swapper, j = place
