@@ -141,7 +141,9 @@ def start_all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, algo
         flat.narrow(0, start + n, flat.numel() - start - n).zero_()
         work = _checked(dist.all_reduce(output, group=group, async_op=True), "all_gather")
         return Started(work, None, 2 * output.numel(), sent_bytes(group, "ring", nbytes, passes=2))
-    work = _checked(_all_gather_single(output, input, group=group, async_op=True), "all_gather")
+    # flat views: gloo's all_gather_into_tensor wants the output as k inputs concatenated on dim 0, and callers
+    # pass it stacked ([k, *input.shape]) or flat
+    work = _checked(_all_gather_single(flat, input.reshape(-1), group=group, async_op=True), "all_gather")
     return Started(work, None, output.numel(), sent_bytes(group, "ring", nbytes))
 
 
