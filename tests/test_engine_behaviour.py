@@ -84,7 +84,8 @@ def test_one_collective_per_bucket_and_two_psi_traffic(stage, gas):
             assert comms["reduce_scatter"]["elements"] == sum(_padded(world)) * per_step
             assert comms["all_gather"]["count"] == 4
             assert comms["all_gather"]["elements"] == sum(_padded(world))
-            assert comms["all_reduce"] == {"count": 1, "elements": 1, "bytes": 4, "wire_elements": 2}  # grad norm
+            assert comms["all_reduce"] == {"count": 1, "elements": 1, "bytes": 4, "wire_elements": 2,  # grad norm
+                                           "intra_host_bytes": 4, "inter_host_bytes": 0}
             traffic = comms["reduce_scatter"]["elements"] / per_step + comms["all_gather"]["elements"]
         assert 2 * NUM_PARAMS <= traffic <= 2 * (NUM_PARAMS + 4 * (world - 1))
 
