@@ -5,6 +5,7 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+BROWSER_STAMP := $(VENV)/.browser
 
 .PHONY: install demo test test-isa test-multihost bench clean docs
 
@@ -20,8 +21,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/zerospeed --num_procs 2 examples/train_gpt.py --config examples/configs/gpt_zero2.json
 
-test: $(STAMP)
+test: $(STAMP) $(BROWSER_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not multihost" tests
+
+# The docs site's browser check (tests/test_docs.py) drives Debian's chromium through Playwright's pip package
+# (which downloads no browser). Installed here when missing and apt-get can run (root); otherwise one line says
+# so and that one test skips, naming the package.
+$(BROWSER_STAMP): $(STAMP)
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing Debian's chromium for the docs browser check (apt-get)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+	    || echo "apt-get install chromium failed: tests/test_docs.py's browser check will skip"; \
+	else echo "chromium is not installed and apt-get cannot run here: tests/test_docs.py's browser check will skip"; fi
+	touch $@
 
 # The documentation site (mkdocs.yml, docs/): warnings are errors; generated pages come from docs/gen_pages.py
 docs: $(STAMP)
