@@ -165,6 +165,7 @@ def parity_body(arch: str, sp: int, stages: list[int], variants: list[str], step
             if tiles:
                 tile_mlps(model, tiles)
             engine, _, _, _ = zerospeed.initialize(model=model, config=sp_config(stage, sp), mpu=mpu)
+            assert engine.get_sequence_parallel_group() is sp_group  # DeepSpeed's engine method, the mesh's group
             dp_rank = mpu.get_data_parallel_rank()
             loader = UlyssesSPDataLoaderAdapter(SharedBatches(sample(t, dp_rank, seq) for t in range(steps)),
                                                 sp_rank=sp_rank, sp_group=sp_group, sp_world_size=sp, device="cpu")

@@ -91,7 +91,6 @@ LACKS: dict[str, str] = {
     "set_data_post_process_func": "data efficiency / curriculum learning is not in zerospeed",
     "set_custom_curriculum_learning_schedule": "curriculum learning was removed from DeepSpeed's config too",
     "random_ltd_initialize": "random-LTD is not in zerospeed",
-    "get_sequence_parallel_group": "sequence parallelism is not in zerospeed",
     "print_forward_breakdown": "use wall_clock_breakdown in the config; engine.wall_clock() returns the times",
     "allreduce_gradients": _INTERNAL,
     "no_sync": "gradients are reduced by bucket hooks during backward; accumulate with gradient_accumulation_steps "
@@ -205,6 +204,11 @@ class DeepSpeedEngineAPI:
 
     def get_model_parallel_rank(self) -> int:
         return 0
+
+    def get_sequence_parallel_group(self) -> Any:
+        """The mesh's sequence-parallel group (``sequence_parallel_size`` ranks, or the mpu's given to initialize);
+        one rank's own group when sequence parallelism is off."""
+        return comm.current_mesh().sp_group
 
     def get_tensor_parallel_rank(self) -> int:
         return 0
