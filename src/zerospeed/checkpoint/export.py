@@ -25,7 +25,7 @@ import torch
 from zerospeed.checkpoint.full_tensors import FullTensors
 from zerospeed.checkpoint.index import FORMAT, FORMAT_VERSION, INDEX_FILE, rank_file
 from zerospeed.checkpoint.jsonstate import encode
-from zerospeed.checkpoint.publish import new_nonce, validate_tag
+from zerospeed.checkpoint.publish import new_nonce, publish_dir, validate_tag, write_text_atomic
 from zerospeed.checkpoint.tensor_io import dtype_name, write_safetensors
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -179,23 +179,11 @@ def write_zerospeed(src: str, dst: str, src_tag: str | None = None, tag: str | N
                          converted_from="deepspeed" if ft.deepspeed is not None else "zerospeed")
             with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
                 json.dump(index, f)
-            final = os.path.join(dst, tag)
-            if os.path.exists(final):
-                aside = os.path.join(dst, f".old-{tag}-{new_nonce()}")
-                os.replace(final, aside)
-                os.replace(tmp, final)
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
+            final = publish_dir(tmp, dst, tag, new_nonce())
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-
-        def latest(p: str) -> None:
-            with open(p, "w", encoding="utf-8") as f:
-                f.write(tag)
-
-        _replace_file(os.path.join(dst, "latest"), latest)
+        write_text_atomic(os.path.join(dst, "latest"), tag)
         return final
 
 
@@ -222,17 +210,11 @@ def write_zerospeed_weights(state_dict: dict[str, torch.Tensor], dst: str, tag: 
                  "state_dict_keys": list(state_dict), "zero_stage": 0, "converted_from": "dcp"}
         with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
             json.dump(index, f)
-        final = os.path.join(dst, tag)
-        if os.path.exists(final):
-            raise FileExistsError(f"{final} exists; choose another --out-tag")
-        os.replace(tmp, final)
+        if os.path.lexists(os.path.join(dst, tag)):
+            raise FileExistsError(f"{os.path.join(dst, tag)} exists; choose another --out-tag")
+        final = publish_dir(tmp, dst, tag, new_nonce())
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-    def latest(p: str) -> None:
-        with open(p, "w", encoding="utf-8") as f:
-            f.write(tag)
-
-    _replace_file(os.path.join(dst, "latest"), latest)
+    write_text_atomic(os.path.join(dst, "latest"), tag)
     return final

@@ -41,7 +41,7 @@ from zerospeed.checkpoint.deepspeed.errors import DeepSpeedUnsupportedError
 from zerospeed.checkpoint.deepspeed.layout import MODEL_FILE, OPTIM_FILE, OPTIMIZER, ZERO3_MODEL_FILE
 from zerospeed.checkpoint.full_tensors import FullTensors
 from zerospeed.checkpoint.jsonstate import decode
-from zerospeed.checkpoint.publish import new_nonce, validate_tag
+from zerospeed.checkpoint.publish import new_nonce, publish_dir, validate_tag, write_text_atomic
 
 DEEPSPEED_VERSION = "0.19.8"
 NCCL_START_ALIGNMENT_FACTOR = 2
@@ -306,19 +306,9 @@ def write_deepspeed(src: str, dst: str, world_size: int | None = None, zero_stag
             for rank in range(world_size if stage in (1, 2) else 0):
                 _save(_zero12_rank(ft, groups, param_groups, rank, world_size, stage, state_keys),
                       os.path.join(tmp, OPTIM_FILE.format(prefix=prefix, rank=rank, mp=0)))
-            final = os.path.join(dst, tag)
-            if os.path.exists(final):
-                aside = os.path.join(dst, f".old-{tag}-{new_nonce()}")
-                os.replace(final, aside)
-                os.replace(tmp, final)
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
+            final = publish_dir(tmp, dst, tag, new_nonce())
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        latest_tmp = os.path.join(dst, f".tmp-latest-{new_nonce()}")
-        with open(latest_tmp, "w", encoding="utf-8") as f:
-            f.write(tag)
-        os.replace(latest_tmp, os.path.join(dst, "latest"))
+        write_text_atomic(os.path.join(dst, "latest"), tag)
         return final
