@@ -432,6 +432,7 @@ def tp_autoep_parity(stage: int, steps: int = 2) -> dict[str, Any]:
         total = sum(ref(mixtral_tokens(r), labels=mixtral_tokens(r)).loss for r in range(dp)) / dp
         total.backward()
         track_min_grad(ref, min_grad)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # no gradient_clipping in the config: 1.0, as DeepSpeed
         ref_opt.step()
         x = mixtral_tokens(dp_rank)
         loss = engine(x, labels=x).loss
@@ -657,6 +658,7 @@ def autotp_with_expert_tp(stage: int, steps: int = 2) -> dict[str, Any]:
         ref_opt.zero_grad()
         total = sum(loss_of(*ref(tokens(r)[0]), tokens(r)[1]) for r in range(mesh.dp_size)) / mesh.dp_size
         total.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # no gradient_clipping in the config: 1.0, as DeepSpeed
         ref_opt.step()
         x, y = tokens(mesh.dp_rank)
         loss = loss_of(*engine(x), y)
