@@ -37,7 +37,7 @@ LIBRARY_PATHS = [
     ("deepspeed.utils", ["logger", "groups"]),
     ("deepspeed.utils.groups", []),
     ("deepspeed.accelerator", ["get_accelerator"]),
-    ("deepspeed.runtime.engine", []),
+    ("deepspeed.runtime.engine", ["DeepSpeedEngine"]),
     ("deepspeed.runtime.zero", ["GatheredParameters"]),
     ("deepspeed.runtime.zero.partition_parameters", ["ZeroParamStatus"]),
     ("deepspeed.runtime.lr_schedules", ["VALID_LR_SCHEDULES"]),
@@ -52,10 +52,8 @@ LIBRARY_PATHS = [
 
 #: names those libraries import that zerospeed does not build yet: importing them fails with Python's one line naming
 #: the name (``cannot import name ...``); when one is built, move it to LIBRARY_PATHS (this test then says so).
-#: set_z3_leaf_modules: Accelerate, only for MoE models it lists; safe_get_full_grad: PEFT's AdaLoRA at ZeRO-3;
-#: runtime.engine.DeepSpeedEngine: TRL's generation unwrapping (the top-level deepspeed.DeepSpeedEngine exists).
-NOT_BUILT = [("deepspeed.utils", "set_z3_leaf_modules"), ("deepspeed.utils", "safe_get_full_grad"),
-             ("deepspeed.runtime.engine", "DeepSpeedEngine")]
+#: set_z3_leaf_modules: Accelerate, only for MoE models it lists; safe_get_full_grad: PEFT's AdaLoRA at ZeRO-3.
+NOT_BUILT = [("deepspeed.utils", "set_z3_leaf_modules"), ("deepspeed.utils", "safe_get_full_grad")]
 
 
 def _env(**extra):

@@ -401,3 +401,8 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         from zerospeed.runtime.checkpointing import wait_for_checkpoint
 
         wait_for_checkpoint(self)
+
+
+#: DeepSpeed's class name at its module path (``deepspeed.runtime.engine.DeepSpeedEngine``), which TRL and
+#: Accelerate use in isinstance checks: the same class, so every zerospeed engine is one.
+DeepSpeedEngine = ZeroSpeedEngine
