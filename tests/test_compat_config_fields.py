@@ -30,6 +30,8 @@ NO_OP_FIELDS: dict[str, str] = {
     "bf16.immediate_grad_update": _SAME_RESULT + " (gradients are reduced as buckets fill)",
     "checkpoint.load_universal": "every zerospeed checkpoint is universal (loads at any world size and stage)",
     "checkpoint.parallel_write.pipeline_stage": "each rank writes its own shards anyway",
+    "hybrid_engine.tp_gather_partition_size": "sizes DeepSpeed's CUDA-kernel TP gathers; zerospeed's rollouts "
+                                              "gather ZeRO-3 buckets, no TP partition gathers",
     "comms_logger.prof_all": "the comms logger always counts every collective",
     "comms_logger.prof_ops": "the comms logger always counts every collective",
     "comms_logger.verbose": "per-call logging is not offered; per-step totals are",

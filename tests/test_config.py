@@ -226,7 +226,6 @@ def test_documented_removed_keys_are_in_the_table() -> None:
 
 NOT_YET_CASES = [
     ("data_efficiency", {"enabled": True}, {"enabled": False, "data_routing": {"x": 1}}),
-    ("hybrid_engine", {"enabled": True}, {"enabled": False}),
     ("zero_optimization.zenflow", {"topk_ratio": 0.1}, None),
     ("aio.use_gds", True, False),
     ("checkpoint.writer", {"type": "fast"}, None),

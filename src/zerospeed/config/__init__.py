@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .errors import ConfigError
 from .fast_paths import FastPathsConfig
+from .hybrid_engine import HybridEngineConfig
 from .loader import (PreparedConfig, load_config, load_section, parse_tensor_parallel, prepare_config,
                      read_config_source, tensor_parallel_of)
 from .names import OPTIMIZER_NAMES, SCHEDULER_NAMES
@@ -41,6 +42,7 @@ __all__ = [
     "DataTypesConfig",
     "FP16Config",
     "FastPathsConfig",
+    "HybridEngineConfig",
     "OPTIMIZER_NAMES",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",

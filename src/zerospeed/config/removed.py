@@ -79,7 +79,6 @@ def _timers_off(value: Any) -> bool:
 #: (dotted key path, "is this value off?", short note). Order = order of reporting.
 NOT_YET: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("data_efficiency", _enabled_off, "data efficiency: curriculum sampling, random-LTD"),
-    ("hybrid_engine", _enabled_off, "the RLHF hybrid engine"),
     ("weight_quantization", _falsy, "weight quantization"),
     ("comet", _enabled_off, "the Comet monitor"),
     ("trackio", _enabled_off, "the Trackio monitor"),

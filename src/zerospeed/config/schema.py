@@ -60,6 +60,7 @@ from .flops_profiler import FlopsProfilerConfig
 from .torch_autocast import TorchAutocastConfig
 from .compile import CompileConfig
 from .fast_paths import FastPathsConfig
+from .hybrid_engine import HybridEngineConfig
 
 Precision = Literal["fp32", "fp16", "bf16"]
 
@@ -133,6 +134,8 @@ class ZeroSpeedConfig(Section):
     compile: CompileConfig = Field(default_factory=CompileConfig)
     fast_paths: FastPathsConfig = Field(default_factory=FastPathsConfig)
     """zerospeed addition: switches of the hardware-specific fast paths (see config/fast_paths.py)."""
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+    """Rollouts on the live training weights (config/hybrid_engine.py, zerospeed.rl)."""
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
     _dp_world_size: int = PrivateAttr(default=1)
