@@ -43,6 +43,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "cpu_kernels": ("auto", "off", "on"),
     "adam_kernel": ("auto", "forloop", "foreach", "fused"),  # torch's three Adam implementations
     "direct_io": ("auto", "off", "on"),  # O_DIRECT file I/O (aio engine, NVMe offload)
+    "block_quant": ("auto", "torch", "c"),  # ZeRO++ block quantization (ops/block_quant_kernel.py)
 }
 
 ENV_VAR = "ZEROSPEED_FAST_PATHS"
