@@ -134,9 +134,15 @@ def sp_config(stage: int, sp: int, **over):
 
 
 def parity_body(arch: str, sp: int, stages: list[int], variants: list[str], steps: int = 2, seq: int = 16,
-                checkpointing: bool = False, tiles: int = 0) -> dict:
-    """SP (x DP) training through zerospeed.initialize vs one process at the full length, per ZeRO stage."""
+                checkpointing: bool | str = False, tiles: int = 0) -> dict:
+    """SP (x DP) training through zerospeed.initialize vs one process at the full length, per ZeRO stage.
+
+    ``checkpointing``: True configures host offload of the checkpoints in the script (``configure(None,
+    checkpoint_in_cpu=True)``, as DeepSpeed's ALST scripts do); "config" through the engine config's
+    ``activation_checkpointing.cpu_checkpointing``. Either way every decoder layer is checkpointed, and the inputs
+    each checkpoint holds for the backward (the offloaded tensors) are recorded: their sequence dimension."""
     import zerospeed
+    from zerospeed.checkpointing.storage import InputStore
     from zerospeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
     from zerospeed.sequence.loss import real_tokens, sp_loss_all_gather, sp_loss_all_reduce
     from zerospeed.utils import groups
@@ -153,6 +159,8 @@ def parity_body(arch: str, sp: int, stages: list[int], variants: list[str], step
         for stage, variant in zip(stages, variants):
             model = MODELS[arch]()
             calls = [0]
+            held: list[int] = []  # per checkpoint: the sequence length of the hidden states it holds
+            over = {}
             if checkpointing:
                 import zerospeed.checkpointing as ckpt
 
@@ -160,11 +168,23 @@ def parity_body(arch: str, sp: int, stages: list[int], variants: list[str], step
                     calls[0] += 1
                     return ckpt.checkpoint(*args)
 
-                ckpt.configure(None, checkpoint_in_cpu=True)
+                if checkpointing == "config":
+                    over["activation_checkpointing"] = {"cpu_checkpointing": True}
+                else:
+                    ckpt.configure(None, checkpoint_in_cpu=True)
                 model._set_gradient_checkpointing(True, counted)
+                pack = InputStore.pack
+
+                def recording_pack(store, inputs, pack=pack):
+                    held.extend(t.shape[1] for t in inputs if t.is_floating_point() and t.dim() == 3)
+                    return pack(store, inputs)
+
+                InputStore.pack = recording_pack  # this rank's process only
             if tiles:
                 tile_mlps(model, tiles)
-            engine, _, _, _ = zerospeed.initialize(model=model, config=sp_config(stage, sp), mpu=mpu)
+            engine, _, _, _ = zerospeed.initialize(model=model, config=sp_config(stage, sp, **over), mpu=mpu)
+            if checkpointing:
+                assert ckpt.settings.current().cpu_checkpointing  # the offload path (the store holds the inputs)
             assert engine.get_sequence_parallel_group() is sp_group  # DeepSpeed's engine method, the mesh's group
             dp_rank = mpu.get_data_parallel_rank()
             loader = UlyssesSPDataLoaderAdapter(SharedBatches(sample(t, dp_rank, seq) for t in range(steps)),
@@ -181,7 +201,9 @@ def parity_body(arch: str, sp: int, stages: list[int], variants: list[str], step
             state = engine.consolidated_state_dict()
             run = {"stage": stage, "variant": variant, "losses": losses,
                    "ref_losses": [ref_losses[t][dp_rank] for t in range(steps)],
-                   "sp_dp_size": engine.dp_world_size, "checkpoints": calls[0]}
+                   "sp_dp_size": engine.dp_world_size, "checkpoints": calls[0], "held_seq": held}
+            if checkpointing:
+                InputStore.pack = pack
             if state:
                 run["excess"] = compare_updates(state, ref_end, start)
             out["runs"].append(run)
