@@ -49,6 +49,8 @@ LAYERS: list[tuple[int, str, str]] = [
     (12, "zerospeed.pipe.engine", "PipelineEngine is an Engine (as DeepSpeed's subclasses DeepSpeedEngine), so this one "
                                   "file of pipe/ sits above runtime/; the rest of pipe/ stays below it"),
     (13, "zerospeed.inference", "inference engine, model families, serving; uses compression for int8 weights"),
+    (14, "zerospeed.rl", "RL post-training: rollouts on the live training weights, weight sync to a generator; "
+                         "uses runtime/ and inference/, reached by the engine through the facade's engine.rl"),
     (14, "zerospeed.autotuning", "experiments as subprocesses through the launcher"),
     (15, "zerospeed.runtime.initialize", "the facade's initialize(): parses the config once, builds the mesh, "
                                          "dispatches to runtime/ or pipe/ (its module path is public)"),

@@ -350,6 +350,22 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         state = add_experts_of_other_ranks(self.module, state, self.dp_group, self.dp_rank)
         return state if self.checkpoint_layout is None else self.checkpoint_layout.gather_full(state)
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """With ``hybrid_engine.enabled``: rollouts on zerospeed's inference engine over the live weights
+        (:meth:`zerospeed.rl.rollout.RolloutEngine.generate`; every data-parallel rank calls it). Otherwise the
+        module's own ``generate`` (HF's), as before."""
+        rl = self.__dict__.get("rl")
+        if rl is not None and rl.enabled:
+            return rl.generate(*args, **kwargs)
+        return self.module.generate(*args, **kwargs)
+
+    def sync_weights(self, *args: Any, **kwargs: Any) -> Any:
+        """Stream the current weights to a generator server (:func:`zerospeed.rl.sync.sync_weights`)."""
+        rl = self.__dict__.get("rl")
+        if rl is None:
+            raise RuntimeError("engine.sync_weights: this engine was not built by zerospeed.initialize")
+        return rl.sync_weights(*args, **kwargs)
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the consolidated 16-bit (compute-dtype) weights to ``save_dir/save_filename`` on rank 0

@@ -86,6 +86,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                   collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last, seed=cfg.seed or 0)
         loader.sp_shared_samples = mesh.sp_size > 1  # every sp rank of a group reads the same samples
     engine.training_dataloader = loader  # its position is saved and restored with the engine's checkpoints
+    from zerospeed import rl  # engine.generate / engine.sync_weights (hybrid_engine; issue #32)
+
+    engine.rl = rl.attach(engine, cfg)
     return engine, (None if isinstance(opt, NoOptimizer) else opt), loader, engine.lr_scheduler
 
 
