@@ -205,6 +205,17 @@ def test_datastates_key_is_datastates_ckpt():
         load_config({"train_batch_size": 1, "datastates": {"enabled": True}})
 
 
+def test_engine_config_reads_as_the_dict_the_user_gave():
+    # DeepSpeed's engine.config is the user's dict; transformers' Trainer.save_model reads the stage with .get
+    given = {"train_batch_size": 2, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}
+    cfg = load_config(given)
+    assert cfg.get("zero_optimization", {}).get("stage") == 3 and cfg.get("zero_optimization") == given[
+        "zero_optimization"]
+    assert cfg.get("bf16") is None and cfg.get("bf16", {}) == {}  # not given: the default, as a dict's get
+    cfg.get("zero_optimization")["stage"] = 0  # a copy: the config stays as parsed
+    assert cfg.get("zero_optimization")["stage"] == 3 and cfg.zero_optimization.stage == 3
+
+
 # -- names ----------------------------------------------------------------------------------------------------
 def test_deepspeed_config_error_is_config_error():
     assert zerospeed.DeepSpeedConfigError is ConfigError

@@ -195,6 +195,12 @@ class ZeroSpeedConfig(Section):
         """A copy of the dict the user gave (before aliases, ``"auto"`` and defaults)."""
         return copy.deepcopy(self._raw)
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """DeepSpeed's ``engine.config`` is the dict the user passed, and libraries read it as one (transformers'
+        ``Trainer.save_model``: ``engine.config.get("zero_optimization", {}).get("stage")``): a copy of the
+        top-level value the user gave for ``key`` (before aliases, ``"auto"`` and defaults), else ``default``."""
+        return copy.deepcopy(self._raw.get(key, default))
+
     def given(self, key: str) -> bool:
         """Whether the user's config names the top-level ``key`` (a section left out keeps its defaults, and some
         callers act only on a section the user wrote, e.g. activation checkpointing's ``configure``)."""
