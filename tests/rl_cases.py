@@ -1,0 +1,147 @@
+"""Rank functions of the RL tests (tests/test_rl*.py): engine.generate over live ZeRO-3 weights (issue #32).
+
+Each builds the same tiny random-weight HF llama on every rank, trains one step at ZeRO-3 (so the rollout reads
+*updated* shards, not the initial weights), then rolls out on rank-specific prompts and returns what the test
+checks: the tokens, HF's greedy tokens on the gathered model (and how many of them the arithmetic decides), the
+all-gathers counted during the call, and the rollout's counted bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import zerospeed
+from inference_cases import hf_greedy_decided, make_model, prompts
+from zerospeed import comm, zero
+from zerospeed.zero.stage3 import registry
+
+
+def rl_config(world: int, **hybrid) -> dict:
+    return {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "allgather_bucket_size": 20000,
+                                  "stage3_param_persistence_threshold": 0},
+            "hybrid_engine": {"enabled": True, "max_out_tokens": 64, "max_num_seqs": 8, **hybrid}}
+
+
+def _train_step(engine, rank: int) -> None:
+    g = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(3, 300, (1, 12), generator=g)
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+
+
+def _buckets(module) -> list:
+    seen = {}
+    for p in module.parameters():
+        found = registry.lookup(p)
+        if found is not None:
+            seen[id(found[0])] = found[0]
+    return sorted(seen.values(), key=lambda b: b.index)
+
+
+def _gathered_copy(engine, base):
+    """An HF model holding the engine's current (gathered) weights."""
+    ref = copy.deepcopy(base)
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    ref.load_state_dict(state)
+    return ref.eval()
+
+
+def rollout_case(max_resident_layers: int = 0, lora: bool = False, max_new_tokens: int = 10) -> dict:
+    rank, world = comm.get_rank(), comm.get_world_size()
+    base = make_model("llama", seed=3)
+    model = copy.deepcopy(base)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                                                 lora_dropout=0.0, init_lora_weights=False))
+        base = copy.deepcopy(model)  # the reference's template: the same PEFT wrapping, unpartitioned
+    engine, *_ = zerospeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=rl_config(world, max_resident_layers=max_resident_layers))
+    _train_step(engine, rank)
+    ps = prompts([5 + rank, 9, 3 + 2 * rank], seed=10 + rank)
+    buckets = _buckets(engine.module)
+    owner = buckets[0].owner
+    owner.live_peak_bytes = owner.live_bytes
+    shards = [b.shard.clone() for b in buckets]
+    before = comm.COUNTER.snapshot().get("all_gather", {"count": 0, "elements": 0})
+    out = engine.generate(ps, max_new_tokens=max_new_tokens, ignore_eos=True)
+    after = comm.COUNTER.snapshot()["all_gather"]
+    rollout = engine.rl.rollout
+    stats = rollout.stats
+    result = {
+        "tokens": out, "num_forwards": stats.num_forwards, "num_gathers": stats.num_gathers,
+        "all_gathers": after["count"] - before["count"], "gather_elements": after["elements"] - before["elements"],
+        "bucket_numels": [b.padded_numel for b in buckets], "bucket_bytes": [b.full_bytes for b in buckets],
+        "live_peak_bytes": owner.live_peak_bytes, "weight_bytes_peak": stats.weight_bytes_peak,
+        "layer_bytes": stats.layer_bytes, "other_weight_bytes": stats.other_weight_bytes,
+        "kv_cache_bytes": stats.kv_cache_bytes, "max_resident_layers_seen": stats.max_resident_layers_seen,
+        "resident_after": rollout._resident_bytes(),
+        "shards_unchanged": all(torch.equal(a, b.shard) for a, b in zip(shards, buckets)),
+    }
+    # the reference: HF generate on the gathered (trained) model
+    if lora:
+        ref = _gathered_copy(engine, base).merge_and_unload()
+        plain = _gathered_copy(engine, base).unload()  # the same base weights, adapters dropped
+        result["hf_without_lora"] = [hf_greedy_decided(plain, p, max_new_tokens)[0] for p in ps]
+    else:
+        ref = _gathered_copy(engine, base)
+    result["hf"] = [hf_greedy_decided(ref, p, max_new_tokens) for p in ps]
+    # shards untouched by the rollout (LoRA not merged into them): a second call gives the same tokens
+    result["again"] = engine.generate(ps, max_new_tokens=max_new_tokens, ignore_eos=True)
+    return result
+
+
+def sampling_case() -> dict:
+    """n samples per prompt with per-prompt seeds: reproducible, independent of the other requests."""
+    world = comm.get_world_size()
+    engine, *_ = zerospeed.initialize(model=make_model("llama", seed=3), config=rl_config(world))
+    ps = prompts([4, 6], seed=5)
+    kw = dict(max_new_tokens=8, do_sample=True, temperature=1.0, top_k=50, ignore_eos=True)
+    a = engine.generate(ps, n=3, seeds=[11, 22], **kw)
+    b = engine.generate(ps[1:], n=3, seeds=[22], **kw)
+    c = engine.generate(ps, n=3, seeds=[11, 23], **kw)
+    errors = []
+    for bad in (dict(n=0), dict(seeds=[1, 2, 3]), dict(bogus=1), dict(prompts_override="x")):
+        try:
+            if "prompts_override" in bad:
+                engine.generate("not a list", max_new_tokens=2)
+            else:
+                engine.generate(ps, max_new_tokens=2, **bad)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    # the engine still works after refused calls (nothing half-done)
+    d = engine.generate(ps, n=3, seeds=[11, 22], **kw)
+    return {"a": a, "b": b, "c": c, "d": d, "errors": errors}
+
+
+def release_case() -> dict:
+    """release_inference_cache: true frees the KV cache after the call; pin_parameters: false frees the copy."""
+    world = comm.get_world_size()
+    engine, *_ = zerospeed.initialize(model=make_model("llama", seed=3),
+                                      config=rl_config(world, release_inference_cache=True, pin_parameters=False))
+    ps = prompts([4, 6], seed=5)
+    a = engine.generate(ps, max_new_tokens=6, ignore_eos=True)
+    rollout = engine.rl.rollout
+    kv_after = rollout.engine.kv.data.untyped_storage().nbytes()
+    resident_after = rollout._resident_bytes()
+    b = engine.generate(ps, max_new_tokens=6, ignore_eos=True)
+    return {"a": a, "b": b, "kv_after": kv_after, "resident_after": resident_after,
+            "peak": rollout.stats.weight_bytes_peak, "kv": rollout.stats.kv_cache_bytes}
+
+
+def bad_config_case(hybrid: dict) -> str:
+    from zerospeed.config import ConfigError
+
+    try:
+        zerospeed.initialize(model=make_model("gpt2", seed=3) if "max_out_tokens" in hybrid else make_model("llama"),
+                             config=rl_config(1, **hybrid))
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"

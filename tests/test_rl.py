@@ -1,0 +1,82 @@
+"""engine.generate at ZeRO-3 (issue #32): HF's greedy tokens on the gathered model, all-gathers counted per
+rollout batch, the rollout's extra memory bounded by counted bytes, the streamed mode's resident-layer bound,
+LoRA applied at rollout time, n samples and seeds, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_cases import release_case, rollout_case, sampling_case
+from zerospeed.testing import run_distributed
+
+
+def _check_greedy(r: dict) -> None:
+    for tokens, (hf, decided) in zip(r["tokens"], r["hf"]):
+        assert decided >= 3, "too few tokens decided by the arithmetic for a meaningful check"
+        assert tokens[:decided] == hf[:decided]
+    assert r["again"] == r["tokens"]
+    assert r["shards_unchanged"]  # the rollout only reads the ZeRO-3 shards
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_generate_zero3_greedy_equals_hf_and_one_pass(world: int) -> None:
+    for r in run_distributed(rollout_case, world, timeout=240):
+        _check_greedy(r)
+        # one pass over the buckets per rollout batch, not one per forward: every bucket gathered exactly once
+        assert r["num_forwards"] >= 10
+        assert r["all_gathers"] == len(r["bucket_numels"]) == r["num_gathers"]
+        assert r["gather_elements"] == sum(r["bucket_numels"])
+        # extra memory: the rollout copy (all layers + embeddings/head) + the KV cache, and while filling, at most
+        # the buckets one copy job needs (a job reads one or three HF tensors; they sit in at most two buckets)
+        copy_bytes = sum(r["layer_bytes"]) + r["other_weight_bytes"]
+        assert r["weight_bytes_peak"] == copy_bytes
+        assert r["live_peak_bytes"] <= 2 * max(r["bucket_bytes"])
+        assert r["kv_cache_bytes"] > 0
+        assert r["resident_after"] == copy_bytes  # pin_parameters (default true) keeps the copy allocated
+
+
+def test_generate_streamed_bounded_resident_layers() -> None:
+    for r in run_distributed(rollout_case, 2, 1, timeout=240):
+        _check_greedy(r)
+        assert r["max_resident_layers_seen"] == 1
+        assert r["weight_bytes_peak"] <= max(r["layer_bytes"]) + r["other_weight_bytes"]
+        # every layer is gathered again for every forward (bounded residency costs gathers)
+        assert r["all_gathers"] > len(r["bucket_numels"])
+        assert r["resident_after"] == r["other_weight_bytes"]
+
+
+def test_generate_lora_applied_without_merging() -> None:
+    for r in run_distributed(rollout_case, 2, 0, True, timeout=240):
+        _check_greedy(r)  # HF greedy on the merged model; the shards (base weights) unchanged
+        assert r["tokens"] != r["hf_without_lora"]  # the adapters matter on this model: they were applied
+
+
+def test_generate_n_seeds_and_bad_input() -> None:
+    r = run_distributed(sampling_case, 2, timeout=240)[0]
+    assert len(r["a"]) == 6 and all(len(t) == 8 for t in r["a"])
+    assert r["a"][3:] == r["b"]  # a prompt's samples depend on its seed only, not on the other requests
+    assert r["a"][:3] == r["c"][:3] and r["a"][3:] != r["c"][3:]
+    assert r["a"] == r["d"]
+    assert len({tuple(t) for t in r["a"][:3]}) > 1  # n samples differ
+    joined = "\n".join(r["errors"])
+    assert "n: must be an integer >= 1" in joined
+    assert "seeds: 3 seeds for 2 prompts" in joined
+    assert "bogus: is not a sampling parameter" in joined
+    assert "prompts: must be a list" in joined
+
+
+def test_release_inference_cache_and_unpinned_parameters() -> None:
+    r = run_distributed(release_case, 1, timeout=120)[0]
+    assert r["a"] == r["b"]  # re-allocated and refilled next call
+    assert r["kv_after"] == 0 and r["kv"] > 0
+    assert r["resident_after"] == 0 and r["peak"] > 0
+
+
+@pytest.mark.parametrize("hybrid,key", [({"inference_tp_size": 2}, "hybrid_engine.inference_tp_size"),
+                                        ({"max_resident_layers": 3}, "hybrid_engine.max_resident_layers"),
+                                        ({"max_out_tokens": 300}, "hybrid_engine.max_out_tokens")])
+def test_hybrid_engine_config_errors(hybrid: dict, key: str) -> None:
+    from rl_cases import bad_config_case
+
+    message = run_distributed(bad_config_case, 1, hybrid, timeout=120)[0]
+    assert message.startswith(f"zerospeed config: {key}:"), message
