@@ -2,9 +2,12 @@
 
 * round trip within the analytic bound per block, for several block sizes: |x - q s| <= s/2 + 2u|x|, s = absmax/qmax;
 * int4 packing exact on every code;
+* the C kernel (ops/block_quant_kernel.py) gives the torch reference's bytes and values bit for bit, and the
+  ``block_quant`` switch picks or forces it;
 * the quantized all-gather gives every rank the dequantized shards of every rank (its own too);
 * the int4 reduce-scatter (flat and two-level over 2 simulated hosts) equals its single-process simulation bit for
-  bit, and the exact sum within the per-level bound.
+  bit, on either kernel, with each element quantized once per level, and the exact sum within the per-level
+  bound.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from zerospeed.ops import block_quant_kernel
 from zerospeed.ops.block_quant import dequantize, pack_int4, quantize, unpack_int4, wire_bytes
 from zerospeed.testing import run_distributed
 from zerospeed.zero.zeropp import simulate_reduce_scatter_quantized
@@ -59,27 +63,44 @@ def test_int4_packing_is_exact():
         quantize(torch.ones(4), 8, 3)
 
 
-def _collectives(per_host: int, n: int) -> dict:
+def _collectives(per_host: int, n: int, path: str = "auto") -> dict:
     import os
 
     import torch.distributed as dist
 
+    from zerospeed.zero import zeropp
     from zerospeed.zero.zeropp import all_gather_quantized, reduce_scatter_quantized
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(LOCAL_WORLD_SIZE=str(per_host), LOCAL_RANK=str(rank % per_host), GROUP_RANK=str(rank // per_host))
+    os.environ.update(LOCAL_WORLD_SIZE=str(per_host), LOCAL_RANK=str(rank % per_host), GROUP_RANK=str(rank // per_host),
+                      ZEROSPEED_FAST_PATHS=f"block_quant={path}")  # ranks fork from a server started earlier
     full = torch.empty(world * n)
     all_gather_quantized(full, _inputs(n, seed=rank), None).wait()
     shard = torch.empty(n)
-    reduce_scatter_quantized(shard, _inputs(world * n, seed=100 + rank), None).wait()
-    return {"full": full, "shard": shard}
+    quantized: list[int] = []  # elements quantized by each call of the reduce-scatter (one call per row and level)
+    real = zeropp._quantize_into
+    zeropp._quantize_into = lambda x, *a: (quantized.append(x.numel()), real(x, *a))[1]
+    try:
+        reduce_scatter_quantized(shard, _inputs(world * n, seed=100 + rank), None).wait()
+    finally:
+        zeropp._quantize_into = real
+    return {"full": full, "shard": shard, "quantized": quantized, "path": zeropp.kernel_path()}
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["torch", "c"])
 @pytest.mark.parametrize("world,per_host", [(2, 2), (4, 4), (4, 2)])
-def test_quantized_collectives_equal_their_simulation(world, per_host):
+def test_quantized_collectives_equal_their_simulation(world, per_host, path):
+    if path == "c" and not block_quant_kernel.available()[0]:
+        pytest.skip(f"the C kernel does not build here: {block_quant_kernel.available()[1]}")
     n = 3001  # 4 x 3001 > hierarchical.MIN_NUMEL; not a multiple of any block
-    got = run_distributed(_collectives, world, per_host, n, timeout=100)
+    got = run_distributed(_collectives, world, per_host, n, path, timeout=100)
+    hosts = world // per_host
+    for r in range(world):
+        assert got[r]["path"] == path
+        # each element is quantized once per level: the whole input once inside the host (or once, flat), then
+        # the host-level partial sums (1/per_host of it) once across hosts
+        assert sum(got[r]["quantized"]) == world * n + (hosts * n if 1 < hosts < world else 0), got[r]["quantized"]
     shards = [_inputs(n, seed=r) for r in range(world)]
     want_full = torch.cat([dequantize(quantize(s, 8, 256)) for s in shards])
     inputs = [_inputs(world * n, seed=100 + r) for r in range(world)]
@@ -93,3 +114,78 @@ def test_quantized_collectives_equal_their_simulation(world, per_host):
         # per level, each of at most `world` senders adds at most absmax(block)/14 <= max|x|/14 of its block
         bound = levels * world * max(x.abs().max() for x in inputs) / 14 * (1 + 1e-5) * (2 if levels == 2 else 1)
         assert float((got[r]["shard"] - mine).abs().max()) <= bound
+
+
+def _payload_torch(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+    q = quantize(x, bits, block)
+    return torch.cat([q.codes.view(torch.uint8), q.scales.view(torch.uint8)])
+
+
+def _needs_c() -> None:
+    ok, why = block_quant_kernel.available()
+    if not ok:
+        pytest.skip(f"the C kernel does not build here ({why}); the torch path is the one in use")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [2, 32, 128, 256, 1000])
+@pytest.mark.parametrize("numel", [1, 999, 10_007])
+def test_c_kernel_equals_the_torch_reference_bit_for_bit(bits, block, numel):
+    _needs_c()
+    x = _inputs(numel, seed=numel + block)
+    x[: min(block, numel) // 2] = 0.0
+    if numel >= 3 * block:  # a block of exact ties: absmax 7 qmax/7 ... scale exactly 1 or 1/... -> x/s = k + 1/2
+        qmax = 127 if bits == 8 else 7
+        tie = torch.arange(block, dtype=torch.float32) % (2 * qmax) - qmax + 0.5
+        tie[0] = float(qmax)
+        x[block: 2 * block] = tie
+    want = _payload_torch(x, bits, block)
+    got = torch.empty(wire_bytes(numel, block, bits), dtype=torch.uint8)
+    block_quant_kernel.quantize_payload(x, bits, block, got)
+    assert torch.equal(got, want)
+    values = torch.full((numel,), float("nan"))
+    block_quant_kernel.dequantize_payload(got, numel, bits, block, values)
+    assert torch.equal(values, dequantize(quantize(x, bits, block)))
+    # accumulate: acc + q s in order, as torch's add_ of the dequantized rows
+    acc = torch.randn(numel)
+    want_acc = acc + dequantize(quantize(x, bits, block))
+    block_quant_kernel.dequantize_payload(got, numel, bits, block, acc, accumulate=True)
+    assert torch.equal(acc, want_acc)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_non_finite_block_dequantizes_to_nan_on_both_paths(bits):
+    _needs_c()
+    block = 32
+    x = _inputs(4 * block)
+    x[5], x[2 * block + 1] = float("inf"), float("nan")
+    want = dequantize(quantize(x, bits, block)).view(4, block)
+    raw = torch.empty(wire_bytes(x.numel(), block, bits), dtype=torch.uint8)
+    block_quant_kernel.quantize_payload(x, bits, block, raw)
+    got = torch.empty(x.numel())
+    block_quant_kernel.dequantize_payload(raw, x.numel(), bits, block, got)
+    got = got.view(4, block)
+    for b in (0, 2):  # the fp16 overflow check after the reduction sees it
+        assert bool(got[b].isnan().all()) and not bool(want[b].isfinite().any())
+    for b in (1, 3):
+        assert torch.equal(got[b], want[b])
+
+
+def test_block_quant_switch(monkeypatch):
+    from zerospeed.ops.fast_paths import FastPathError
+
+    monkeypatch.setenv("ZEROSPEED_FAST_PATHS", "block_quant=torch")
+    assert block_quant_kernel.choose() == "torch"
+    monkeypatch.setenv("ZEROSPEED_FAST_PATHS", "block_quant=fast")
+    with pytest.raises(FastPathError, match="ZEROSPEED_FAST_PATHS: block_quant: 'fast' is not one of auto, torch, c"):
+        block_quant_kernel.choose()
+    monkeypatch.delenv("ZEROSPEED_FAST_PATHS")
+    assert block_quant_kernel.choose() in ("torch", "c")
+    if block_quant_kernel.available()[0]:
+        monkeypatch.setenv("ZEROSPEED_FAST_PATHS", "block_quant=c")
+        assert block_quant_kernel.choose() == "c"
+    raw = torch.empty(3, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="quantize_payload: out must be 36 contiguous uint8 bytes, got 3"):
+        block_quant_kernel.quantize_payload(torch.ones(32), 8, 32, raw)
+    with pytest.raises(ValueError, match="quantize_payload: x must be contiguous CPU float32"):
+        block_quant_kernel.quantize_payload(torch.ones(32, dtype=torch.float64), 8, 32, raw)

@@ -21,6 +21,12 @@
 
 All return a Work-like handle whose ``wait()`` finishes the dequantization, so they slot in where the plain
 collectives were started asynchronously.
+
+Kernels: the payloads are made and read by :mod:`zerospeed.ops.block_quant` (torch, the reference) or by its C twin
+:mod:`zerospeed.ops.block_quant_kernel` (one pass per block, written into the send buffer in place), which gives
+the same bytes and the same sums bit for bit; the ``block_quant`` fast path picks one per process
+(``ZEROSPEED_FAST_PATHS=block_quant=torch`` forces the reference). Ranks may pick differently without any effect
+on the numbers.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch.distributed as dist
 
 from zerospeed import comm
 from zerospeed.comm import hierarchical
+from zerospeed.ops import block_quant_kernel
 from zerospeed.ops.block_quant import Quantized, dequantize, num_blocks, quantize
 
 __all__ = ["KeepSecondary", "GRAD_BITS", "GRAD_BLOCK", "WEIGHT_BLOCK", "all_gather_quantized", "reduce_scatter_quantized",
@@ -58,6 +65,36 @@ def _unpayload(raw: torch.Tensor, numel: int, block: int, bits: int) -> Quantize
 def _payload_bytes(numel: int, block: int, bits: int) -> int:
     blocks = num_blocks(numel, block)
     return blocks * block * bits // 8 + 4 * blocks
+
+
+_PATH: list[str] = []
+
+
+def kernel_path() -> str:
+    """``"torch"`` or ``"c"``: which block-quantization kernel this process uses (chosen once)."""
+    if not _PATH:
+        _PATH.append(block_quant_kernel.choose())
+    return _PATH[0]
+
+
+def _quantize_into(x: torch.Tensor, bits: int, block: int, out: torch.Tensor) -> None:
+    """``out`` (uint8, the payload's bytes) = the quantized form of ``x`` (flat)."""
+    x = x.detach().reshape(-1)
+    if kernel_path() == "c":
+        block_quant_kernel.quantize_payload(x.float().contiguous(), bits, block, out)
+    else:
+        out.copy_(_payload(quantize(x, bits, block)))
+
+
+def _dequantize_into(raw: torch.Tensor, numel: int, bits: int, block: int, out: torch.Tensor,
+                     accumulate: bool = False) -> None:
+    """``out`` (flat, ``numel``) = (or fp32 ``+=``) the values of the payload ``raw``."""
+    if kernel_path() == "c" and out.dtype == torch.float32 and out.is_contiguous():
+        block_quant_kernel.dequantize_payload(raw, numel, bits, block, out, accumulate)
+    elif accumulate:
+        out.add_(dequantize(_unpayload(raw, numel, block, bits)))
+    else:
+        dequantize(_unpayload(raw, numel, block, bits), out=out)
 
 
 class _Then:
@@ -88,14 +125,15 @@ def all_gather_quantized(full: torch.Tensor, shard: torch.Tensor, group: Any,
     """Start the int8 all-gather of every rank's ``shard`` into ``full`` (``world * shard.numel()`` elements)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     n = shard.numel()
-    mine = _payload(quantize(shard, 8, block_size))
+    mine = torch.empty(_payload_bytes(n, block_size, 8), dtype=torch.uint8, device=shard.device)
+    _quantize_into(shard, 8, block_size, mine)
     gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=shard.device)
     work = comm.all_gather(gathered, mine, group=group, async_op=True)
 
     def finish() -> None:
         flat = full.view(-1)
         for r, raw in enumerate(gathered.view(world, -1)):
-            dequantize(_unpayload(raw, n, block_size, 8), out=flat.narrow(0, r * n, n))
+            _dequantize_into(raw, n, 8, block_size, flat.narrow(0, r * n, n))
 
     return _Then(work, finish)
 
@@ -104,17 +142,26 @@ def _exchange_level(chunks: torch.Tensor, group: Any, size: int, block: int, bit
     """``chunks``: ``[size, m]`` fp32, row ``j`` for member ``j``; quantize each row, all-to-all, dequantize what
     arrived and sum it in member order. Returns ``[m]`` fp32 (this member's reduced row)."""
     m = chunks.shape[1]
-    per = _payload_bytes(m, block, bits)
-    sent = torch.cat([_payload(quantize(chunks[j], bits, block)) for j in range(size)])
+    sent = _level_payload(chunks, block, bits)
     received = torch.empty_like(sent)
-    comm.all_to_all_single(received, sent, group=group)
-    return _sum_rows(received.view(size, per), m, block, bits)
+    comm.all_to_all_single(received.view(-1), sent.view(-1), group=group)
+    return _sum_rows(received, m, block, bits)
+
+
+def _level_payload(chunks: torch.Tensor, block: int, bits: int) -> torch.Tensor:
+    """``[rows, payload bytes]`` uint8: row ``j`` is ``chunks[j]`` quantized (each element quantized once)."""
+    rows, m = chunks.shape
+    sent = torch.empty(rows, _payload_bytes(m, block, bits), dtype=torch.uint8, device=chunks.device)
+    for j in range(rows):
+        _quantize_into(chunks[j], bits, block, sent[j])
+    return sent
 
 
 def _sum_rows(rows: torch.Tensor, m: int, block: int, bits: int) -> torch.Tensor:
-    acc = dequantize(_unpayload(rows[0], m, block, bits))
-    for j in range(1, rows.shape[0]):
-        acc.add_(dequantize(_unpayload(rows[j], m, block, bits)))
+    """The sum of the payload rows' values in row order, fp32."""
+    acc = torch.empty(m, dtype=torch.float32, device=rows.device)
+    for j in range(rows.shape[0]):
+        _dequantize_into(rows[j], m, bits, block, acc, accumulate=j > 0)
     return acc
 
 
@@ -127,8 +174,8 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, group: A
     n = output.numel()
     x = input.detach().reshape(-1).float()
     split = hierarchical.split_for(group, x.numel()) if world > 1 else None
-    if world == 1:
-        result = dequantize(quantize(x, bits, block_size))  # the same rounding as the distributed path's level
+    if world == 1:  # the same rounding as the distributed path's level
+        result = _sum_rows(_level_payload(x.view(1, n), block_size, bits), n, block_size, bits)
     elif split is None:
         result = _exchange_level(x.view(world, n), group, world, block_size, bits)
     else:
