@@ -87,6 +87,8 @@ class RequestOutput:
     # token (None for the first), and the top alternatives per prompt token (None for the first)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    # the server's weights version that produced this output (set by the serving loop; issue #32 weight sync)
+    weights_version: int | None = None
 
 
 @dataclass

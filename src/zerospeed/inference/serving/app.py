@@ -233,7 +233,10 @@ class Handlers:
             raise ApiError(500, e.message, type_="server_error", code="engine_error") from None
         finally:
             gen.abort()
-        return JSONResponse(final(gen))
+        body = final(gen)
+        if gen.weights_version is not None:  # which weights produced it (issue #32 weight sync): OpenAI's field
+            body["system_fingerprint"] = f"weights-v{gen.weights_version}"
+        return JSONResponse(body)
 
     @staticmethod
     async def _collect(gen: Generation) -> None:

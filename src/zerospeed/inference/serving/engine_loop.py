@@ -23,6 +23,11 @@ Decisions:
 * A ``step()`` that raises fails the requests that were in the engine (each gets an
   :class:`EngineFailure` and is aborted) and the loop goes on: one bad request or a transient
   fault never takes the server down.
+* Weight updates (issue #32, :mod:`zerospeed.inference.serving.weight_sync`): :meth:`request_update` queues a
+  callable that swaps the weights. From then on new requests are held (not refused), the running ones finish,
+  the callable runs on this thread with no request in the engine, ``weights_version`` becomes what it returns,
+  and the held requests are admitted. So every request runs on one version, which each output carries
+  (``RequestOutput.weights_version``).
 * ``stop()`` aborts what is left; the server calls it after uvicorn has finished or cancelled every
   in-flight HTTP request, so a graceful shutdown lets running requests complete first.
 """
@@ -91,6 +96,9 @@ class EngineLoop:
         self.metrics = ServingMetrics(self.snapshot)
         self._thread = threading.Thread(target=self._run, name="zerospeed-engine", daemon=True)
         self._failure: BaseException | None = None
+        self.weights_version = 0
+        self._update: Callable[[], int] | None = None  # engine thread only (see request_update)
+        self._held: list[tuple] = []  # "group" commands held while an update waits for the engine to drain
 
     # -- any thread ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -124,6 +132,11 @@ class EngineLoop:
         now = time.perf_counter()
         self._inbox.put(("group", [(rid, ids, params, sink, fork_of, now)
                                    for rid, ids, params, sink, fork_of in entries]))
+
+    def request_update(self, apply: Callable[[], int]) -> None:
+        """Run ``apply`` on the engine thread once no request is in the engine (new ones wait); its return value
+        is the new ``weights_version``. An exception it raises leaves the version as it was."""
+        self._inbox.put(("update", apply))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (no-op when it already finished); its blocks are freed before the next
@@ -160,7 +173,11 @@ class EngineLoop:
     def _handle(self, cmd: tuple) -> bool:
         """Apply one command; False for ``stop``."""
         kind = cmd[0]
-        if kind == "group":
+        if kind == "group" and self._update is not None:
+            self._held.append(cmd)
+        elif kind == "update":
+            self._update = cmd[1]
+        elif kind == "group":
             for entry in cmd[1]:
                 self._handle(("add", *entry))
         elif kind == "add":
@@ -214,6 +231,7 @@ class EngineLoop:
                 for _ in range(n_gaps):
                     self.metrics.itl.observe(gap)
                 rec.last_token = now
+            out.weights_version = self.weights_version
             if out.finished:
                 self._finish(out.request_id)
                 self.metrics.e2e.observe(now - rec.arrival)
@@ -238,10 +256,24 @@ class EngineLoop:
             self._stats = stats
             self._num_running = stats.num_running
 
+    def _apply_update(self) -> None:
+        apply, self._update = self._update, None
+        try:
+            self.weights_version = int(apply())
+        except Exception:  # noqa: BLE001 - the old weights stay; the caller of request_update got the error
+            log.error("weight update failed, serving the old weights (version %d):\n%s", self.weights_version,
+                      traceback.format_exc())
+        held, self._held = self._held, []
+        for cmd in held:
+            self._handle(cmd)
+
     def _run(self) -> None:
         running = True
         try:
             while running:
+                if self._update is not None and not self.engine.has_unfinished():
+                    self._apply_update()
+                    continue
                 if not self.engine.has_unfinished():
                     if self._tracked:  # the engine forgot them: fail them rather than hang them
                         self._fail_all("the engine dropped the request")

@@ -84,6 +84,7 @@ class Generation:
         self.choices = [_Choice(TextStream(tokenizer, params.stop)) for _ in self.engine_ids]
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._submitted = 0
+        self.weights_version: int | None = None  # the server's weights version of this request's outputs
 
     def prompt_of(self, index: int) -> int:
         """The prompt (index into ``prompts``) of choice ``index``."""
@@ -184,6 +185,7 @@ class Generation:
 
     def _apply(self, index: int, choice: _Choice, out: RequestOutput) -> Delta:
         ids = list(out.new_token_ids)
+        self.weights_version = getattr(out, "weights_version", self.weights_version)
         if out.prompt_logprobs is not None:
             choice.prompt_logprobs = out.prompt_logprobs
             choice.prompt_top_logprobs = out.prompt_top_logprobs
