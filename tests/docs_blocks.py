@@ -2,7 +2,8 @@
 
 The convention (docs/CONTRIBUTING-docs.md says the same for writers). A page's blocks run in order, in one fresh
 temporary folder per page, each in its own process (``OMP_NUM_THREADS=1``, the suite's Python first on PATH, so
-``python`` and ``zerospeed`` are this checkout's). What a block's language means:
+``python`` and ``zerospeed`` are this checkout's; tests/ on PYTHONPATH, so hidden setup may reuse the suite's
+helpers, e.g. ``from serve_cases import build_model_dir``). What a block's language means:
 
 - ``python``: run as a script (a world of one), after the page's hidden setup for that block, if any;
 - ``json``: parsed (a fragment such as ``"zero_optimization": {...}`` is wrapped in braces) and, unless marked
@@ -133,8 +134,9 @@ def _included(line: str) -> str:
 
 def _env() -> dict[str, str]:
     bin_dir = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
     return dict(os.environ, OMP_NUM_THREADS="1", PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
-                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+                PYTHONPATH=path, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
 
 
 def _run(cmd: list[str], cwd: Path, block: Block, timeout: float) -> None:
