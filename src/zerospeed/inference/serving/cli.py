@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests allowed to wait for a slot; more get 429 (default 1024)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish on SIGTERM (default 30)")
+    p.add_argument("--weight-update-group", default=None, metavar="HOST:PORT",
+                   help="accept weight updates from a trainer (engine.sync_weights) over a gloo process group "
+                        "whose TCP store this server hosts at HOST:PORT (issue #32)")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
     return p
@@ -193,6 +196,16 @@ def run_server(args: argparse.Namespace, engine: object | None = None) -> int:
     report = getattr(handle.engine, "fast_path_report", None)
     if report:  # which fast paths run (issue #25): the user sees it whatever the log level
         print(f"zerospeed serve: {report}", flush=True)
+    receiver = None
+    if getattr(args, "weight_update_group", None):
+        from zerospeed.inference.serving.weight_sync import WeightUpdateReceiver
+
+        try:
+            receiver = WeightUpdateReceiver(handle, args.weight_update_group, model_dir=args.model_dir).start()
+        except (ValueError, RuntimeError) as e:
+            handle.stop(0)
+            return _error(f"--weight-update-group: {e}", 1)
+        print(f"zerospeed serve: weight updates accepted at {args.weight_update_group}", flush=True)
     print(f"zerospeed serve: listening on {handle.url} (model {handle.model_name})", flush=True)
     try:
         while not stop.wait(0.2):
@@ -200,6 +213,8 @@ def run_server(args: argparse.Namespace, engine: object | None = None) -> int:
                 handle.stop(0)
                 return _error("the server stopped unexpectedly", 1)
         print("zerospeed serve: shutting down", flush=True)
+        if receiver is not None:
+            receiver.stop()
         handle.stop()
     finally:
         for s, h in previous.items():
@@ -218,6 +233,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                       EXIT_USAGE)
     if not os.path.isdir(args.model_dir):
         return _error(f"MODEL_DIR: no such folder: {args.model_dir}", EXIT_USAGE)
+    if args.weight_update_group is not None:
+        from zerospeed.inference.serving.weight_sync import parse_address
+
+        try:
+            parse_address(args.weight_update_group)
+        except ValueError as e:
+            return _error(str(e), EXIT_USAGE)
+        if args.tensor_parallel > 1:
+            return _error("--weight-update-group: not built with --tensor-parallel > 1 yet", EXIT_USAGE)
     if args.tensor_parallel > 1:
         from zerospeed.inference.serving import tensor_parallel
 

@@ -1,0 +1,271 @@
+"""The generator side of weight sync (issue #32): ``zerospeed serve --weight-update-group HOST:PORT``.
+
+The server hosts a ``torch.distributed`` TCP store at HOST:PORT and, on it, a two-member gloo process group
+(the server is member 0, the trainer's data-parallel rank 0 member 1): a process group of its own, outside any
+training job's world (:func:`pair_group`). The trainer's half is :func:`zerospeed.rl.sync.sync_weights`.
+
+One sync, over that group (all tensors are CPU tensors; ``tag`` 0):
+
+1. trainer -> server: a header ``int64[6]`` = ``MAGIC, mode (0 full, 1 LoRA delta), manifest bytes, buckets,
+   bucket bytes, payload bytes``, then the manifest (UTF-8 JSON as ``uint8``): one entry per tensor in payload
+   order, ``{"name", "shape", "dtype"}`` (LoRA delta: ``{"name": base weight, "a_shape", "b_shape",
+   "dtype", "scaling"}``, A then B in the payload);
+2. trainer -> server: the payload in ``buckets`` messages of ``bucket bytes`` (the last may be shorter): the
+   tensors' bytes back to back, a tensor may span buckets;
+3. the server stages the tensors (never touching the served weights), then asks the engine loop to swap them
+   in between two engine steps with no request in the engine
+   (:meth:`~zerospeed.inference.serving.engine_loop.EngineLoop.request_update`): the family's own loader
+   checks every name and shape before it copies anything, the prefix cache is emptied (its K/V came from the
+   old weights), and the version goes up by one;
+4. server -> trainer: ``int64[3]`` = ``status (0 ok), weights version, message bytes`` and the message.
+
+A sync that breaks (the trainer killed, a timeout, a bad manifest) leaves the served weights and version as
+they were; the server logs the reason, answers it when the trainer is still there, and waits for the next
+trainer on a fresh group (the store's ``wsync/generation`` key tells the trainer which).
+
+LoRA delta: the server's base weights are its model folder's (the frozen base of LoRA training); each update
+applies ``W_base + sum(scaling * B @ A)`` to the targeted weights. After a full sync the folder is no longer the
+base, so a LoRA-delta sync is then refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("zerospeed.serve")
+
+MAGIC = 0x5A535753  # "ZSWS"
+FULL, LORA = 0, 1
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync that did not happen; the server keeps the weights it had."""
+
+
+def parse_address(text: str, what: str = "--weight-update-group") -> tuple[str, int]:
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what}: expected HOST:PORT (e.g. 127.0.0.1:29600), got {text!r}")
+    return host, int(port)
+
+
+def pair_group(store: Any, generation: int, rank: int, timeout_s: float) -> Any:
+    """The two-member gloo group of one trainer connection (``rank`` 0 the server, 1 the trainer)."""
+    prefixed = dist.PrefixStore(f"wsync{generation}", store)
+    return dist.ProcessGroupGloo(prefixed, rank, 2, datetime.timedelta(seconds=timeout_s))
+
+
+def send(pg: Any, tensor: torch.Tensor, dst: int) -> None:
+    """One message, waited for (counted by the caller)."""
+    pg.send([tensor], dst, 0).wait()
+
+
+def recv(pg: Any, tensor: torch.Tensor, src: int) -> None:
+    pg.recv([tensor], src, 0).wait()
+
+
+def send_bytes(pg: Any, data: bytes, dst: int) -> None:
+    if data:
+        send(pg, torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+
+
+def recv_bytes(pg: Any, n: int, src: int) -> bytes:
+    if n <= 0:
+        return b""
+    buf = torch.empty(n, dtype=torch.uint8)
+    recv(pg, buf, src)
+    return bytes(buf.numpy().tobytes())
+
+
+def entry_nbytes(e: dict[str, Any]) -> int:
+    size = _DTYPES[e["dtype"]].itemsize
+    if "a_shape" in e:
+        return size * (_numel(e["a_shape"]) + _numel(e["b_shape"]))
+    return size * _numel(e["shape"])
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+class WeightUpdateReceiver:
+    """The server's thread that accepts trainers and stages their syncs (see the module docstring)."""
+
+    def __init__(self, handle: Any, address: str, model_dir: str | None = None, timeout_s: float = 120.0) -> None:
+        self.host, self.port = parse_address(address)
+        self.handle = handle
+        self.engine = handle.engine
+        self.loop = handle.engine_loop
+        self.timeout_s = timeout_s
+        self.model_dir = model_dir
+        self.base_is_folder = True
+        self.store = dist.TCPStore(self.host, self.port, None, True, datetime.timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)
+        self.generation = 0
+        self.last_error: str | None = None
+        self.num_syncs = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zerospeed-weight-sync", daemon=True)
+
+    def start(self) -> "WeightUpdateReceiver":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.store.set("wsync/generation", str(self.generation))
+            try:
+                pg = pair_group(self.store, self.generation, 0, self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - nobody connected in time: offer the same generation again
+                log.debug("weight sync: no trainer yet (%s)", exc)
+                continue
+            log.info("weight sync: trainer connected (generation %d)", self.generation)
+            try:
+                while not self._stop.is_set():
+                    self._one_sync(pg)
+            except Exception as exc:  # noqa: BLE001 - the connection broke: old weights stay, wait for another
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("weight sync broken, serving weights version %d: %s", self.loop.weights_version,
+                            self.last_error)
+            self.generation += 1
+
+    def _one_sync(self, pg: Any) -> None:
+        header = torch.zeros(6, dtype=torch.int64)
+        recv(pg, header, 1)
+        magic, mode, manifest_len, num_buckets, bucket_bytes, total = (int(x) for x in header)
+        if magic != MAGIC:
+            raise WeightSyncError(f"bad header from the trainer (magic {magic:#x})")
+        manifest = json.loads(recv_bytes(pg, manifest_len, 1).decode())
+        staged = self._receive(pg, manifest, num_buckets, bucket_bytes, total)
+        status, message = 0, ""
+        try:
+            version = self._apply(mode, manifest, staged)
+        except Exception as exc:  # noqa: BLE001 - refused: the trainer hears why, the server keeps its weights
+            status, message, version = 1, f"{type(exc).__name__}: {exc}", self.loop.weights_version
+            self.last_error = message
+        reply = message.encode()
+        send(pg, torch.tensor([status, version, len(reply)], dtype=torch.int64), 1)
+        send_bytes(pg, reply, 1)
+
+    def _receive(self, pg: Any, manifest: list[dict[str, Any]], num_buckets: int, bucket_bytes: int,
+                 total: int) -> torch.Tensor:
+        if sum(entry_nbytes(e) for e in manifest) != total:
+            raise WeightSyncError("manifest and payload sizes disagree")
+        payload = torch.empty(total, dtype=torch.uint8)  # staging: the served weights are untouched
+        offset = 0
+        for _ in range(num_buckets):
+            n = min(bucket_bytes, total - offset)
+            recv(pg, payload.narrow(0, offset, n), 1)
+            offset += n
+        if offset != total:
+            raise WeightSyncError(f"received {offset} of {total} payload bytes")
+        return payload
+
+    def _tensors(self, manifest: list[dict[str, Any]], payload: torch.Tensor) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        offset = 0
+        for e in manifest:
+            dtype = _DTYPES[e["dtype"]]
+            if "a_shape" in e:
+                parts = []
+                for key in ("a_shape", "b_shape"):
+                    n = _numel(e[key]) * dtype.itemsize
+                    parts.append(payload.narrow(0, offset, n).view(dtype).view(e[key]))
+                    offset += n
+                out[e["name"]] = (parts[0], parts[1], float(e["scaling"]))
+            else:
+                n = _numel(e["shape"]) * dtype.itemsize
+                out[e["name"]] = payload.narrow(0, offset, n).view(dtype).view(e["shape"])
+                offset += n
+        return out
+
+    def _apply(self, mode: int, manifest: list[dict[str, Any]], payload: torch.Tensor) -> int:
+        tensors = self._tensors(manifest, payload)
+        if mode == LORA and not self.base_is_folder:
+            raise WeightSyncError("a LoRA-delta sync needs the model folder's base weights, and a full sync has "
+                                  "replaced them; sync the full weights instead")
+        if mode == LORA and not self.model_dir:
+            raise WeightSyncError("a LoRA-delta sync needs the server's model folder (the base weights)")
+        done = threading.Event()
+        result: dict[str, Any] = {}
+
+        def apply() -> int:
+            try:
+                result["version"] = self._swap(mode, tensors)
+                return result["version"]
+            except BaseException as exc:
+                result["error"] = exc
+                raise
+            finally:
+                done.set()
+
+        self.loop.request_update(apply)
+        if not done.wait(self.timeout_s):
+            raise WeightSyncError(f"the engine did not reach a point between steps within {self.timeout_s:.0f} s")
+        if "error" in result:
+            raise result["error"]
+        if mode == FULL:
+            self.base_is_folder = False
+        self.num_syncs += 1
+        return int(result["version"])
+
+    def _swap(self, mode: int, tensors: dict[str, Any]) -> int:
+        """On the engine thread, no request in the engine: copy the new weights in (all checked first)."""
+        import importlib
+
+        from zerospeed.inference.models.loader import TensorReader
+
+        engine = self.engine
+        model = engine.model
+        if mode == FULL:
+            reader = TensorReader("<weight sync>", engine.dtype, engine.device, state_dict=tensors)
+        else:
+            reader = _LoraReader(self.model_dir, engine.dtype, engine.device, tensors)
+        importlib.import_module(f"zerospeed.inference.models.{engine.spec.family}").load_weights(model, reader)
+        reader.finish(model)  # names and shapes checked before any copy: a bad sync changes nothing
+        alloc = engine.allocator
+        alloc._hash_of.clear()  # cached prefixes hold K/V of the old weights
+        alloc._block_of.clear()
+        return self.loop.weights_version + 1
+
+
+def _lora_reader_class() -> type:
+    from zerospeed.inference.models.loader import TensorReader
+
+    class LoraReader(TensorReader):
+        """The model folder's tensors, with ``scaling * B @ A`` added to the LoRA-targeted weights."""
+
+        def __init__(self, model_dir: str, dtype: torch.dtype, device: Any, deltas: dict[str, Any]) -> None:
+            super().__init__(model_dir, dtype, device)
+            unknown = [n for n in deltas if n not in self._location]
+            if unknown:
+                raise WeightSyncError(f"LoRA delta for weights the model does not have: {', '.join(unknown[:5])}")
+            self._deltas = deltas
+
+        def _read(self, name: str) -> torch.Tensor:
+            t = super()._read(name)
+            if name in self._deltas:
+                a, b, s = self._deltas[name]
+                t = t.float() + s * (b.float() @ a.float())
+                t = t.to(self.dtype)
+            return t
+
+    return LoraReader
+
+
+def _LoraReader(model_dir: str, dtype: torch.dtype, device: Any, deltas: dict[str, Any]) -> Any:
+    return _lora_reader_class()(model_dir, dtype, device, deltas)
