@@ -97,6 +97,50 @@ def test_rewritten_zero0_folder(tmp_path) -> None:
     _same(a, b, "mp_rank_00_model_states.pt")
 
 
+@pytest.mark.parametrize("case", ["zero3_fp32", "zero2_fp32"])
+def test_to_universal_equals_ds_to_universal(tmp_path, case: str) -> None:
+    """DeepSpeed's own ds_to_universal of the zero3_fp32 fixture is zero3_fp32_universal: --to universal of the
+    same run (as DeepSpeed saved it at ZeRO 3, or at ZeRO 2) writes the same tensors and records."""
+    assert main(["--to", "universal", os.path.join(FIXTURES, case, "ckpt"), str(tmp_path), "--world-size", "2"]) == 0
+    with open(os.path.join(tmp_path, "latest_universal")) as f:
+        assert f.read() == "global_step3_universal"
+    out = os.path.join(tmp_path, "global_step3_universal")
+    orig = os.path.join(FIXTURES, "zero3_fp32_universal", "ckpt", "global_step3_universal")
+    assert sorted(os.listdir(out)) == sorted(os.listdir(orig)) and not [n for n in os.listdir(tmp_path)
+                                                                          if n.startswith(".")]
+    assert sorted(os.listdir(os.path.join(out, "zero"))) == sorted(os.listdir(os.path.join(orig, "zero")))
+    if case == "zero3_fp32":  # the same run: DeepSpeed's files hold the same values
+        for name in os.listdir(os.path.join(orig, "zero")):
+            if name.endswith(".pt"):
+                continue
+            for f in os.listdir(os.path.join(orig, "zero", name)):
+                a, b = (load_pickle(os.path.join(d, "zero", name, f)) for d in (orig, out))
+                assert a.shape == b.shape and torch.equal(a, b), (name, f)
+        a, b = (load_pickle(os.path.join(d, "zero", "optimizer_state.pt")) for d in (orig, out))
+        assert b["loss_scaler"].as_dict() == a["loss_scaler"].as_dict()
+        a.pop("loss_scaler"), b.pop("loss_scaler")
+        for flat_a, flat_b in zip(a.pop("fp32_flat_groups"), b.pop("fp32_flat_groups")):
+            assert torch.equal(flat_a[:flat_b.numel()], flat_b)  # DeepSpeed's tail padding is uninitialised
+        pad = a["optimizer_state_dict"]["state"][0], b["optimizer_state_dict"]["state"][0]
+        for k in ("exp_avg", "exp_avg_sq"):
+            n = pad[1][k].numel()
+            assert torch.equal(pad[0][k][:n], pad[1][k]), k
+            pad[0][k], pad[1][k] = pad[0][k][:0], pad[1][k][:0]
+        for d in (a, b):
+            for g in d["param_groups"] + d["optimizer_state_dict"]["param_groups"]:
+                g["betas"] = list(g["betas"])
+        _same(a, b, "optimizer_state.pt")
+    # and zerospeed reads its own universal output back: every master and moment as DeepSpeed held them
+    ref = load_file(os.path.join(FIXTURES, case, "expected.safetensors"))
+    from zerospeed.checkpoint.full_tensors import FullTensors
+
+    with FullTensors(str(tmp_path), None) as ft:
+        for key, want in ref.items():
+            name, kind = key.rsplit(".", 1)
+            got = ft.tensor(name, torch.float32, kind=None if kind == "master" else f"optim.{kind}").reshape(-1)
+            assert torch.equal(got, want.reshape(-1)), key
+
+
 def test_refusals_are_one_line(tmp_path, capsys) -> None:
     src = os.path.join(FIXTURES, "zero3_bf16", "ckpt")
     with pytest.raises(SystemExit) as e:
@@ -105,6 +149,9 @@ def test_refusals_are_one_line(tmp_path, capsys) -> None:
     assert main(["--to", "deepspeed", src, str(tmp_path / "b"), "--zero-stage", "0"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("zerospeed-convert: error: zero_stage 0 with bf16") and "\n" not in err
+    assert main(["--to", "universal", src, str(tmp_path / "u"), "--zero-stage", "2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("zerospeed-convert: error: --zero-stage does not apply to --to universal") and "\n" not in err
     assert main(["--from", "dcp", str(tmp_path / "none"), str(tmp_path / "c")]) == 1
     assert f"DCP folder {tmp_path / 'none'} does not exist" in capsys.readouterr().err
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]

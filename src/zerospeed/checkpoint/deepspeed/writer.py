@@ -243,6 +243,15 @@ def _zero3_rank(ft: FullTensors, groups: list[list[str]], param_groups: list[dic
             "ds_version": DEEPSPEED_VERSION}
 
 
+def layout_of(ft: FullTensors) -> tuple[list[list[str]], list[str], list[dict[str, Any]], list[str]]:
+    """Parameter names per optimizer group, buffer names, FusedAdam param groups and the optimizer state keys
+    every parameter has, as the DeepSpeed files of ``ft`` are laid out."""
+    groups, buffers = _groups(ft)
+    param_groups = _param_groups(ft, len(groups))
+    state_keys = [k for k in ft.state_keys() if all(ft.has(n, f"optim.{k}") for g in groups for n in g)]
+    return groups, buffers, param_groups, state_keys
+
+
 def write_deepspeed(src: str, dst: str, world_size: int | None = None, zero_stage: int | None = None,
                     precision: str | None = None, src_tag: str | None = None, tag: str | None = None) -> str:
     """Write checkpoint ``src`` (zerospeed or DeepSpeed layout) as DeepSpeed folder ``dst/<tag>``; return its path.
@@ -268,9 +277,7 @@ def write_deepspeed(src: str, dst: str, world_size: int | None = None, zero_stag
             raise DeepSpeedUnsupportedError("zero_stage 0 with bf16: DeepSpeed's BF16 optimizer layout is not written "
                                             "yet; use zero_stage 1 or 2")
         dtype = PRECISIONS[precision]
-        groups, buffers = _groups(ft)
-        param_groups = _param_groups(ft, len(groups))
-        state_keys = [k for k in ft.state_keys() if all(ft.has(n, f"optim.{k}") for g in groups for n in g)]
+        groups, buffers, param_groups, state_keys = layout_of(ft)
         if tag is None:
             tag = f"global_step{int((data.get('engine') or {}).get('global_steps', 0))}"
         tag = validate_tag(tag)
