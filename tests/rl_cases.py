@@ -145,3 +145,79 @@ def bad_config_case(hybrid: dict) -> str:
     except ConfigError as exc:
         return str(exc)
     return "no error"
+
+
+# -- weight sync to a `zerospeed serve` subprocess (tests/test_rl_sync.py) ------------------------------------
+
+SYNC_FAST_PATHS = {"cpu_kernels": "off", "greedy_head": "float32"}  # the server runs the same (its flags)
+
+
+def _folder_engine(folder: str, lora: bool, world: int, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                                                 lora_dropout=0.0, init_lora_weights=False))
+    cfg = rl_config(world, max_out_tokens=96)
+    cfg["fast_paths"] = dict(SYNC_FAST_PATHS)
+    cfg["optimizer"]["params"]["lr"] = 0.05  # a visible change of the greedy output after one step
+    engine, *_ = zerospeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=cfg)
+    g = torch.Generator().manual_seed(seed + comm.get_rank())
+    ids = torch.randint(3, 250, (1, 12), generator=g)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    return engine
+
+
+def sync_case(folder: str, address: str, prompt: list[int], max_new_tokens: int, lora: bool = False,
+              bucket_bytes: int = 4096) -> dict:
+    engine = _folder_engine(folder, lora, comm.get_world_size(), seed=7 if lora else 5)
+    tokens = engine.generate([prompt], max_new_tokens=max_new_tokens, ignore_eos=True)[0]
+    buckets = _buckets(engine.module)
+    sends0 = comm.COUNTER.snapshot().get("send", {"bytes": 0})["bytes"]
+    report = engine.sync_weights(address, lora_only=lora, bucket_bytes=bucket_bytes)
+    sent = comm.COUNTER.snapshot().get("send", {"bytes": 0})["bytes"] - sends0
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in engine.module.named_parameters()
+                        if ".lora_A." in n or ".lora_B." in n) if lora else 0
+    if lora:  # shapes of the adapters live in the bucket layout under ZeRO-3
+        adapter_bytes = 0
+        for n, p in engine.module.named_parameters():
+            if ".lora_A." in n or ".lora_B." in n:
+                bucket, pos = registry.lookup(p)
+                adapter_bytes += bucket.layout.slots[pos].numel * 4
+    model_bytes = sum(b.layout.slots[i].numel * 4 for b in buckets for i in range(len(b.layout.slots)))
+    return {"tokens": tokens, "version": report.version, "payload_bytes": report.payload_bytes,
+            "sent_bytes": sent, "num_buckets": report.num_buckets, "bucket_bytes": report.bucket_bytes,
+            "peak_gathered_bytes": report.peak_gathered_bytes, "max_bucket_bytes": max(b.full_bytes for b in buckets),
+            "adapter_bytes": adapter_bytes, "model_bytes": model_bytes, "send_buffer_bytes": report.send_buffer_bytes}
+
+
+def refused_sync_case(folder: str, address: str) -> str:
+    engine = _folder_engine(folder, True, comm.get_world_size(), seed=7)
+    try:
+        engine.sync_weights(address, lora_only=True)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def killed_sync_case(folder: str, address: str) -> None:
+    """Dies (os._exit) right after the first payload bucket went out: the sync is left half done."""
+    import os
+
+    from zerospeed.rl import sync
+
+    engine = _folder_engine(folder, False, comm.get_world_size(), seed=9)
+    original = sync._Sender.flush
+
+    def flush_then_die(self):
+        original(self)
+        if self.num_buckets >= 1:
+            os._exit(3)
+
+    sync._Sender.flush = flush_then_die
+    engine.sync_weights(address, bucket_bytes=4096)

@@ -102,10 +102,14 @@ class WeightSource:
 
 
 class Job:
-    __slots__ = ("target", "names", "thunk")
+    """One tensor to produce: ``thunk()`` reads the HF tensors ``names`` (or the parameters ``params``) and gives
+    the value for ``target`` (None when a consumer takes it, as the weight sync does)."""
 
-    def __init__(self, target: nn.Parameter, names: tuple[str, ...], thunk: Callable[[], torch.Tensor]) -> None:
-        self.target, self.names, self.thunk = target, names, thunk
+    __slots__ = ("target", "names", "thunk", "params")
+
+    def __init__(self, target: nn.Parameter | None, names: tuple[str, ...], thunk: Callable[[], torch.Tensor],
+                 params: list[nn.Parameter] | None = None) -> None:
+        self.target, self.names, self.thunk, self.params = target, names, thunk, params
 
 
 class PlanReader:
@@ -171,10 +175,10 @@ def order_jobs(jobs: list[Job], source: WeightSource) -> list[tuple[Job, list[An
     return sorted(out, key=lambda jb: min((b.index for b in jb[1]), default=-1))
 
 
-def run_pass(ordered: Iterable[tuple[Job, list[Any]]], before: Callable[[Job], None] | None = None) -> int:
-    """Run ``ordered`` jobs (copy each source value into its target), pinning each bucket from its first use to
-    its last, so each is gathered once; returns the number of bucket gathers started. A collective: every
-    rank of the data-parallel group runs the same pass."""
+def run_pass(ordered: Iterable[tuple[Job, list[Any]]], consume: Callable[[Job], None] | None = None) -> int:
+    """Run ``ordered`` jobs (copy each source value into its target, or call ``consume(job)``), pinning each
+    bucket from its first use to its last, so each is gathered once; returns the number of bucket gathers
+    started. A collective: every rank of the data-parallel group runs the same pass."""
     ordered = list(ordered)
     last: dict[int, int] = {}
     for i, (_, buckets) in enumerate(ordered):
@@ -192,10 +196,11 @@ def run_pass(ordered: Iterable[tuple[Job, list[Any]]], before: Callable[[Job], N
             for group in by_owner.values():
                 gathers += sum(1 for b in group if not b.persistent and b.state.value == "released")
                 group[0].owner.pin(group, "hybrid_engine rollout")
-            if before is not None:
-                before(job)
-            with torch.no_grad():
-                job.target.copy_(job.thunk())
+            if consume is not None:
+                consume(job)
+            else:
+                with torch.no_grad():
+                    job.target.copy_(job.thunk())
             done = [pinned.pop(id(b)) for b in buckets if last[id(b)] == i]
             for b in done:
                 b.owner.unpin([b])

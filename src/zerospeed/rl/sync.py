@@ -1,0 +1,215 @@
+"""The trainer side of weight sync (issue #32): ``engine.sync_weights(address)``.
+
+Every data-parallel rank calls it (the ZeRO-3 gathers are collectives); data-parallel rank 0 alone talks to the
+generator (``zerospeed serve --weight-update-group HOST:PORT``; the protocol is in
+:mod:`zerospeed.inference.serving.weight_sync`).
+
+Streaming from the shards: the weights are read in one pass over the ZeRO-3 buckets
+(:func:`zerospeed.rl.weights.run_pass`), one HF tensor at a time, each bucket gathered once and released after
+its last tensor; the bytes go into one send buffer of ``bucket_bytes``, sent whenever it is full. So the trainer
+holds at most the bucket being read plus the send buffer, never the whole model, and rank 0's send of one buffer
+overlaps nothing but is waited for before the buffer is refilled. A PEFT model is sent merged (base plus
+adapters, computed per tensor) in full mode; ``lora_only=True`` sends the adapters' A and B matrices alone.
+
+Counting: every buffer sent is recorded in :data:`zerospeed.comm.COUNTER` as a ``send`` (the pair group is
+outside the mesh, so comm/'s wrappers cannot carry it); :class:`SyncReport` has the bytes, the time and the peak
+bytes the sync added on this rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+from zerospeed.inference.serving import weight_sync as wire
+from zerospeed.rl.weights import Job, WeightSource, bucket_of, order_jobs, run_pass
+
+DEFAULT_BUCKET_BYTES = 32 << 20
+_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass
+class SyncReport:
+    """One sync, as this rank saw it."""
+
+    version: int  # the server's weights version after the sync (-1 on ranks other than dp rank 0)
+    payload_bytes: int
+    num_buckets: int
+    bucket_bytes: int
+    seconds: float
+    send_seconds: float  # rank 0: time spent waiting for sends
+    peak_gathered_bytes: int  # ZeRO-3 buckets gathered at once during the pass, at most
+    send_buffer_bytes: int
+
+
+class WeightSyncClient:
+    """dp rank 0's connection to one generator server (kept on the engine between syncs)."""
+
+    def __init__(self, address: str, timeout_s: float = 120.0) -> None:
+        self.address = address
+        host, port = wire.parse_address(address, "sync_weights(address)")
+        try:
+            self.store = torch.distributed.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:  # noqa: BLE001
+            raise wire.WeightSyncError(f"sync_weights: no generator server at {address} ({exc})") from None
+        generation = int(self.store.get("wsync/generation").decode())
+        self.pg = wire.pair_group(self.store, generation, 1, timeout_s)
+
+
+def _shape(p: torch.nn.Parameter) -> list[int]:
+    from zerospeed.zero.stage3 import registry
+
+    found = registry.lookup(p)
+    if found is None:
+        return list(p.shape)
+    bucket, pos = found
+    return list(bucket.layout.slots[pos].shape)
+
+
+def _entries(source: WeightSource, lora_only: bool) -> tuple[list[dict[str, Any]], list[Job]]:
+    """The manifest and one job per tensor (its HF name(s) and how to read it), in module order."""
+    entries, jobs = [], []
+    if lora_only:
+        if not source.has_lora:
+            raise ValueError("sync_weights(lora_only=True): the model has no LoRA adapters (a PEFT model)")
+        for name, (base, pairs) in source._lora.items():
+            if len(pairs) != 1:
+                raise ValueError(f"sync_weights(lora_only=True): {name} has {len(pairs)} active adapters; one is "
+                                 "supported")
+            A, B, s = pairs[0]
+            entries.append({"name": name, "a_shape": _shape(A), "b_shape": _shape(B), "dtype": _NAMES[A.dtype],
+                            "scaling": s})
+            jobs.append(Job(None, (), lambda A=A, B=B: torch.cat([A.detach().reshape(-1), B.detach().reshape(-1)]),
+                            params=[A, B]))
+        return entries, jobs
+    for name in list(source._plain) + list(source._lora):
+        params = source.params_of(name)
+        base = params[0]
+        entries.append({"name": name, "shape": _shape(base), "dtype": _NAMES[base.dtype]})
+        job = Job(None, (name,), lambda name=name: source.read(name))
+        jobs.append(job)
+    return entries, jobs
+
+
+class _Sender:
+    """Packs tensors' bytes into one buffer, sent (rank 0) whenever it is full."""
+
+    def __init__(self, pg: Any, bucket_bytes: int, total: int) -> None:
+        self.pg = pg
+        self.buf = torch.empty(min(bucket_bytes, max(total, 1)), dtype=torch.uint8)
+        self.fill = 0
+        self.sent = 0
+        self.num_buckets = 0
+        self.send_s = 0.0
+        self.error: BaseException | None = None
+
+    def add(self, t: torch.Tensor) -> None:
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        pos = 0
+        while pos < data.numel():
+            n = min(self.buf.numel() - self.fill, data.numel() - pos)
+            self.buf.narrow(0, self.fill, n).copy_(data.narrow(0, pos, n))
+            self.fill += n
+            pos += n
+            if self.fill == self.buf.numel():
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.fill:
+            return
+        if self.pg is not None and self.error is None:
+            start = time.perf_counter()
+            try:
+                wire.send(self.pg, self.buf.narrow(0, 0, self.fill), 0)
+            except Exception as exc:  # noqa: BLE001 - finish the pass (its gathers are collectives), then raise
+                self.error = exc
+            self.send_s += time.perf_counter() - start
+            comm.COUNTER.record("send", self.fill, 1)
+        self.sent += self.fill
+        self.num_buckets += 1
+        self.fill = 0
+
+
+def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 timeout_s: float = 120.0) -> SyncReport:
+    """Send the training engine's current weights to the generator server at ``address`` (HOST:PORT of its
+    ``--weight-update-group``). Every data-parallel rank calls it. Returns after the server applied them (its
+    new version in the report) or raises :class:`~zerospeed.inference.serving.weight_sync.WeightSyncError` with
+    the server's reason (the server then still serves its previous weights)."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"sync_weights(bucket_bytes=...): must be a positive number of bytes, got {bucket_bytes!r}")
+    start = time.perf_counter()
+    rl = engine.__dict__.get("rl")
+    source = rl.rollout.source if rl is not None and rl._rollout is not None else WeightSource(engine.module)
+    entries, jobs = _entries(source, lora_only)
+    ordered = []
+    for job in jobs:
+        params = job.params or [p for n in job.names for p in source.params_of(n)]
+        buckets = []
+        for p in params:
+            b = bucket_of(p)
+            if b is not None and all(b is not c for c in buckets):
+                buckets.append(b)
+        ordered.append((job, buckets))
+    order = sorted(range(len(ordered)), key=lambda i: min((b.index for b in ordered[i][1]), default=-1))
+    ordered = [ordered[i] for i in order]
+    entries = [entries[i] for i in order]
+    total = sum(wire.entry_nbytes(e) for e in entries)
+    rank0 = comm.get_rank(engine.dp_group) == 0
+    client, connect_error = None, None
+    if rank0:
+        clients = engine.__dict__.setdefault("_weight_sync_clients", {})
+        client = clients.get(address)
+        if client is None:
+            try:
+                client = clients[address] = WeightSyncClient(address, timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the other ranks still run the pass: raise after it
+                connect_error = exc
+    sender = _Sender(client.pg if client else None, bucket_bytes, total)
+    sender.error = connect_error
+    manifest = json.dumps(entries).encode()
+    n_buckets = -(-total // sender.buf.numel()) if total else 0
+    owners = {id(b.owner): b.owner for _, bs in ordered for b in bs}
+    baseline = sum(o.live_bytes for o in owners.values())
+    for o in owners.values():
+        o.live_peak_bytes = o.live_bytes
+    if rank0 and client is not None:
+        try:
+            wire.send(client.pg, torch.tensor([wire.MAGIC, wire.LORA if lora_only else wire.FULL, len(manifest),
+                                               n_buckets, sender.buf.numel(), total], dtype=torch.int64), 0)
+            wire.send_bytes(client.pg, manifest, 0)
+        except Exception as exc:  # noqa: BLE001
+            sender.error = exc
+    run_pass(ordered, consume=lambda job: sender.add(job.thunk()))  # every rank: the gathers are collectives
+    sender.flush()
+    peak = sum(o.live_peak_bytes for o in owners.values()) - baseline
+    version, failure = -1, None
+    if rank0:
+        try:
+            if sender.error is not None:
+                raise sender.error
+            reply = torch.zeros(3, dtype=torch.int64)
+            wire.recv(client.pg, reply, 0)
+            status, version, n = (int(x) for x in reply)
+            message = wire.recv_bytes(client.pg, n, 0).decode()
+            if status != 0:
+                failure = (f"the generator refused the weights (it keeps version {version}): {message}")
+        except Exception as exc:  # noqa: BLE001 - the pair group is broken: reconnect next time
+            engine.__dict__.get("_weight_sync_clients", {}).pop(address, None)
+            failure = f"sync_weights to {address} failed: {type(exc).__name__}: {exc}"
+    outcome = torch.tensor([1 if failure else 0, version], dtype=torch.int64)
+    if comm.get_world_size(engine.dp_group) > 1:  # every rank returns or raises alike
+        outcome[1] = max(version, 0) if rank0 else 0
+        comm.all_reduce(outcome, op=comm.ReduceOp.MAX, group=engine.dp_group)
+    if failure or int(outcome[0]):
+        raise wire.WeightSyncError(failure or "sync_weights failed on data-parallel rank 0 (see its error)")
+    version = int(outcome[1])
+    return SyncReport(version=version, payload_bytes=total, num_buckets=sender.num_buckets,
+                      bucket_bytes=sender.buf.numel(), seconds=time.perf_counter() - start,
+                      send_seconds=sender.send_s, peak_gathered_bytes=peak, send_buffer_bytes=sender.buf.numel())

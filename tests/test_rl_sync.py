@@ -1,0 +1,108 @@
+"""engine.sync_weights to a real `zerospeed serve --weight-update-group` subprocess (issue #32).
+
+One server (a tiny llama folder) goes through: a LoRA-delta sync (only adapter bytes travel), a full sync from
+ZeRO-3 shards on 2 ranks while requests keep arriving (each response names the one weights version that produced
+it and equals that version's output), a LoRA-delta sync refused after the full one (clear error, old weights
+kept), and a sync killed halfway (the server keeps serving the last good version and accepts the next sync)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rl_cases import SYNC_FAST_PATHS, killed_sync_case, refused_sync_case, sync_case
+from serve_cases import ServerProcess, build_model_dir, serve_argv
+from zerospeed.testing import DistributedTestError, run_distributed
+
+PROMPT = [5, 17, 42, 9, 100, 7]
+NEW = 24
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _complete(url: str, prompt: list[int] = PROMPT) -> tuple[str, str]:
+    r = httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": "model", "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True})
+    r.raise_for_status()
+    body = r.json()
+    return body["choices"][0]["text"], body["system_fingerprint"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("rl_sync") / "model")
+
+
+def test_sync_weights_to_a_serve_subprocess(folder: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    address = f"127.0.0.1:{_free_port()}"
+    server = ServerProcess(serve_argv(folder, "--weight-update-group", address, "--dtype", "fp32",
+                                      "--cpu-kernels", SYNC_FAST_PATHS["cpu_kernels"],
+                                      "--greedy-head", SYNC_FAST_PATHS["greedy_head"]))
+    try:
+        url = server.url
+        text0, fp0 = _complete(url)
+        assert fp0 == "weights-v0"
+
+        # 1. LoRA delta from 2 ZeRO-3 ranks: the server's output equals the trainer's rollout (adapters applied)
+        lora = run_distributed(sync_case, 2, str(folder), address, PROMPT, NEW, True, timeout=240)
+        r = lora[0]
+        assert r["version"] == 1 and lora[1]["version"] == 1
+        assert r["payload_bytes"] == r["adapter_bytes"] == r["sent_bytes"]  # only adapter bytes travel
+        assert lora[1]["sent_bytes"] == 0  # dp rank 0 alone talks to the server
+        text1, fp1 = _complete(url)
+        assert fp1 == "weights-v1" and text1 == tok.decode(r["tokens"]) and text1 != text0
+
+        # 2. full weights from the shards, fixed 4 KiB buckets, while requests keep coming
+        seen: list[tuple[str, str]] = []
+        stop = threading.Event()
+
+        def traffic() -> None:
+            while not stop.is_set():
+                seen.append(_complete(url))
+
+        t = threading.Thread(target=traffic, daemon=True)
+        t.start()
+        try:
+            full = run_distributed(sync_case, 2, str(folder), address, PROMPT, NEW, False, timeout=240)
+        finally:
+            stop.set()
+            t.join(60)
+        r = full[0]
+        assert r["version"] == 2
+        assert r["payload_bytes"] == r["model_bytes"] == r["sent_bytes"]
+        assert r["num_buckets"] == -(-r["payload_bytes"] // 4096) and r["send_buffer_bytes"] == 4096
+        for rank in full:  # trainer memory during the sync: one ZeRO-3 bucket gathered at a time + the buffer
+            assert 0 < rank["peak_gathered_bytes"] <= rank["max_bucket_bytes"]
+        text2, fp2 = _complete(url)
+        assert fp2 == "weights-v2" and text2 == tok.decode(r["tokens"])
+        by_version = {"weights-v1": text1, "weights-v2": text2}
+        assert seen, "no request ran during the sync"
+        for text, fp in seen:  # every response was produced by one version, the one it names
+            assert text == by_version[fp], (fp, text)
+
+        # 3. LoRA delta after a full sync: refused, the server keeps version 2
+        message = run_distributed(refused_sync_case, 1, str(folder), address, timeout=180)[0]
+        assert "WeightSyncError" in message and "full sync has replaced them" in message, message
+        assert _complete(url) == (text2, "weights-v2")
+
+        # 4. a trainer killed after its first bucket: the server serves version 2 and takes the next sync
+        with pytest.raises(DistributedTestError):
+            run_distributed(killed_sync_case, 1, str(folder), address, timeout=180)
+        assert _complete(url) == (text2, "weights-v2")
+        again = run_distributed(sync_case, 1, str(folder), address, PROMPT, NEW, False, timeout=240)[0]
+        assert again["version"] == 3
+        assert _complete(url) == (tok.decode(again["tokens"]), "weights-v3")
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
