@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import re
 import sys
 import typing
 from collections.abc import Iterator
@@ -253,10 +254,76 @@ def migration_tables() -> str:
     return "\n".join(lines)
 
 
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+_RUN = re.compile(r"^(?P<bench>.+?)-(?P<date>\d{8})-(?P<time>\d{4,6})$")
+
+
+def benchmark_runs() -> dict[str, list[Path]]:
+    """bench/results/*.md grouped by benchmark (the file name before its date), newest run first."""
+    runs: dict[str, list[Path]] = {}
+    for path in sorted(RESULTS.glob("*.md")):
+        match = _RUN.match(path.stem)
+        if match:
+            runs.setdefault(match["bench"], []).append(path)
+    return {bench: sorted(paths, key=lambda p: p.stem[len(bench):], reverse=True) for bench, paths in sorted(runs.items())}
+
+
+def _command(text: str) -> str:
+    """The command a results file records (the first line of the block after '- command:')."""
+    match = re.search(r"^- command:\s*(`([^`]+)`)?\s*\n+```\w*\n(?P<block>.*?)\n```", text, re.M | re.S)
+    if match:
+        return match["block"].strip()
+    match = re.search(r"^- command:\s*`([^`]+)`", text, re.M)
+    return match.group(1) if match else ""
+
+
+def _demoted(text: str) -> str:
+    """A results file inside a page: its title dropped, other headings one level down, fences kept as text."""
+    out, fence = [], False
+    for line in text.splitlines():
+        if line.startswith(("```", "~~~")):
+            fence = not fence
+            out.append("```text" if fence and line.strip() in ("```", "~~~") else line)
+            continue
+        if not fence and line.startswith("#"):
+            if line.startswith("# "):
+                continue
+            line = "#" + line
+        out.append(line)
+    return "\n".join(out).strip() + "\n"
+
+
+def benchmark_pages() -> dict[str, str]:
+    """One page per benchmark holding its results files as they are (newest first), and an overview."""
+    runs = benchmark_runs()
+    overview = ["# Benchmarks", "",
+                "Each page shows a benchmark's result files from `bench/results/` as the benchmark wrote them (the "
+                "machine, its load, the versions, the exact command, the tables), newest run first; nothing here is "
+                "retyped. The guides say what the figures mean and which targets are and are not met. Reproduce a "
+                "run with its command, after `make bench-env` for the DeepSpeed / vLLM comparisons.", "",
+                "| benchmark | runs | latest | reproduce (latest run) |", "|---|---|---|---|"]
+    pages: dict[str, str] = {}
+    for bench, paths in runs.items():
+        latest = paths[0].read_text()
+        command = _command(latest)
+        overview.append(f"| [{bench}]({bench}.md) | {len(paths)} | `{paths[0].name}` | `{_cell(command)}` |")
+        body = [f"# {bench}", "", f"{len(paths)} run(s) in `bench/results/`, newest first. Reproduce the latest:", "",
+                "```bash", command, "```", ""]
+        for path in paths:
+            body += [f"## `{path.name}`", "", _demoted(path.read_text()), ""]
+        pages[f"benchmarks/{bench}.md"] = "\n".join(body)
+    pages["benchmarks/index.md"] = "\n".join(overview) + "\n"
+    return pages
+
+
+def benchmark_nav() -> list[dict[str, str]]:
+    return [{"Overview": "benchmarks/index.md"}, *({bench: f"benchmarks/{bench}.md"} for bench in benchmark_runs())]
+
+
 def pages() -> dict[str, str]:
     """Generated page path (relative to docs/) -> Markdown."""
     return {"reference/config.md": config_page(), "reference/cli.md": cli_page(),
-            "generated/migration_tables.md": migration_tables()}
+            "generated/migration_tables.md": migration_tables(), **benchmark_pages()}
 
 
 def main(argv: list[str] | None = None) -> int:

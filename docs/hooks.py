@@ -1,5 +1,6 @@
-"""MkDocs hooks: the generated pages (``docs/gen_pages.py``) join the build as files of their own, and a page's
-``<!-- generated: NAME -->`` marker is replaced by the generated ``generated/NAME.md`` text."""
+"""MkDocs hooks: the generated pages (``docs/gen_pages.py``) join the build as files of their own (the Benchmarks
+section of the nav is built from bench/results/), and a page's ``<!-- generated: NAME -->`` marker is replaced by
+the generated ``generated/NAME.md`` text."""
 
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ _spec.loader.exec_module(gen_pages)  # type: ignore[union-attr]
 
 _PAGES: dict[str, str] = {}
 _MARKER = re.compile(r"<!-- generated: ([\w-]+) -->")
+
+
+def on_config(config: Any) -> Any:
+    """The Benchmarks section of the nav lists one page per benchmark found in bench/results/ (before Reference)."""
+    nav = [entry for entry in config["nav"] if not (isinstance(entry, dict) and "Benchmarks" in entry)]
+    at = next((i for i, entry in enumerate(nav) if isinstance(entry, dict) and "Reference" in entry), len(nav))
+    nav.insert(at, {"Benchmarks": gen_pages.benchmark_nav()})
+    config["nav"] = nav
+    return config
 
 
 def on_files(files: Files, config: Any) -> Files:

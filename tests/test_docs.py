@@ -1,6 +1,7 @@
 """Issue #33: the docs site builds with warnings as errors, its generated config reference covers every key the
-schema accepts, the Getting-started script runs as written under the launcher with 2 processes, and the built site
-works in headless Chromium."""
+schema accepts, the Benchmarks pages hold bench/results/ as written, and every page of the built site works in
+headless Chromium. (The code blocks, the Getting-started script under the launcher included, run in
+tests/test_docs_blocks.py.)"""
 
 from __future__ import annotations
 
@@ -101,7 +102,8 @@ def built_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_docs_build_strict(built_site: Path) -> None:
     site = built_site
     for page in ("index.html", "migration/index.html", "errors/index.html", "reference/config/index.html",
-                 "reference/cli/index.html", "api/index.html"):
+                 "reference/cli/index.html", "api/index.html", "benchmarks/index.html",
+                 "benchmarks/ddp_vs_zerospeed/index.html", "guides/zero/index.html", "guides/serving/index.html"):
         assert (site / page).is_file(), page
     home = (site / "index.html").read_text()
     assert "Regressor" in home and "add_config_arguments" in home  # the example file is included, not retyped
@@ -109,19 +111,31 @@ def test_docs_build_strict(built_site: Path) -> None:
     assert any("stage3_prefetch_bucket_size" in doc["text"] for doc in search["docs"])  # search finds a key
 
 
-@pytest.mark.timeout(200)
-def test_getting_started_script_runs_under_the_launcher(tmp_path: Path) -> None:
-    examples = ROOT / "docs" / "examples"
-    out = subprocess.run([sys.executable, "-m", "zerospeed.launcher.runner", "--num_procs", "2",
-                          str(examples / "quickstart.py"), "--deepspeed_config", str(examples / "ds.json")],
-                         cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                         timeout=180)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "16 steps, last loss" in out.stdout
+def test_benchmark_pages_hold_the_results_files_as_written() -> None:
+    """One page per benchmark, each results file's tables copied from bench/results/ (not retyped), the command of
+    its latest run first; the overview lists every benchmark."""
+    pages = gen_pages.benchmark_pages()
+    runs = gen_pages.benchmark_runs()
+    assert {"ddp_vs_zerospeed", "inference_bench", "serve_bench", "offload_bench"} <= set(runs)
+    assert set(pages) == {"benchmarks/index.md", *(f"benchmarks/{bench}.md" for bench in runs)}
+    for bench, paths in runs.items():
+        page = pages[f"benchmarks/{bench}.md"]
+        command = gen_pages._command(paths[0].read_text())
+        assert command and f"```bash\n{command}\n```" in page, bench
+        for path in paths:
+            rows = [line for line in path.read_text().splitlines() if line.startswith("|")]
+            assert rows, path.name
+            assert all(row in page for row in rows), path.name
+        assert f"[{bench}]({bench}.md)" in pages["benchmarks/index.md"]
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-PAGES = ("", "migration/", "errors/", "reference/config/", "reference/cli/", "api/")
+
+
+def site_pages(site: Path) -> list[str]:
+    """Every page of the built site (its folder URLs), the home page first."""
+    pages = sorted(p.parent.relative_to(site).as_posix() + "/" for p in site.rglob("index.html"))
+    return ["" if page == "./" else page for page in pages]
 
 
 @pytest.mark.timeout(400)
@@ -146,7 +160,9 @@ def test_pages_load_search_finds_a_key_and_home_is_screenshotted(built_site: Pat
         errors: list[str] = []
         page.on("console", lambda msg: errors.append(f"{page.url}: {msg.text}") if msg.type == "error" else None)
         page.on("pageerror", lambda exc: errors.append(f"{page.url}: {exc}"))
-        for path in PAGES:
+        paths = site_pages(built_site)
+        assert len(paths) > 40 and "guides/zero/" in paths and "benchmarks/inference_bench/" in paths
+        for path in paths:
             response = page.goto(site + path, wait_until="networkidle")
             assert response is not None and response.status == 200, path
         assert errors == []
