@@ -80,6 +80,20 @@ def test_config_reference_covers_every_accepted_key() -> None:
     assert {"zero_optimization.stage", "autotuning.max_seconds", "zero_optimization.prefetch_bucket_size"} <= accepted
 
 
+def test_cli_reference_has_every_installed_command() -> None:
+    """Every [project.scripts] entry of pyproject.toml (and `zerospeed serve`) with the --help its parser prints."""
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert gen_pages.console_scripts() == scripts  # the installed entry points are pyproject's
+    page = gen_pages.cli_page()
+    for name in [*scripts, "zerospeed serve"]:
+        section = page.split(f"## `{name}`\n", 1)[1].split("\n## ", 1)[0]
+        assert f"usage: {name} " in section, name
+    assert "--port" in page.split("## `zerospeed serve`")[1].split("\n## ")[0]
+    assert "--num_procs" in page and "--max-shard-size" in page and "--force" in page
+
+
 def test_migration_tables_list_every_removed_and_unbuilt_key() -> None:
     text = gen_pages.migration_tables()
     for key in [*removed.REMOVED_KEYS, *(path for path, _, _ in removed.NOT_YET)]:
