@@ -15,6 +15,7 @@ here reads the code's own tables; nothing is typed by hand.
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import sys
 import typing
@@ -249,9 +250,25 @@ def cli_page() -> str:
 
 
 def migration_tables() -> str:
-    from zerospeed.config import names, removed
+    from zerospeed.config import compile as compile_config
+    from zerospeed.config import expert_parallel, names, removed
+    from zerospeed.runtime import engine_api
 
-    lines = ["## Keys DeepSpeed removed", "",
+    keys = config_keys()
+    lines = ["## At a glance", "",
+             "| | supported | behaves differently | refused, by name |", "|---|---|---|---|",
+             f"| config keys | {len(keys)} keys, DeepSpeed's names ([reference](reference/config.md)) | "
+             f"{len(compile_config.DEEPCOMPILE_ONLY_DEFAULTS) + len(expert_parallel.DEFAULT_ONLY)} accepted at "
+             f"DeepSpeed's default only (below) | {len(removed.REMOVED_KEYS)} removed by DeepSpeed, "
+             f"{len(removed.NOT_YET)} features not built (below) |",
+             f"| engine methods (DeepSpeed 0.19.8 has {len(engine_api.DEEPSPEED_ENGINE_METHODS)}) | "
+             f"{len(engine_api.HAS) + len(engine_api.ADDS)} | `loss_scale` (a property), `memory_breakdown()` "
+             f"(bytes per rank) | {len(engine_api.LACKS)}, each a `NotImplementedError` saying why (below) |",
+             f"| optimizer and LR-schedule names | "
+             f"{len(names.OPTIMIZER_NAMES) + len(names.TORCH_OPTIMIZER_NAMES) + len(names.SCHEDULER_NAMES)} | "
+             "see the [Optimizers guide](guides/optimizers.md) | "
+             f"{len(names.OPTIMIZER_NAMES_NOT_YET) + len(names.SCHEDULER_NAMES_NOT_YET)} |", "",
+             "## Keys DeepSpeed removed", "",
              f"Refused by name, whatever their value ({removed.REMOVED_PROBLEM}).", "",
              "| key | hint |", "|---|---|"]
     lines += [f"| `{key}` | {_cell(hint)} |" for key, hint in sorted(removed.REMOVED_KEYS.items())]
@@ -267,7 +284,25 @@ def migration_tables() -> str:
               f"| {', '.join(f'`{n}`' for n in names.OPTIMIZER_NAMES_REMOVED)} | removed in DeepSpeed |",
               f"| {', '.join(f'`{n}`' for n in names.SCHEDULER_NAMES)} | built (LR schedules) |",
               f"| {', '.join(f'`{n}`' for n in names.SCHEDULER_NAMES_NOT_YET)} | not built (LR schedules) |", ""]
-    return "\n".join(lines)
+    lines += ["## Accepted at DeepSpeed's default only", "",
+              "Options of features zerospeed builds differently: the key is accepted at the value DeepSpeed "
+              "defaults to, any other value is a `ConfigError` naming it.", "", "| key | DeepSpeed's default |",
+              "|---|---|"]
+    lines += [f"| `compile.{key}` | `{json.dumps(value)}` |"
+              for key, value in compile_config.DEEPCOMPILE_ONLY_DEFAULTS.items()]
+    lines += [f"| `expert_parallel.{key}` | `{json.dumps(value)}` |" for key, value in expert_parallel.DEFAULT_ONLY.items()]
+    lines += ["", "Also refused by name: `compile.passes` "
+              + ", ".join(f"`{k}` ({_cell(v)})" for k, v in compile_config.DEEPSPEED_PASSES_NOT_BUILT.items())
+              + "; `expert_parallel.preset_model` " + ", ".join(f"`{k}`" for k in expert_parallel.DEEPSPEED_ONLY_PRESETS)
+              + f" (built: {', '.join(f'`{k}`' for k in expert_parallel.PRESETS)}).", ""]
+    lines += ["## Engine methods", "",
+              f"Of DeepSpeed 0.19.8's {len(engine_api.DEEPSPEED_ENGINE_METHODS)} public engine methods, a zerospeed "
+              f"engine has {len(engine_api.HAS) + len(engine_api.ADDS)}:", "",
+              ", ".join(f"`{n}`" for n in sorted((*engine_api.HAS, *engine_api.ADDS))), "",
+              "These raise `NotImplementedError: engine.<name>() is not supported by zerospeed: <why>`:", "",
+              "| method | why, or what instead |", "|---|---|"]
+    lines += [f"| `{name}` | {_cell(why)} |" for name, why in sorted(engine_api.LACKS.items())]
+    return "\n".join(lines) + "\n"
 
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"

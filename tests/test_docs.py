@@ -95,9 +95,17 @@ def test_cli_reference_has_every_installed_command() -> None:
 
 
 def test_migration_tables_list_every_removed_and_unbuilt_key() -> None:
+    from zerospeed.config import compile as compile_config
+    from zerospeed.config import expert_parallel
+    from zerospeed.runtime import engine_api
+
     text = gen_pages.migration_tables()
-    for key in [*removed.REMOVED_KEYS, *(path for path, _, _ in removed.NOT_YET)]:
-        assert f"| `{key}` |" in text
+    for key in [*removed.REMOVED_KEYS, *(path for path, _, _ in removed.NOT_YET),
+                *(f"compile.{k}" for k in compile_config.DEEPCOMPILE_ONLY_DEFAULTS),
+                *(f"expert_parallel.{k}" for k in expert_parallel.DEFAULT_ONLY), *engine_api.LACKS]:
+        assert f"| `{key}` |" in text, key
+    for name in (*engine_api.HAS, *engine_api.ADDS):
+        assert f"`{name}`" in text, name
 
 
 @pytest.fixture(scope="module")
