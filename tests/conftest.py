@@ -32,7 +32,7 @@ NUMERIC_MODULES = frozenset({
     "test_compile_passes.py", "test_compile_engine.py",
     "test_engine_parity.py", "test_tp_training.py", "test_pipe_engine.py", "test_sequence_parallel.py",
     "test_sequence_tiling.py", "test_ds_checkpoint.py", "test_ds_convert.py", "test_comm_hierarchical.py",
-    "test_zeropp_quant.py", "test_onebit_adam.py",
+    "test_zeropp_quant.py", "test_onebit_adam.py", "test_onebit_family.py",
 })
 
 

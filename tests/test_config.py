@@ -438,7 +438,7 @@ def test_optimizer_names_are_canonicalised(spelling: str, canonical: str) -> Non
 
 def test_optimizer_name_errors() -> None:
     error_of(cfg(optimizer={"type": "LBFGS"}), "optimizer.type", "'LBFGS'", "not supported by zerospeed yet")
-    error_of(cfg(optimizer={"type": "ZeroOneAdam"}), "optimizer.type", "not supported by zerospeed yet")
+    error_of(cfg(optimizer={"type": "SparseAdam"}), "optimizer.type", "not supported by zerospeed yet")
     error_of(cfg(optimizer={"type": "AdamX"}), "optimizer.type", "did you mean 'Adam")
 
 

@@ -33,10 +33,11 @@ from zerospeed.checkpoint.deepspeed.layout import is_deepspeed_folder
 from zerospeed.checkpoint.deepspeed.layout import open_folder as open_deepspeed
 from zerospeed.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
                                          CheckpointNotFoundError)
-from zerospeed.checkpoint.index import CheckpointIndex
+from zerospeed.checkpoint.index import CheckpointIndex, rank_file
 from zerospeed.checkpoint.jsonstate import decode, restore_rng
 from zerospeed.checkpoint.reader import TensorSource
 from zerospeed.checkpoint.shards import (
+    RANK_LOCAL,
     CopyOp,
     all_views,
     master_is_weight,
@@ -145,6 +146,11 @@ def _ranged(tp: Any) -> Callable[..., list[CopyOp]]:
     return ranged
 
 
+def _pipeline_stages(engine: Any) -> int:
+    """Pipeline stages of a pipeline engine (each holds its own layers), 1 for any other engine."""
+    return int(getattr(engine, "num_stages", 1) or 1) if getattr(engine, "pipe_group", None) is not None else 1
+
+
 def plan(engine: Any, index: CheckpointIndex, strict: bool, load_optimizer: bool, module_only: bool) -> _Plan:
     rank, world = engine.dp_rank, engine.dp_world_size
     tp = getattr(engine, "checkpoint_layout", None)
@@ -164,6 +170,9 @@ def plan(engine: Any, index: CheckpointIndex, strict: bool, load_optimizer: bool
     held_elsewhere: set[str] = set()
     if any(getattr(v, "split", None) is not None for v in views):  # experts differ between ranks
         for names in comm.all_gather_object(sorted(shapes), engine.dp_group):
+            held_elsewhere.update(names)
+    if _pipeline_stages(engine) > 1:  # the other stages' layers are theirs to load
+        for names in comm.all_gather_object(sorted(shapes)):
             held_elsewhere.update(names)
     _check_names(index, shapes, strict, held_elsewhere)
     out = _Plan()
@@ -310,6 +319,8 @@ def load(engine: Any, load_dir: str, tag: str | None, load_module_strict: bool, 
     tp = getattr(engine, "checkpoint_layout", None)
     if tp is not None:  # every rank of the world loads its own pieces; they agree (and restore RNG) as one
         group, rank, world = tp.group, tp.rank, tp.world_size
+    elif _pipeline_stages(engine) > 1:  # each stage loads its own layers; all stages agree as one
+        group, rank, world = None, comm.get_rank(), comm.get_world_size()
     # DeepSpeed 0.19.8 looks only for load_dir/latest: a directory not created yet (an elastic job's first attempt)
     # is "nothing to load", (None, None) with the warning below, not an error (issue #33); with a tag it is one
     first_attempt = tag is None and not os.path.exists(os.fspath(load_dir))
@@ -333,6 +344,8 @@ def load(engine: Any, load_dir: str, tag: str | None, load_module_strict: bool, 
         wanted = p.wanted(index)
         client = index.data.get("client_state") or {}
         wanted.update((client["file"], k) for k in client.get("keys", []))
+        if load_optimizer_states and not load_module_only:
+            wanted.update(_rank_local_wanted(engine, index))
         restore = (not load_module_only) and index.world_size == world and rank < len(index.data["rng"])
         if restore:
             rng_file = index.data["rng"][rank]["file"]
@@ -377,6 +390,26 @@ def load(engine: Any, load_dir: str, tag: str | None, load_module_strict: bool, 
     return directory, client_state
 
 
+def _rank_local_wanted(engine: Any, index: CheckpointIndex) -> list[tuple[str, str]]:
+    """(file, key) of every saved rank's per-rank optimizer tensors, when this engine's optimizer takes them."""
+    names = (index.data.get("optimizer") or {}).get("rank_local") or []
+    if not names or not callable(getattr(engine.optimizer, "load_rank_local_state", None)):
+        return []
+    return [(rank_file(r), RANK_LOCAL + n) for r in range(index.world_size) for n in names]
+
+
+def _apply_rank_local(engine: Any, index: CheckpointIndex, source: TensorSource) -> None:
+    wanted = _rank_local_wanted(engine, index)
+    if not wanted:
+        return
+    saved: list[dict[str, torch.Tensor]] = [{} for _ in range(index.world_size)]
+    for r in range(index.world_size):
+        for fname, key in wanted:
+            if fname == rank_file(r):
+                saved[r][key[len(RANK_LOCAL):]] = source.get(fname, key).clone()
+    engine.optimizer.load_rank_local_state(saved, engine.dp_rank, engine.dp_world_size)
+
+
 def _apply(engine: Any, index: CheckpointIndex, p: _Plan, source: TensorSource, load_optimizer_states: bool,
            load_lr_scheduler_states: bool, module_only: bool, rng_file: str | None) -> None:
     from zerospeed.checkpoint.shards import copy_pieces
@@ -393,6 +426,7 @@ def _apply(engine: Any, index: CheckpointIndex, p: _Plan, source: TensorSource, 
     if not module_only:
         if load_optimizer_states and engine.optimizer is not None:
             _restore_param_groups(engine, index)
+            _apply_rank_local(engine, index, source)
         sched = engine.lr_scheduler
         if load_lr_scheduler_states and sched is not None and index.data.get("lr_scheduler") is not None:
             sched.load_state_dict(decode(index.data["lr_scheduler"]))

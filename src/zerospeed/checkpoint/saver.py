@@ -43,6 +43,7 @@ from zerospeed.checkpoint.errors import CheckpointSaveError, CheckpointTagMismat
 from zerospeed.checkpoint.index import INDEX_FILE, build_index, rank_file
 from zerospeed.checkpoint.jsonstate import capture_rng, encode
 from zerospeed.checkpoint.shards import (
+    RANK_LOCAL,
     LocalShards,
     add_full_tensor,
     all_views,
@@ -165,6 +166,13 @@ def _loader_state(engine: Any) -> dict[str, int] | None:
     return dict(state_dict()) if callable(state_dict) else None
 
 
+def _rank_local_tensors(optimizer: Any) -> dict[str, torch.Tensor]:
+    state = getattr(optimizer, "rank_local_state", None)
+    if not callable(state):
+        return {}
+    return {RANK_LOCAL + k: t.detach().to("cpu", copy=True).contiguous() for k, t in state().items()}
+
+
 def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) -> _Snapshot:
     rank, world = engine.dp_rank, engine.dp_world_size
     tp = _tp_layout(engine)
@@ -176,6 +184,8 @@ def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) ->
         shards = collect_shards(views, engine.optimizer, rank, world, copy=copy)
     if tp is not None:  # pieces of tp-split parameters in full-tensor coordinates
         shards.pieces = tp.to_full(shards.pieces)
+    rank_local = _rank_local_tensors(engine.optimizer)
+    shards.tensors.update(rank_local)
     rng_meta = capture_rng(shards.tensors)
     param_info: dict[str, dict[str, Any]] = {}
     for v in views:
@@ -209,7 +219,8 @@ def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) ->
         "compute_dtype": dtype_name(engine.compute_dtype),
         "zerospeed_version": __version__, "torch_version": torch.__version__, "created_unix": time.time(),
         "state_dict_keys": keys, "aliases": aliases,
-        "optimizer": None if opt is None else {"class": type(opt).__name__, "param_groups": _param_groups_json(opt)},
+        "optimizer": None if opt is None else {"class": type(opt).__name__, "param_groups": _param_groups_json(opt),
+                                               "rank_local": sorted(k[len(RANK_LOCAL):] for k in rank_local)},
         "lr_scheduler": None if sched is None else encode(sched.state_dict(), "lr_scheduler.state_dict()", None),
         "loss_scaler": None if scaler is None else encode(scaler.state_dict(), "loss_scaler.state_dict()", None),
         "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),

@@ -33,6 +33,12 @@ from zerospeed.checkpoint.jsonstate import encode
 from zerospeed.checkpoint.tensor_io import dtype_name
 from zerospeed.zero.layout import BucketLayout, ShardPiece
 
+#: Prefix of the per-rank optimizer tensors in each rank's file (the 1-bit optimizers' error buffers, see
+#: zerospeed.ops.onebit_common): every rank writes its own (``optimizer.rank_local_state()``, keys the optimizer
+#: lists in ``rank_local_keys`` are left out of the element-wise pieces) and a load hands every saved rank's to
+#: ``optimizer.load_rank_local_state(saved, rank, world)``, which reshards them.
+RANK_LOCAL = "rank_local."
+
 #: Optimizer state entries that are one value per parameter tensor even when 0-d tensors.
 SCALAR_STATE_KEYS = ("step",)
 
@@ -143,6 +149,8 @@ def collect_shards(views: Sequence[Any], optimizer: torch.optim.Optimizer | None
     """This rank's bucket tensors (CPU; cloned when ``copy``) and their piece records."""
     out = LocalShards({}, [], {}, {}, [])
     state_keys: set[str] = set()
+    # per-rank optimizer state (the 1-bit optimizers' error buffers) is written by the saver, per rank
+    rank_local = set(getattr(optimizer, "rank_local_keys", ()))
 
     def cpu(t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu":
@@ -166,6 +174,8 @@ def collect_shards(views: Sequence[Any], optimizer: torch.optim.Optimizer | None
             if mode == "flat":
                 state = optimizer.state.get(view.opt_tensors[0], {})
                 for key, value in state.items():
+                    if key in rank_local:
+                        continue
                     if _elementwise(key, value, view.opt_tensors[0]):
                         kinds[f"optim.{key}"] = cpu(value.reshape(-1).narrow(0, lo, n))
                     else:
@@ -176,6 +186,8 @@ def collect_shards(views: Sequence[Any], optimizer: torch.optim.Optimizer | None
                 for p, _ in owned:
                     t = view.opt_tensors[slot_pos[p.slot.name]]
                     for key, value in optimizer.state.get(t, {}).items():
+                        if key in rank_local:
+                            continue
                         if _elementwise(key, value, t):
                             parts.setdefault(key, []).append(value.reshape(-1).narrow(0, p.param_start, p.numel))
                         else:

@@ -14,7 +14,7 @@ Sources (checked with the search tool, DeepSpeed master, 2026):
 * The 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) are no longer in that list: their
   communication backends were removed by DeepSpeed PR #8535 (tracking issue #8489), so a config
   naming them fails in current DeepSpeed too. zerospeed brings them back (issue #28): OneBitAdam
-  (``OnebitAdam`` too) is built (ZeRO stage 0); ZeroOneAdam and OneBitLamb are not yet.
+  (``OnebitAdam`` too), ZeroOneAdam and OneBitLamb are built (ZeRO stage 0).
 * ``deepspeed/runtime/lr_schedules.py`` ``VALID_LR_SCHEDULES`` = LRRangeTest, OneCycle, WarmupLR,
   WarmupDecayLR, WarmupCosineLR; other names fall back to ``torch.optim.lr_scheduler``.
 """
@@ -25,10 +25,10 @@ import difflib
 
 #: optimizers zerospeed builds, canonical spelling.
 OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Muon", "Lion", "MuAdam", "MuAdamW",
-                                    "MuSGD", "OneBitAdam")
+                                    "MuSGD", "OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 
 #: names DeepSpeed accepts (its own or torch.optim's) that zerospeed does not build yet.
-OPTIMIZER_NAMES_NOT_YET: tuple[str, ...] = ("LBFGS", "SparseAdam", "ZeroOneAdam", "OneBitLamb")
+OPTIMIZER_NAMES_NOT_YET: tuple[str, ...] = ("LBFGS", "SparseAdam")
 
 #: the rest of torch.optim, built by DeepSpeed's fallback ``getattr(torch.optim, name)`` (issue #30)
 TORCH_OPTIMIZER_NAMES: tuple[str, ...] = (

@@ -15,12 +15,13 @@ other gradient all-reduce):
 
 ``weight_decay`` is added to the update (``update + weight_decay * p``, DeepSpeed's 1-bit Adam convention, not
 L2 in the gradient). The error buffers are optimizer state (``worker_error`` the padded size of the parameter,
-``server_error`` this rank's 1/world of it): a checkpoint resumed at the same world size continues bit for bit;
-at another world size they restart from zero (the server chunks are per rank; DeepSpeed resets them too), which
-costs one step of compression error. Through the engine, zerospeed's checkpoint format holds element-wise states
-only: a checkpoint taken during warm-up resumes exactly; after it, saving is refused in one line naming
-``worker_error`` (the rank-specific error buffers have no place in it yet). ``cuda_aware`` and ``comm_backend_name`` ("nccl", "mpi", "hccl") choose
-DeepSpeed's transport; here the group's own backend carries the messages (one log line says so).
+``server_error`` this rank's 1/world of it), padded as DeepSpeed pads (:func:`~zerospeed.ops.onebit_common.padded_numel`).
+With ``optimizer.state_dict()`` a resume at the same world size continues bit for bit; at another world size they
+restart from zero. Through the engine they are rank-local state (:mod:`zerospeed.ops.onebit_common`): each rank's
+are written to its own file, and a load continues bit for bit at the same world size and reshards them by the
+documented rule at another (DeepSpeed resets them on every load). ``cuda_aware`` and ``comm_backend_name``
+("nccl", "mpi", "hccl") choose DeepSpeed's transport; here the group's own backend carries the messages (one log
+line says so).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from zerospeed.comm import collectives
 from zerospeed.comm.compressed import compressed_all_reduce
+from zerospeed.ops.onebit_common import RankLocalState, padded_numel
 
 __all__ = ["OneBitAdam"]
 
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 _BACKENDS = ("nccl", "mpi", "hccl")
 
 
-class OneBitAdam(torch.optim.Optimizer):
+class OneBitAdam(RankLocalState, torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, freeze_step: int = 100000,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bias_correction: bool = True, amsgrad: bool = False, cuda_aware: bool = False,
@@ -84,8 +86,7 @@ class OneBitAdam(torch.optim.Optimizer):
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
     def _padded(self, numel: int) -> int:
-        unit = 8 * self._world()
-        return -(-numel // unit) * unit
+        return padded_numel(numel, self._world())
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

@@ -56,6 +56,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,8 @@ from zerospeed.ops.lamb import Lamb
 from zerospeed.ops import muon as _muon
 from zerospeed.ops.lion import Lion
 from zerospeed.ops.onebit_adam import OneBitAdam
+from zerospeed.ops.onebit_lamb import OneBitLamb
+from zerospeed.ops.zero_one_adam import ZeroOneAdam
 from zerospeed.ops.mup import MU_OPTIMIZERS, mu_param_groups
 
 __all__ = ["build_optimizer", "resolve_client_optimizer", "OPTIMIZERS"]
@@ -119,9 +122,18 @@ OPTIMIZERS: dict[str, _OptimizerSpec] = {
     "muadamw": _OptimizerSpec("MuAdamW", (torch.optim.AdamW,)),
     "musgd": _OptimizerSpec("MuSGD", (torch.optim.SGD,)),
     "onebitadam": _OptimizerSpec("OneBitAdam", (OneBitAdam,), excluded=("group",)),  # ZeRO-0 only (zero/strategy)
+    "zerooneadam": _OptimizerSpec("ZeroOneAdam", (ZeroOneAdam,), excluded=("group", "max_grad_norm")),  # ZeRO-0 only
+    "onebitlamb": _OptimizerSpec("OneBitLamb", (OneBitLamb,), excluded=("group", "max_grad_norm")),  # ZeRO-0 only
     "muon": _OptimizerSpec("Muon", (), deepspeed_only=("lr", "momentum", "weight_decay", "ns_method", "muon_lr",
                                                        "adam_lr", "betas", "eps", "adam_w_mode", "variant")),
 }
+
+_ONEBIT = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
+_ONEBIT_CLASSES = {"OneBitAdam": OneBitAdam, "ZeroOneAdam": ZeroOneAdam, "OneBitLamb": OneBitLamb}
+#: the arguments a 1-bit optimizer's ValueError may name (first match is the config key reported)
+_ONEBIT_KEYS = ("freeze_step", "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper",
+                "comm_backend_name", "amsgrad", "eps_inside_sqrt", "betas", "min_coeff", "factor_min", "coeff_beta",
+                "factor_threshold")
 
 _NON_NEGATIVE = ("lr", "muon_lr", "adam_lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay", "initial_accumulator_value",
                  "max_coeff", "min_coeff")  # fmt: skip
@@ -162,7 +174,7 @@ def _check_values(spec: _OptimizerSpec, params: Mapping[str, Any]) -> None:
             if not ok:
                 raise ConfigError(_key(name), f"{value!r} must be two numbers in [0, 1)")
     for name in ("bias_correction", "set_grad_none"):
-        if spec.name not in ("Lamb", "OneBitAdam") and params.get(name) is False:
+        if spec.name not in ("Lamb",) + _ONEBIT and params.get(name) is False:
             raise ConfigError(_key(name), f"false is not supported: torch's {spec.name} always does this")
     if spec.name == "Lamb" and params.get("amsgrad") is True:
         raise ConfigError(_key("amsgrad"), "Lamb has no AMSGrad variant (DeepSpeed's FusedLamb refuses it too)")
@@ -345,14 +357,14 @@ def build_optimizer(
         if "betas" in kwargs:
             kwargs["betas"] = tuple(kwargs["betas"])
         return Lion(groups, **kwargs)
-    if spec.name == "OneBitAdam":  # issue #28: 1-bit Adam, its own communication after freeze_step
+    if spec.name in _ONEBIT:  # issue #28: the 1-bit family, its own communication after its warm-up
         if "betas" in kwargs:
             kwargs["betas"] = tuple(kwargs["betas"])
         try:
-            return OneBitAdam(groups, **kwargs)
+            return _ONEBIT_CLASSES[spec.name](groups, **kwargs)
         except ValueError as exc:
-            key = next((k for k in ("freeze_step", "comm_backend_name", "amsgrad", "eps_inside_sqrt") if k in str(exc)),
-                       "type")
+            found = [(m.start(), k) for k in _ONEBIT_KEYS for m in [re.search(rf"\b{k}\b", str(exc))] if m]
+            key = min(found)[1] if found else "type"  # the argument the message names first
             raise ConfigError(_key(key) if key != "type" else "optimizer.type", str(exc)) from None
     if spec.name == "Lamb":
         if "betas" in kwargs:

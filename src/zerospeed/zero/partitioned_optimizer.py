@@ -129,8 +129,16 @@ class ShardedOptimizerState:
             else:
                 self._opt_tensors.append(b.param_views_of(master))
         self.separate_master = any(not same_memory(m, b.param_shard()) for b, m in zip(buckets, self.masters))
+        # an optimizer whose arithmetic depends on the order of its tensors (1-bit LAMB compresses them as one
+        # concatenated buffer) keeps the order the user gave; the others see the buckets' order
+        keep_order = not sharded and getattr(optimizer, "order_sensitive", False)
         for gi, group in enumerate(optimizer.param_groups):
-            group["params"] = [t for b, ts in zip(buckets, self._opt_tensors) if b.layout.group_index == gi for t in ts]
+            tensors = [t for b, ts in zip(buckets, self._opt_tensors) if b.layout.group_index == gi for t in ts]
+            if keep_order:  # at stage 0 a bucket's tensors are its parameters' (or their masters' views), in order
+                given = {id(p): k for k, p in enumerate(group["params"])}
+                order = [given.get(id(p), len(given)) for b in buckets if b.layout.group_index == gi for p in b.params]
+                tensors = [t for _, t in sorted(zip(order, tensors), key=lambda kt: kt[0])]
+            group["params"] = tensors
         self.offloaded = offloaded
         # Muon: each matrix orthogonalised by one owner rank (zerospeed.zero.muon_shards)
         from zerospeed.zero.muon_shards import bind_sharded_muon
