@@ -221,3 +221,14 @@ def killed_sync_case(folder: str, address: str) -> None:
 
     sync._Sender.flush = flush_then_die
     engine.sync_weights(address, bucket_bytes=4096)
+
+
+def grpo_case(steps: int, lr: float) -> dict:
+    """examples/grpo_toy.py's train() on this process group (the example's own code, not a copy)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import grpo_toy
+
+    return grpo_toy.train(steps=steps, prompts_per_rank=8, group=8, lr=lr, seed=0, log=None)
