@@ -45,6 +45,7 @@ ragged batch (see :mod:`zerospeed.inference.tp_runtime`); the other ranks run
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -176,6 +177,8 @@ class InferenceEngine:
         self._num_forwards = 0
         self._forward_s = 0.0
         self._prompt_parts: list[tuple[Sequence, int, int]] = []  # the last forward's prompt rows
+        # the last forward's guided rows (indices among its sampled rows) and their token bitmask
+        self._guided: tuple[list[int], torch.Tensor] | None = None
         self.guides = Guides(tokenizer, spec.vocab_size, list(spec.eos_token_ids))
         self._worker_hook = None  # set by tp_runtime on rank 0: broadcasts each batch
         self.spmd = False  # every rank schedules and samples the same (init_inference); no broadcast
@@ -317,9 +320,8 @@ class InferenceEngine:
         if logits.dim() == 1:  # the greedy tokens themselves (see run_forward)
             tokens, chosen, tops = logits.tolist(), [None] * len(need), [None] * len(need)
         else:
-            guided = [(i, s.matcher) for i, s in enumerate(need) if s.matcher is not None]
-            if guided:  # one batched mask over every guided row of this forward
-                self.guides.mask(logits, [i for i, _ in guided], [m for _, m in guided])
+            if self._guided is not None:  # the masks computed before the forward, for every guided row
+                self.guides.apply(logits, *self._guided)
             tokens, chosen, tops = sample(logits, need)
         for seq, tok, lp, top in zip(need, tokens, chosen, tops):
             seq.tokens.append(tok)
@@ -404,20 +406,32 @@ class InferenceEngine:
         rows += prompt_rows
         if self._worker_hook is not None:
             self._worker_hook(ids, items, batch.num_decodes, batch.copies, rows)
+        sampling = [s for s, n in batch.items if s.num_computed + n == len(s.tokens) and s.params.max_new_tokens > 0]
+        # structured output: the token masks of this forward's guided rows (their matchers have consumed
+        # every token so far), computed before the forward so the greedy head below can use them too
+        self._guided = None
+        guided = [(i, s.matcher) for i, s in enumerate(sampling) if s.matcher is not None]
+        if guided:
+            self._guided = ([i for i, _ in guided], self.guides.bitmask([m for _, m in guided], self.spec.vocab_size))
         # every sampled row greedy, no logprobs, no stop token masked by min_new_tokens: the model may
-        # give the argmax tokens without all the logits
-        greedy = not prompt_rows and all(is_greedy(s.params) and s.params.logprobs is None and s.matcher is None
-                     and not (s.stop_set and s.num_generated < s.params.min_new_tokens)
-                     for s, n in batch.items if s.num_computed + n == len(s.tokens))
-        return self.run_forward(ids, items, batch.num_decodes, batch.copies, rows, greedy=greedy)
+        # give the argmax tokens without all the logits (guided rows too: their masks are applied to the
+        # approximate logits before the exact candidates are chosen, CausalLM.greedy_tokens)
+        greedy = not prompt_rows and all(is_greedy(s.params) and s.params.logprobs is None
+                                         and not (s.stop_set and s.num_generated < s.params.min_new_tokens)
+                                         for s in sampling)
+        refuse = None
+        if self._guided is not None:
+            refuse = functools.partial(self.guides.apply, rows=self._guided[0], bitmask=self._guided[1])
+        return self.run_forward(ids, items, batch.num_decodes, batch.copies, rows, greedy=greedy, refuse=refuse)
 
     @torch.inference_mode()
     def run_forward(self, ids: list[int], items: list[tuple[int, int, list[int]]], num_decodes: int,
                     copies: list[tuple[int, int]], rows: list[int], all_ranks: bool = False,
-                    greedy: bool = False) -> torch.Tensor:
+                    greedy: bool = False, refuse: Any = None) -> torch.Tensor:
         """The part every tensor-parallel rank runs identically. Returns the logits ``[N, V]`` of
         ``rows`` (None on ranks that do not sample), or with ``greedy`` possibly their argmax tokens
-        ``[N]`` instead (:meth:`CausalLM.greedy_tokens`, when it applies)."""
+        ``[N]`` instead (:meth:`CausalLM.greedy_tokens`, when it applies; ``refuse`` masks the tokens
+        guided rows may not take, see there)."""
         start = time.perf_counter()
         for src, dst in copies:
             self.kv.copy_block(src, dst)
@@ -431,7 +445,9 @@ class InferenceEngine:
         if rows and (self.tp.rank == 0 or all_ranks or self.spmd):
             idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
             last = hidden.index_select(0, idx)
-            logits = self.model.greedy_tokens(last) if greedy else None
+            logits = None
+            if greedy:
+                logits = self.model.greedy_tokens(last) if refuse is None else self.model.greedy_tokens(last, refuse)
             if logits is None:
                 logits = self.model.compute_logits(last)
         self._num_forwards += 1

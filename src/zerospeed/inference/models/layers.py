@@ -235,10 +235,17 @@ class CausalLM(nn.Module):
                                                                    self._greedy_source)
         return hit
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def greedy_tokens(self, hidden: torch.Tensor, refuse: Any = None) -> torch.Tensor | None:
         """The argmax token of each row of ``compute_logits(hidden)``, through the greedy head chosen
         for this shape class (see :attr:`greedy_head`); None where the float32 logits are the way
-        (chosen, or the head is not a float32 CPU head: the caller then computes the logits)."""
+        (chosen, or the head is not a float32 CPU head: the caller then computes the logits).
+
+        ``refuse``: None, or a function that adds ``-inf`` in place to the entries of a ``[rows, V]``
+        logits tensor (any float dtype) that some rows may not take, ``+0`` elsewhere (structured
+        output's token masks, :meth:`zerospeed.inference.constraints.Guides.apply`): applied to the
+        approximate logits before the candidates are chosen, so a refused token is never a candidate,
+        and to the float32 logits of rows that fall back to them; the token is then the argmax of the
+        masked float32 logits, exactly as without the greedy head."""
         w, rows = getattr(self.lm_head, "weight", None), hidden.shape[0]
         if rows < GREEDY_APPROX_MIN_ROWS or hidden.dtype != torch.float32 or not self._greedy_applies(w):
             return None
@@ -248,27 +255,26 @@ class CausalLM(nn.Module):
             if head is None:
                 raise FastPathError(f"{self._greedy_source}: 'int8' cannot run on this head: oneDNN's int8 linear "
                                     "did not give the exact integer products")
-            return self._greedy_tokens_int8(hidden, w, head, choice.c_int8_rows, choice.c_refine)
+            return self._greedy_tokens_int8(hidden, w, head, choice.c_int8_rows, choice.c_refine, refuse)
         if choice.head == "bf16":
-            return self._greedy_tokens_bf16(hidden, w, choice.c_refine)
+            return self._greedy_tokens_bf16(hidden, w, choice.c_refine, refuse)
         return None
 
     def _greedy_tokens_int8(self, hidden: torch.Tensor, w: torch.Tensor, head: "int8_head.Int8Head",
-                            c_rows: bool | None = None, c_refine: bool | None = None) -> torch.Tensor:
+                            c_rows: bool | None = None, c_refine: bool | None = None, refuse: Any = None
+                            ) -> torch.Tensor:
         """``c_rows`` / ``c_refine``: the activation side / the candidates' pass in C (None: wherever
         the kernels are built)."""
         if c_rows is None or c_refine is None:
             c_rows = c_refine = cpu_kernel.available()[0]
         approx, err = int8_head.approx_logits(head, hidden, use_c=c_rows)
+        if refuse is not None:
+            refuse(approx)
         refine = cpu_kernel.greedy_refine if c_refine else int8_head.refine_torch
-        tokens = refine(approx, hidden, w, err, GREEDY_MAX_CANDIDATES)
-        flat = (tokens < 0).nonzero(as_tuple=True)[0]
-        if flat.numel():  # too many near-ties for the candidate path: these rows in full
-            tokens[flat] = F.linear(hidden.index_select(0, flat), w).max(dim=1).indices
-        return tokens
+        return _full_rows(refine(approx, hidden, w, err, GREEDY_MAX_CANDIDATES), hidden, w, refuse)
 
-    def _greedy_tokens_bf16(self, hidden: torch.Tensor, w: torch.Tensor, c_refine: bool | None = None
-                            ) -> torch.Tensor:
+    def _greedy_tokens_bf16(self, hidden: torch.Tensor, w: torch.Tensor, c_refine: bool | None = None,
+                            refuse: Any = None) -> torch.Tensor:
         mat, packed, wmax = self._lm_head_bf16(w)
         xb = hidden.to(torch.bfloat16)
         approx = torch.ops.mkldnn._linear_pointwise(xb, mat, None, "none", [], "") if packed else torch.mm(xb, mat)
@@ -277,12 +283,10 @@ class CausalLM(nn.Module):
         err = (2.0 * (3 * u + w.shape[1] * 2.0 ** -24) * (1 + 4 * u) * hidden.norm(dim=1) * wmax).float()
         if c_refine is None:
             c_refine = cpu_kernel.available()[0]
+        if refuse is not None:
+            refuse(approx)
         refine = cpu_kernel.greedy_refine if c_refine else int8_head.refine_torch
-        tokens = refine(approx, hidden, w, err, GREEDY_MAX_CANDIDATES)
-        flat = (tokens < 0).nonzero(as_tuple=True)[0]
-        if flat.numel():  # too many near-ties for the candidate path: these rows in full
-            tokens[flat] = F.linear(hidden.index_select(0, flat), w).max(dim=1).indices
-        return tokens
+        return _full_rows(refine(approx, hidden, w, err, GREEDY_MAX_CANDIDATES), hidden, w, refuse)
 
     def _lm_head_bf16(self, w: torch.Tensor) -> tuple[torch.Tensor, bool, torch.Tensor]:
         """The head's weight in bfloat16 for the approximate logits: packed by oneDNN for its matmul
@@ -409,3 +413,17 @@ class RowLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         y = all_reduce_tp(F.linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
+
+
+def _full_rows(tokens: torch.Tensor, hidden: torch.Tensor, w: torch.Tensor, refuse: Any) -> torch.Tensor:
+    """Rows the candidate pass gave up on (-1: too many near-ties) take the argmax of their float32
+    logits in full (masked by ``refuse``, which works on whole ``[rows, V]`` tensors)."""
+    flat = (tokens < 0).nonzero(as_tuple=True)[0]
+    if flat.numel():
+        if refuse is None:
+            tokens[flat] = F.linear(hidden.index_select(0, flat), w).max(dim=1).indices
+        else:
+            full = F.linear(hidden, w)
+            refuse(full)
+            tokens[flat] = full.index_select(0, flat).max(dim=1).indices
+    return tokens
