@@ -1,6 +1,7 @@
 """Sequence parallelism (issue #29): the longest sequence that trains under a per-rank activation-memory budget, by
-bisection, at SP 1, 2 and 4, for zerospeed and DeepSpeed 0.19.8's ALST, plain / tiled / tiled+checkpointed; and
-the step time at a fixed per-rank length.
+bisection, at SP 1, 2 and 4, for zerospeed, DeepSpeed 0.19.8's ALST and PyTorch's context parallel, plain /
+tiled+checkpointed; and the step time at a fixed per-rank length: wall time, and each rank's CPU time (user + system
+of its process, so an oversubscribed machine, where 4 ranks share 2 cores, does not count the waits for a core).
 
 Each trial is one launch of ``bench/sp_worker.py`` (``sp`` processes, gloo, one thread each) training a random-init
 Llama (GQA) for one step at one sequence length; a length "fits" when every rank's peak resident memory during the
@@ -8,7 +9,9 @@ step, minus its resident memory just before, stays within ``--budget_mib``. The 
 extrapolates the (nearly linear: sdpa on CPU keeps attention O(seq)) growth to the budget, and bisects around the
 guess until the bracket is within ``--granularity`` tokens. DeepSpeed runs with ``.venv-bench/bin/python`` and
 ``DS_ACCELERATOR=cpu``; a configuration that fails is reported with its error line. Every configuration runs in
-this one invocation, so the ratios compare like with like on this machine.
+this one invocation, so the ratios compare like with like on this machine. PyTorch's context parallel runs with
+this venv's torch (``--impl torch_cp`` in the worker); a configuration that fails is a row with its error line.
+The load average is recorded before and after the run.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/sp_bench.py            # full run (~30 min on 2 cores)
     OMP_NUM_THREADS=1 .venv/bin/python bench/sp_bench.py --quick    # SP 1/2, zerospeed only
@@ -46,7 +49,8 @@ def read_log(path: str) -> None:
             REUSED[(impl, int(sp), mode, int(seq))] = {"ok": True, "activation_mib": float(mib), "reused": True}
 
 
-def trial(impl: str, sp: int, seq: int, mode: str, steps: int = 1, timeout_s: float = 600) -> dict:
+def trial(impl: str, sp: int, seq: int, mode: str, steps: int = 1, timeout_s: float = 600,
+          shape: tuple[int, int, int] | None = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     python = sys.executable
     if impl == "deepspeed":
@@ -55,14 +59,71 @@ def trial(impl: str, sp: int, seq: int, mode: str, steps: int = 1, timeout_s: fl
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         run = launch_workers(WORKER, ["--impl", impl, "--sp", str(sp), "--seq", str(seq), "--mode", mode,
-                                      "--steps", str(steps), "--out", str(out)], num_procs=sp, python=python, env=env,
+                                      "--steps", str(steps), "--out", str(out), *_shape_args(shape)],
+                             num_procs=sp, python=python, env=env,
                              timeout_s=timeout_s, tail_lines=60)
         if run.returncode != 0 or not out.exists():
             return {"ok": False, "error": run.error or f"exit {run.returncode}"}
         ranks = json.loads(out.read_text())
     return {"ok": True, "activation_mib": max(r["activation_bytes"] for r in ranks) / MIB,
             "step_s": [statistics.median(r["step_s"][1:] or r["step_s"]) for r in ranks],
+            "cpu_s": [statistics.median(r["cpu_s"][1:] or r["cpu_s"]) for r in ranks if "cpu_s" in r],
             "loss": ranks[0]["losses"][-1]}
+
+
+def _shape_args(shape: tuple[int, int, int] | None) -> list[str]:
+    if shape is None:
+        return []
+    hidden, heads, kv_heads = shape
+    return ["--hidden", str(hidden), "--heads", str(heads), "--kv_heads", str(kv_heads)]
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """"128x4x2,512x8x4" -> [(hidden, heads, kv_heads), ...]"""
+    out = []
+    for item in text.split(","):
+        parts = item.split("x")
+        if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise SystemExit(f"sp_bench: --step_shapes entry {item!r} is not HIDDENxHEADSxKV_HEADS")
+        out.append(tuple(int(x) for x in parts))
+    return out
+
+
+def step_row(impl: str, sp: int, seq: int, shape: tuple[int, int, int], steps: int, role: str) -> dict:
+    r = trial(impl, sp, seq, "plain", steps=steps, shape=shape)
+    step = max(r["step_s"]) if r["ok"] else None
+    cpu = max(r["cpu_s"]) if r["ok"] and r["cpu_s"] else None
+    per_rank = seq // sp
+    return {"table": "step_time", "impl": impl, "model": "x".join(map(str, shape)), "role": role, "sp": sp,
+            "seq": seq, "per_rank": per_rank, "step_s": round(step, 3) if step else None,
+            "tokens_per_s_per_rank": round(per_rank / step, 1) if step else None,
+            "cpu_s_per_rank": round(cpu, 3) if cpu else None,
+            "tokens_per_cpu_s_per_rank": round(per_rank / cpu, 1) if cpu else None,
+            "loss": r.get("loss"), "error": (r.get("error") or "")[:200] or None}
+
+
+def step_notes(rows: list[dict], impl: str, sps: list[int], per_rank: int) -> list[str]:
+    notes = []
+    for model in dict.fromkeys(r["model"] for r in rows if r["table"] == "step_time" and r["impl"] == impl):
+        mine = [r for r in rows if r["table"] == "step_time" and r["impl"] == impl and r["model"] == model
+                and r["tokens_per_cpu_s_per_rank"]]
+        fixed = {r["sp"]: r for r in mine if r["role"] == "fixed_per_rank"}
+        whole = {r["seq"]: r for r in mine if r["role"] == "one_process_same_seq"}
+        for sp in sps[1:]:
+            if 1 in fixed and sp in fixed:
+                wall = fixed[sp]["tokens_per_s_per_rank"] / fixed[1]["tokens_per_s_per_rank"]
+                cpu = fixed[sp]["tokens_per_cpu_s_per_rank"] / fixed[1]["tokens_per_cpu_s_per_rank"]
+                notes.append(f"{impl} model {model}: tokens/s per rank at SP {sp} = {cpu:.2f} x SP 1 by CPU time "
+                             f"({'meets' if cpu >= 0.8 else 'misses'} the 0.8x target), {wall:.2f} x by wall time "
+                             f"({os.cpu_count()} cores shared by {sp} ranks); {per_rank} tokens per rank")
+            seq = per_rank * sp
+            if sp in fixed and seq in whole:
+                eff = whole[seq]["cpu_s_per_rank"] / (sp * fixed[sp]["cpu_s_per_rank"])
+                notes.append(f"{impl} model {model}: SP {sp} at {seq} tokens = {eff:.2f} x the ideal split of one "
+                             f"process's CPU time at {seq} tokens (what SP itself costs: all-to-alls, the loss and "
+                             f"ZeRO over dp x sp; the rest of the gap to SP 1 at {per_rank} is attention's quadratic "
+                             f"growth with the global length)")
+    return notes
 
 
 def longest(impl: str, sp: int, mode: str, budget_mib: float, granularity: int, probe: int) -> dict:
@@ -124,7 +185,11 @@ def main() -> None:
     p.add_argument("--fixed_per_rank", type=int, default=1024, help="per-rank length of the step-time rows")
     p.add_argument("--sps", default="1,2,4")
     p.add_argument("--modes", default="plain,tiled+ckpt")
-    p.add_argument("--impls", default="zerospeed,deepspeed")
+    p.add_argument("--impls", default="zerospeed,deepspeed,torch_cp")
+    p.add_argument("--tables", default="longest,step_time", help="which tables to measure")
+    p.add_argument("--steps", type=int, default=3, help="steps of a step-time trial (the first is not timed)")
+    p.add_argument("--step_shapes", default="128x4x2",
+                   help="models of the step-time table, HIDDENxHEADSxKV_HEADS each (intermediate 4 x hidden)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--reuse_log", help="an earlier run's output: its trials are not run again (named in the notes)")
     args = p.parse_args()
@@ -136,22 +201,26 @@ def main() -> None:
         impls.remove("deepspeed")
     if args.reuse_log:
         read_log(args.reuse_log)
+    tables = args.tables.split(",")
+    load_before = os.getloadavg()
     rows = []
-    for mode in args.modes.split(","):
+    for mode in (args.modes.split(",") if "longest" in tables else []):
         for impl in impls:
             for sp in sps:
                 probe = args.probe if mode == "plain" else 3 * args.probe
                 r = longest(impl, sp, mode, args.budget_mib, args.granularity, probe)
                 rows.append({"table": "longest", "impl": impl, "mode": mode, "sp": sp, **r})
-    for impl in impls:
-        for sp in sps:
-            seq = args.fixed_per_rank * sp
-            r = trial(impl, sp, seq, "plain", steps=3)
-            step = max(r["step_s"]) if r["ok"] else None
-            rows.append({"table": "step_time", "impl": impl, "mode": "plain", "sp": sp, "seq": seq,
-                         "per_rank": args.fixed_per_rank, "step_s": round(step, 3) if step else None,
-                         "tokens_per_s_per_rank": round(args.fixed_per_rank / step, 1) if step else None,
-                         "loss": r.get("loss"), "error": r.get("error")})
+    shapes = parse_shapes(args.step_shapes)
+    for shape in (shapes if "step_time" in tables else []):
+        for impl in impls:
+            for sp in sps:  # the same per-rank length at every degree (the target), then one process at SP s's length
+                rows.append(step_row(impl, sp, args.fixed_per_rank * sp, shape, args.steps, "fixed_per_rank"))
+                if rows[-1]["error"]:
+                    break
+            if not rows[-1]["error"]:
+                for sp in sps[1:]:
+                    rows.append(step_row(impl, 1, args.fixed_per_rank * sp, shape, args.steps,
+                                         "one_process_same_seq"))
     notes = []
     if args.reuse_log:
         notes.append(f"{len(REUSED)} trials were read back from an earlier run of this script on this machine "
@@ -163,17 +232,20 @@ def main() -> None:
             for a, b in ((1, 2), (2, 4)):
                 if a in got and b in got:
                     notes.append(f"{impl} {mode}: longest sequence x{got[b] / got[a]:.2f} from SP {a} to SP {b}")
-        tps = {r["sp"]: r["tokens_per_s_per_rank"] for r in rows if r["table"] == "step_time" and r["impl"] == impl
-               and r["tokens_per_s_per_rank"]}
-        for sp in sps[1:]:
-            if 1 in tps and sp in tps:
-                notes.append(f"{impl}: tokens/s per rank at SP {sp} = {tps[sp] / tps[1]:.2f} x SP 1 "
-                             f"({args.fixed_per_rank} tokens per rank; {os.cpu_count()} cores shared by {sp} ranks)")
+        notes += step_notes(rows, impl, sps, args.fixed_per_rank)
+        errors = {r["error"] for r in rows if r["impl"] == impl and r.get("error")}
+        for err in sorted(errors):
+            notes.append(f"{impl} fails on this machine: {err}")
     notes.append("activation memory = peak RSS during the step minus RSS before it, max over ranks (fp32, ZeRO-2, "
                  "Adam); tiled = TiledMLP (ceil(seq/hidden) tiles) + tiled fused logits+loss; +ckpt = every decoder "
                  "layer checkpointed with the library's checkpoint function, cpu_checkpointing on (on CPU the "
                  "checkpoints are in host memory already)")
+    load_after = os.getloadavg()
+    notes.append("load average (1/5/15 min) before the run: %.2f / %.2f / %.2f, after: %.2f / %.2f / %.2f"
+                 % (*load_before, *load_after))
     params = {k: v for k, v in vars(args).items()}
+    params["load_avg_before"] = [round(x, 2) for x in load_before]
+    params["load_avg_after"] = [round(x, 2) for x in load_after]
     params["model"] = "Llama hidden 128, 2 layers, 4 heads / 2 KV heads, intermediate 512, vocab 16000"
     for path in write_results("sp_bench", rows, params=params, notes=notes, command=command_line()):
         print(path)

@@ -1,6 +1,8 @@
 """One sp_bench trial on every rank (started by the launcher): train a random-init Llama at one sequence length with
 Ulysses sequence parallelism, through zerospeed or DeepSpeed 0.19.8's ALST (same model, data, loss and tiling
-recipe), and write each rank's peak activation memory and step times.
+recipe), or with PyTorch's context parallel (``torch_cp``: ring attention over DTensor shards of the sequence), and
+write each rank's peak activation memory, step wall times and step CPU times (this process, all its threads, user +
+system: the compute and the gloo transfers, without the time spent waiting for a core or a peer).
 
 Memory: the peak resident set size during the training steps minus the resident size just before them (the model,
 optimizer and imports are excluded, so the two libraries' import sizes do not count). Modes: "plain" (HF's
@@ -48,7 +50,7 @@ def build_model(args):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--impl", choices=["zerospeed", "deepspeed"], required=True)
+    p.add_argument("--impl", choices=["zerospeed", "deepspeed", "torch_cp"], required=True)
     p.add_argument("--sp", type=int, required=True)
     p.add_argument("--seq", type=int, required=True)
     p.add_argument("--mode", choices=["plain", "tiled", "tiled+ckpt"], default="plain")
@@ -61,6 +63,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.impl == "torch_cp":
+        return torch_cp(args)
     if args.impl == "deepspeed":
         import deepspeed as lib
         ckpt_lib = lib.checkpointing  # an attribute of the package in DeepSpeed, not a module
@@ -156,14 +160,26 @@ def main() -> None:
     dist.barrier()
     before = rss_bytes()
     peak_before = peak_rss_bytes()
-    times, losses = [], []
-    for b in micro:
-        t0 = time.perf_counter()
+    times, cpu, losses = [], [], []
+    profiler = None
+    if os.environ.get("SP_BENCH_PROFILE"):  # a directory: each rank's CPU-time profile of the steps after the first
+        import cProfile
+
+        profiler = cProfile.Profile(time.process_time)
+    for i, b in enumerate(micro):
+        if profiler is not None and i == 1:
+            profiler.enable()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses.append(step(b))
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(os.path.join(os.environ["SP_BENCH_PROFILE"], f"sp{args.sp}-rank{rank}.prof"))
     peak = peak_rss_bytes()
     record = {"rank": rank, "activation_bytes": max(0, peak - before), "peak_rss_bytes": peak,
-              "peak_before_bytes": peak_before, "rss_before_bytes": before, "step_s": times, "losses": losses}
+              "peak_before_bytes": peak_before, "rss_before_bytes": before, "step_s": times, "cpu_s": cpu,
+              "losses": losses}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, record)
     if rank == 0:
@@ -175,6 +191,65 @@ def main() -> None:
         if UlyssesSPAttentionHF_unregister is not None:
             UlyssesSPAttentionHF_unregister()
     sys.stdout.flush()
+
+
+def torch_cp(args) -> None:
+    """PyTorch's context parallel (torch.distributed.tensor.experimental.context_parallel) on the same model, data
+    and loss: the sequence of the batch is sharded over a 1-d "cp" device mesh, every SDPA call inside the context
+    becomes ring attention, gradients are summed over the ranks (each rank's loss is its share of the global mean).
+    It fails on CPU if torch has no CPU ring kernel; the error line is then what the benchmark reports."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    model = build_model(args)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(args.steps):
+        ids = torch.randint(1, args.vocab, (1, args.seq), generator=g)
+        batches.append((ids, torch.arange(args.seq).unsqueeze(0), F.pad(ids, (0, 1), value=-100)[:, 1:]))
+
+    def step(ids, pos, y):
+        ids, pos, y = ids.clone(), pos.clone(), y.clone()
+        with context_parallel(mesh, buffers=[ids, pos, y], buffer_seq_dims=[1, 1, 1]):
+            logits = model(input_ids=ids, position_ids=pos).logits.float()
+            total = F.cross_entropy(logits.view(-1, args.vocab), y.reshape(-1), ignore_index=-100, reduction="sum")
+            good = (y != -100).sum()
+            goods = good.clone()
+            dist.all_reduce(goods)
+            (total / goods.clamp_min(1)).backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        loss = total.detach().clone()
+        dist.all_reduce(loss)
+        return float(loss / goods.clamp_min(1))
+
+    dist.barrier()
+    before, peak_before = rss_bytes(), peak_rss_bytes()
+    times, cpu, losses = [], [], []
+    for b in batches:
+        t0, c0 = time.perf_counter(), time.process_time()
+        losses.append(step(*b))
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    peak = peak_rss_bytes()
+    record = {"rank": rank, "activation_bytes": max(0, peak - before), "peak_rss_bytes": peak,
+              "peak_before_bytes": peak_before, "rss_before_bytes": before, "step_s": times, "cpu_s": cpu,
+              "losses": losses}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, record)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
 
 
 if __name__ == "__main__":
