@@ -189,3 +189,19 @@ def test_block_quant_switch(monkeypatch):
         block_quant_kernel.quantize_payload(torch.ones(32), 8, 32, raw)
     with pytest.raises(ValueError, match="quantize_payload: x must be contiguous CPU float32"):
         block_quant_kernel.quantize_payload(torch.ones(32, dtype=torch.float64), 8, 32, raw)
+
+
+def test_the_baseline_isa_build_gives_the_same_bytes():
+    """No -march (SSE2 on x86-64): another CPU's vector width and rounding instructions, the same numbers."""
+    _needs_c()
+    dll = block_quant_kernel._build(block_quant_kernel.BASELINE)
+    x = _inputs(10_007, seed=5)
+    for bits, block in ((8, 256), (4, 128), (4, 6)):
+        raw = torch.empty(wire_bytes(x.numel(), block, bits), dtype=torch.uint8)
+        dll.zs_block_quantize(x.data_ptr(), x.numel(), block, bits, raw.data_ptr(),
+                              raw.data_ptr() + -(-x.numel() // block) * block * bits // 8)
+        assert torch.equal(raw, _payload_torch(x, bits, block))
+        back = torch.empty(x.numel())
+        dll.zs_block_dequantize(raw.data_ptr(), raw.data_ptr() + -(-x.numel() // block) * block * bits // 8,
+                                x.numel(), block, bits, back.data_ptr(), 0)
+        assert torch.equal(back, dequantize(quantize(x, bits, block)))
