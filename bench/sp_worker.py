@@ -203,7 +203,7 @@ def torch_cp(args) -> None:
     from torch.distributed.tensor.experimental import context_parallel
 
     if args.mode != "plain":
-        raise SystemExit(f"sp_worker: torch_cp is run on the plain HF graph only, not {args.mode!r}")
+        raise ValueError(f"sp_worker: torch_cp is run on the plain HF graph only, not {args.mode!r}")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
