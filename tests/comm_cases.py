@@ -82,13 +82,15 @@ def zero_step_bytes(stage: int, hierarchical: bool, steps: int = 3) -> dict:
             "num_params": sum(p.numel() for p in model().parameters())}
 
 
-def zeropp_run(zeropp: dict, steps: int = 20) -> dict:
+def zeropp_run(zeropp: dict, steps: int = 20, frozen_first: bool = False) -> dict:
     """ZeRO-3 on 2 simulated hosts x 2 with the ZeRO++ keys in ``zeropp``; losses (mean over ranks), the last
-    step's host-A link bytes (rx + tx) and the final weights."""
+    step's host-A link bytes (rx + tx) and the final weights. ``frozen_first``: the first layer does not train."""
     import zerospeed
 
     as_hosts(2, True)
     net = model()
+    if frozen_first:
+        net[0].requires_grad_(False)
     cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 0,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
            "zero_optimization": {"stage": 3, "reduce_bucket_size": 1 << 20, "stage3_param_persistence_threshold": 0,
@@ -110,6 +112,8 @@ def zeropp_run(zeropp: dict, steps: int = 20) -> dict:
     sent = [None] * world
     dist.all_gather_object(sent, inter)
     shards = [b.layout.shard_numel for b in engine.strategy.buckets]
+    quantized = [(bool(b.trainable), bool(b.quantized_gather)) for b in engine.strategy.buckets]
     weights = engine.consolidated_state_dict()
     engine.destroy()
-    return {"losses": losses, "link_bytes": 2 * sum(sent[:2]), "weights": weights, "shards": shards}
+    return {"losses": losses, "link_bytes": 2 * sum(sent[:2]), "weights": weights, "shards": shards,
+            "quantized": quantized}

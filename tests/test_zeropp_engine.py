@@ -79,6 +79,19 @@ def test_all_of_zeropp_together(plain: dict) -> None:
     assert got["link_bytes"] <= 0.15 * plain["link_bytes"]
 
 
+@pytest.mark.timeout(400)
+def test_quantized_nontrainable_weights_quantize_the_frozen_buckets_only() -> None:
+    frozen_plain = run_distributed(zeropp_run, 4, {}, 8, True, timeout=300)[0]
+    got = run_distributed(zeropp_run, 4, {"zero_quantized_nontrainable_weights": True}, 8, True, timeout=300)[0]
+    assert {False} == {q for t, q in frozen_plain["quantized"]}
+    assert any(not t for t, _ in got["quantized"]) and any(t for t, _ in got["quantized"])
+    assert all(q == (not t) for t, q in got["quantized"]), got["quantized"]  # frozen: int8; trainable: fp32
+    assert got["losses"] != frozen_plain["losses"]  # the frozen layer's int8 weights do change the forward
+    for a, b in zip(got["losses"], frozen_plain["losses"]):
+        assert abs(a - b) <= 0.03 * b
+    assert got["link_bytes"] < frozen_plain["link_bytes"]
+
+
 def test_zeropp_keys_need_stage_3_and_a_dividing_hpz_size() -> None:
     from zerospeed.config.errors import ConfigError
     from zerospeed.config.loader import load_config
