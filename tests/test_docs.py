@@ -94,6 +94,25 @@ def test_cli_reference_has_every_installed_command() -> None:
     assert "--num_procs" in page and "--max-shard-size" in page and "--force" in page
 
 
+def test_readme_is_short_and_its_links_and_results_files_exist() -> None:
+    """The README stays a front page (<= 150 lines) that links the site; every relative link resolves (GitHub renders
+    it from the repository), and every results file it or a guide names is in bench/results/."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    assert "docs/index.md" in links and "docs/migration.md" in links
+    for link in links:
+        if not link.startswith("http"):
+            assert (ROOT / link).is_file(), link
+    texts = [readme, *(p.read_text() for p in (ROOT / "docs").rglob("*.md"))]
+    named = {m for text in texts for m in re.findall(r"\b([a-z_0-9-]+-\d{8}-\d{6}\.(?:md|json))", text)}
+    assert len(named) > 10
+    missing = sorted(name for name in named if not (ROOT / "bench" / "results" / name).is_file())
+    assert missing == [], missing
+
+
 def test_api_page_renders_every_public_name() -> None:
     """Every function and class in zerospeed.__all__ has a mkdocstrings entry (under its defining module's path)."""
     import zerospeed
