@@ -17,7 +17,6 @@ from docs_blocks import ROOT, Block, parse, run_block
 CONVERTING = {
     "docs/guides/checkpoints.md": "#26",
     "docs/guides/huggingface.md": "#27",
-    "docs/guides/long-context.md": "#29",
     "docs/guides/serving.md": "#31",
 }
 
