@@ -24,6 +24,10 @@ the d-wide side; ``ns_flops``), spread over N ranks, while forward+backward cost
 tokens per step, also spread over N ranks; so NS / (fwd+bwd) ~ 5*d / T whatever N is. The example GPT
 (d = 192, T = 512 at K = 1) sits at ~1.9; a user's run (d = 4096, T = 1M tokens) at ~0.02.
 
+``--optimizers``: which of Muon, Muon with Newton-Schulz in bf16 (``ns_dtype: bfloat16``) and AdamW to run.
+``--onebit``: 1-bit Adam, 0/1 Adam and 1-bit LAMB at ZeRO-0 on 2 ranks next to Adam and Lamb: bytes sent per
+step after the warm-up (zerospeed's comms counter) and the loss of every step (issue #28).
+
 ``--deepspeed_python``: DeepSpeed 0.19.8's Muon side by side (bench/optim_worker.py under torchrun, the same
 script under both libraries, DeepSpeed's tagging in both) at ZeRO 0, 1 and 2 on 2 ranks, each run under
 ``--deepspeed_timeout`` seconds: a run with no result in that time is recorded as a hang.
@@ -46,8 +50,32 @@ from common import command_line, launch_workers, write_results  # noqa: E402
 MICRO_BATCH = 4
 OPTIMIZERS = {
     "Muon": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 1e-3, "momentum": 0.95, "weight_decay": 0.0}},
+    "Muon bf16-NS": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 1e-3, "momentum": 0.95, "weight_decay": 0.0,
+                                                "ns_dtype": "bfloat16"}},
     "AdamW": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8}},
 }
+#: --onebit: the 1-bit family next to its uncompressed twins, ZeRO-0 (their only stage); the warm-up / variance
+#: freeze is the bench's --onebit_warmup steps, so the measured steps are the compressed ones
+ONEBIT = {
+    "Adam": {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+    "OneBitAdam": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": None}},
+    "ZeroOneAdam": {"type": "ZeroOneAdam", "params": {"lr": 1e-3, "var_freeze_step": None, "var_update_scaler": 2,
+                                                      "local_step_scaler": 4, "local_step_clipper": 4}},
+    "Lamb": {"type": "Lamb", "params": {"lr": 1e-3, "weight_decay": 0.0, "bias_correction": False}},
+    "OneBitLamb": {"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": None, "bias_correction": False}},
+}
+
+
+def _optimizer_config(opt_name: str, warmup: int) -> dict:
+    import copy
+
+    if opt_name in OPTIMIZERS:
+        return copy.deepcopy(OPTIMIZERS[opt_name])
+    cfg = copy.deepcopy(ONEBIT[opt_name])
+    for key in ("freeze_step", "var_freeze_step"):
+        if key in cfg["params"]:
+            cfg["params"][key] = warmup
+    return cfg
 
 
 def _worker(model_size: str, opt_name: str, stage: int, steps: int, warmup: int, accumulation: int = 1) -> dict:
@@ -55,6 +83,7 @@ def _worker(model_size: str, opt_name: str, stage: int, steps: int, warmup: int,
     import torch.distributed as dist
 
     import zerospeed
+    from zerospeed.comm.counter import COUNTER
     from gpt_model import GPT, gpt_bench, gpt_small
 
     cfg_model = gpt_small() if model_size == "small" else gpt_bench()
@@ -63,18 +92,20 @@ def _worker(model_size: str, opt_name: str, stage: int, steps: int, warmup: int,
     rank, world = dist.get_rank(), dist.get_world_size()
     aux = [p for n, p in model.named_parameters() if "emb" in n or p.dim() < 2]
     hidden = [p for n, p in model.named_parameters() if not ("emb" in n or p.dim() < 2)]
-    groups = [{"params": hidden}, {"params": aux, "use_muon": False}] if opt_name == "Muon" else None
+    groups = [{"params": hidden}, {"params": aux, "use_muon": False}] if opt_name.startswith("Muon") else None
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accumulation,
            "steps_per_print": 0,
-           "gradient_clipping": 1.0, "optimizer": OPTIMIZERS[opt_name],
+           "gradient_clipping": 1.0, "optimizer": _optimizer_config(opt_name, warmup),
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000}}
     engine, opt, _, _ = zerospeed.initialize(model=model, model_parameters=groups, config=cfg)
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, cfg_model.vocab_size, (MICRO_BATCH * world, cfg_model.seq_len + 1), generator=gen)
             for _ in range((warmup + steps) * accumulation)]
-    step_s, total_s, loss = [], [], 0.0
+    step_s, total_s, loss, losses = [], [], 0.0, []
     for i in range(warmup + steps):
         dist.barrier()
+        if i == warmup:
+            COUNTER.reset()  # bytes of the measured steps only
         t0 = time.perf_counter()
         for j, batch in enumerate(data[i * accumulation:(i + 1) * accumulation]):
             mine = batch.chunk(world)[rank]
@@ -89,35 +120,59 @@ def _worker(model_size: str, opt_name: str, stage: int, steps: int, warmup: int,
             step_s.append(t2 - t1)
             total_s.append(t2 - t0)
         loss = float(out.detach())
+        losses.append(round(loss, 5))
+    sent = sum(v.intra_host_bytes + v.inter_host_bytes for v in COUNTER.ops.values()) / steps
     plan = getattr(opt, "shard_plan", None)
     return {"opt_step_s": statistics.median(step_s), "train_step_s": statistics.median(total_s), "loss": loss,
             "optimizer_state_bytes": engine.memory_breakdown()["optimizer_states"],
+            "sent_bytes_per_step": sent, "losses": losses,
             "ns_gflop_per_step": None if plan is None else plan.ns_flops_done / 1e9 / (warmup + steps),
             "muon_elements": sum(p.numel() for g in opt.param_groups if g.get("use_muon") for p in g["params"]),
             "tokens_per_step": MICRO_BATCH * world * cfg_model.seq_len * accumulation, "d_model": cfg_model.d_model}
 
 
-def _compare(rows: list[dict], per_opt: dict[str, dict]) -> None:
-    m, a = per_opt["Muon"], per_opt["AdamW"]
-    rows[-2]["step_vs_adamw"] = round(m["opt_step_s"] / a["opt_step_s"], 3)
-    rows[-2]["train_step_vs_adamw"] = round(m["train_step_s"] / a["train_step_s"], 3)
-    rows[-2]["state_vs_adamw"] = round(m["optimizer_state_bytes"] / a["optimizer_state_bytes"], 3)
+def _compare(rows: list[dict], per_opt: dict[str, dict], base: str) -> None:
+    b = per_opt[base]
+    for row in rows[-len(per_opt):]:
+        name = row["optimizer"]
+        if name == base:
+            continue
+        m = per_opt[name]
+        row[f"step_vs_{base.lower()}"] = round(m["opt_step_s"] / b["opt_step_s"], 3)
+        row[f"train_step_vs_{base.lower()}"] = round(m["train_step_s"] / b["train_step_s"], 3)
+        row[f"state_vs_{base.lower()}"] = round(m["optimizer_state_bytes"] / b["optimizer_state_bytes"], 3)
+        if b["sent_bytes_per_step"]:
+            row[f"bytes_vs_{base.lower()}"] = round(m["sent_bytes_per_step"] / b["sent_bytes_per_step"], 4)
 
 
-def _run(args: argparse.Namespace, world: int, stage: int, accumulation: int, rows: list[dict]) -> None:
+def _run(args: argparse.Namespace, world: int, stage: int, accumulation: int, rows: list[dict],
+         names: list[str] | None = None, part: str | None = None) -> None:
     from zerospeed.testing import run_distributed
 
+    names = names or args.optimizers
     per_opt = {}
-    for name in OPTIMIZERS:
-        res = run_distributed(_worker, world, args.model, name, stage, args.steps, args.warmup, accumulation,
+    for name in names:
+        warmup = args.onebit_warmup if part == "1-bit" else args.warmup
+        res = run_distributed(_worker, world, args.model, name, stage, args.steps, warmup, accumulation,
                               timeout=1800)
-        med = {k: statistics.median(r[k] for r in res) if res[0][k] is not None else None for k in res[0]}
+        med = {k: statistics.median(r[k] for r in res) if res[0][k] is not None and k != "losses" else res[0][k]
+               for k in res[0]}
         per_opt[name] = med
-        row = {"part": "zerospeed" if accumulation == 1 else "tokens", "world": world, "stage": stage,
+        row = {"part": part or ("zerospeed" if accumulation == 1 else "tokens"), "world": world, "stage": stage,
                "optimizer": name, **med}
+        if part != "1-bit":
+            row.pop("losses")
         rows.append(row)
         print(row, flush=True)
-    _compare(rows, per_opt)
+    if part == "1-bit":
+        for twin, pair in (("Adam", ("Adam", "OneBitAdam", "ZeroOneAdam")), ("Lamb", ("Lamb", "OneBitLamb"))):
+            sub = {k: per_opt[k] for k in pair if k in per_opt}
+            if twin in sub and len(sub) > 1:
+                # compare each compressed row with its twin: reorder a view of the rows of this pair
+                pair_rows = [r for r in rows[-len(per_opt):] if r["optimizer"] in sub]
+                _compare(pair_rows, sub, twin)
+    elif "AdamW" in per_opt:
+        _compare(rows, per_opt, "AdamW")
 
 
 def _deepspeed(args: argparse.Namespace, rows: list[dict]) -> None:
@@ -162,7 +217,7 @@ def _deepspeed(args: argparse.Namespace, rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["small", "bench"], default="small")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--worlds", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
@@ -171,6 +226,9 @@ def main() -> None:
     parser.add_argument("--deepspeed_python", default=None, help="python of a venv with DeepSpeed 0.19.8")
     parser.add_argument("--deepspeed_stages", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--deepspeed_timeout", type=float, default=300.0)
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+    parser.add_argument("--onebit", action="store_true", help="ZeRO-0, 2 ranks: the 1-bit family next to Adam/Lamb")
+    parser.add_argument("--onebit_warmup", type=int, default=4, help="freeze_step / var_freeze_step of --onebit")
     args = parser.parse_args()
 
     import os
@@ -182,6 +240,8 @@ def main() -> None:
             _run(args, world, stage, 1, rows)
     for k in args.tokens_sweep:
         _run(args, 2, 2, k, rows)
+    if args.onebit:
+        _run(args, 2, 0, 1, rows, list(ONEBIT), "1-bit")
     if args.deepspeed_python:
         _deepspeed(args, rows)
     notes = [
@@ -193,6 +253,11 @@ def main() -> None:
         "part 'vs DeepSpeed': bench/optim_worker.py, same script/model/batches under both libraries, DeepSpeed's "
         "name rule tags tok_emb/pos_emb onto Muon in both; DeepSpeed runs Newton-Schulz in bf16/fp16 where the "
         "accelerator reports support, zerospeed in fp32",
+        "'Muon bf16-NS': Muon with ns_dtype bfloat16 (Newton-Schulz iterated in bf16 after an fp32 normalisation; "
+        "DeepSpeed's choice for ns_method standard on a bf16 device); the default is fp32",
+        "part '1-bit' (--onebit): ZeRO-0, 2 ranks, freeze_step / var_freeze_step = --onebit_warmup, the measured steps "
+        "after it; sent_bytes_per_step: bytes this rank sent per measured step, counted by zerospeed's comms "
+        "counter (intra+inter host); losses: every step's loss (warm-up included) next to the twin's (Adam, Lamb)",
         "the machine is a shared 2-core VM with other jobs running: absolute times are noisy; 4 ranks oversubscribe it",
         f"1-minute load average: {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores)",
     ]

@@ -173,3 +173,29 @@ def test_torch_variant_tracks_torch_optim_muon():
         a.step()
         b.step()
     assert rel(ours.detach() - w0, theirs.detach() - w0) < 2e-2
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("shape", [(13, 40), (40, 13), (24, 24)])
+def test_bf16_newton_schulz(method, shape):
+    # ns_dtype bfloat16: normalised in fp32, iterated in bf16 (DeepSpeed's dtype for `standard` on a bf16 device).
+    # The quintic sends every normalised singular value into ~[0.68, 1.13] (fp32 here); bf16's unit roundoff
+    # 2^-9 per matmul moves that band by a few percent, so the band is checked with a 0.15 margin, and the result
+    # is a few percent away from fp32's, not equal to it (it did run in bf16)
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    o32 = newton_schulz(g, method)
+    o16 = newton_schulz(g, method, dtype="bfloat16")
+    assert o16.dtype == torch.float32 and o16.shape == g.shape
+    s32, s16 = torch.linalg.svdvals(o32), torch.linalg.svdvals(o16)
+    assert s32.min() > 0.6 and s32.max() < 1.2
+    assert s16.min() > s32.min() - 0.15 and s16.max() < s32.max() + 0.15
+    assert 0 < rel(o16, o32) < 0.1
+
+
+def test_ns_dtype_is_a_checked_key():
+    model = make_model()
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = build_optimizer("Muon", {"ns_dtype": "bfloat16"}, model.parameters(), names=names)
+    assert {g["ns_dtype"] for g in opt.param_groups if g["use_muon"]} == {"bfloat16"}
+    with pytest.raises(ConfigError, match="optimizer.params.ns_dtype"):
+        build_optimizer("Muon", {"ns_dtype": "float16"}, model.parameters(), names=names)

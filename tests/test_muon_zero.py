@@ -14,7 +14,7 @@ import functools
 
 import pytest
 
-from muon_cases import config, engine_run, max_rel_err, reference_run
+from muon_cases import MUON_PARAMS, config, engine_run, max_rel_err, reference_run
 from zerospeed.testing import run_distributed
 
 TOL = 1e-6
@@ -191,3 +191,16 @@ def test_mixture_of_experts(stage):
     for r in run_distributed(moe_parity, 2, stage, 2, timeout=150):
         assert r["worst"] < REF_TOL
         assert r["num_muon_groups"] == 2  # the dense group's and the experts' group's Muon halves
+
+
+@pytest.mark.timeout(300)
+def test_bf16_newton_schulz_sharded_equals_stage0():
+    # ns_dtype bfloat16: each owner runs the same bf16 iteration on the same whole matrix as ZeRO-0's owner (at 2
+    # ranks the gradient sums agree bit for bit), so the sharded stages equal stage 0 to TOL
+    params = dict(MUON_PARAMS, ns_dtype="bfloat16")
+    runs = [run_distributed(engine_run, 2, config(stage, params), timeout=150)[0] for stage in (0, 2, 3)]
+    for r in runs[1:]:
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], runs[0]["losses"])) < TOL
+        assert max_rel_err(r["weights"], runs[0]["weights"]) < TOL
+    fp32 = _stage0(2)
+    assert max_rel_err(runs[0]["weights"], fp32["weights"]) > TOL  # it did run in bf16

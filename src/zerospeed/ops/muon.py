@@ -34,7 +34,11 @@ norms, biases) is trained by an Adam inside the same optimizer. Facts followed h
 Where zerospeed differs, on purpose: the Newton-Schulz iteration runs in fp32 on every device
 (DeepSpeed casts to bf16 for ``standard`` and fp16 for ``gram`` where the accelerator has them), so a
 step is reproducible across devices and shardings; the overflow guard on the momentum is the engine's
-overflow skip (the optimizer is not stepped on a non-finite gradient).
+overflow skip (the optimizer is not stepped on a non-finite gradient). ``ns_dtype: "bfloat16"`` (zerospeed's key,
+per Muon group) iterates in bf16 after the fp32 normalisation: DeepSpeed's dtype for ``standard`` on a bf16
+device, about 2-3x faster on a CPU with bf16 matrix units (measured: bench/optim_bench.py), a few percent away
+from the fp32 result; DeepSpeed's fp16 for ``gram`` is not offered (a CPU without fp16 matmuls, such as the
+bench machine, runs it in fp32 in DeepSpeed too, which is zerospeed's default).
 
 ``variant: "torch"`` gives torch.optim.Muon's matrix update instead (torch 2.13 ``torch/optim/_muon.py``).
 It has the same momentum and nesterov blend and the same ``sqrt(max(1, rows/cols))`` factor (torch puts
@@ -63,12 +67,16 @@ __all__ = ["Muon", "NS_METHODS", "VARIANTS", "newton_schulz", "muon_scale", "ns_
            "MUON_DEFAULTS", "ADAM_DEFAULTS", "orthogonalized_update"]
 
 NS_METHODS = ("gram", "standard")
+#: the dtype Newton-Schulz iterates in (``ns_dtype``, zerospeed's key): fp32 by default; bf16 is DeepSpeed's choice
+#: for ``standard`` on an accelerator with bf16 (it picks fp16 for ``gram``, fp32 where fp16 is missing, as on CPUs)
+NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 VARIANTS = ("deepspeed", "torch")
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
-MUON_DEFAULTS: dict[str, Any] = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0, "ns_method": "gram"}
+MUON_DEFAULTS: dict[str, Any] = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0, "ns_method": "gram",
+                                 "ns_dtype": "float32"}
 ADAM_DEFAULTS: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
-MUON_KEYS = ("lr", "momentum", "weight_decay", "ns_method")
+MUON_KEYS = ("lr", "momentum", "weight_decay", "ns_method", "ns_dtype")
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
@@ -116,9 +124,10 @@ def _gram(x: torch.Tensor, steps: int) -> torch.Tensor:
     return q @ x
 
 
-def newton_schulz(g: torch.Tensor, method: str = "gram", steps: int = NS_STEPS, variant: str = "deepspeed"
-                  ) -> torch.Tensor:
-    """Approximate orthogonalisation of the 2-D ``g`` (fp32 result, same shape)."""
+def newton_schulz(g: torch.Tensor, method: str = "gram", steps: int = NS_STEPS, variant: str = "deepspeed",
+                  dtype: str = "float32") -> torch.Tensor:
+    """Approximate orthogonalisation of the 2-D ``g`` (fp32 result, same shape). The normalisation is in fp32, the
+    iteration in ``dtype`` (a key of :data:`NS_DTYPES`)."""
     x = g.to(torch.float32)
     tall = x.size(0) > x.size(1)
     if tall:
@@ -127,10 +136,12 @@ def newton_schulz(g: torch.Tensor, method: str = "gram", steps: int = NS_STEPS, 
         x = x / x.norm().clamp(min=1e-7)
     else:
         x = x / (x.norm() + 1e-7)
+    x = x.to(NS_DTYPES[dtype])
     if method == "gram" and x.size(1) > x.size(0) and variant != "torch":
         x = _gram(x, steps)
     else:
         x = _standard(x, steps)
+    x = x.to(torch.float32)
     return x.mT if tall else x
 
 
@@ -149,10 +160,10 @@ def ns_flops(shape: tuple[int, ...], method: str = "gram", steps: int = NS_STEPS
     return 2 * steps * (2 * n * n * m + n ** 3)
 
 
-def orthogonalized_update(u: torch.Tensor, shape: tuple[int, ...], method: str, variant: str = "deepspeed"
-                          ) -> torch.Tensor:
+def orthogonalized_update(u: torch.Tensor, shape: tuple[int, ...], method: str, variant: str = "deepspeed",
+                          dtype: str = "float32") -> torch.Tensor:
     """``NS(U) * scale`` for one matrix (torch's variant scales the lr instead: the same product)."""
-    o = newton_schulz(_matrix(u, shape), method, variant=variant) * muon_scale(shape)
+    o = newton_schulz(_matrix(u, shape), method, variant=variant, dtype=dtype) * muon_scale(shape)
     return o.reshape(u.shape).to(u.dtype)
 
 
@@ -214,6 +225,8 @@ class Muon(torch.optim.Optimizer):
                 g.setdefault(k, v)
             if g["use_muon"] and g["ns_method"] not in NS_METHODS:
                 raise ValueError(f"ns_method {g['ns_method']!r} is not one of {', '.join(NS_METHODS)}")
+            if g["use_muon"] and g["ns_dtype"] not in NS_DTYPES:
+                raise ValueError(f"ns_dtype {g['ns_dtype']!r} is not one of {', '.join(NS_DTYPES)}")
             if not g["use_muon"]:
                 g["betas"] = tuple(g["betas"])
             groups.append(g)
@@ -276,7 +289,8 @@ class Muon(torch.optim.Optimizer):
             elif p.dim() < 2:  # a vector the user forced onto Muon: NS needs a matrix (DeepSpeed: the same)
                 o = update
             else:
-                o = orthogonalized_update(update, tuple(p.shape), group["ns_method"], self.variant)
+                o = orthogonalized_update(update, tuple(p.shape), group["ns_method"], self.variant,
+                                          group.get("ns_dtype", "float32"))
             p.mul_(1 - lr * wd)
             p.add_(o, alpha=-lr)
 

@@ -125,7 +125,8 @@ OPTIMIZERS: dict[str, _OptimizerSpec] = {
     "zerooneadam": _OptimizerSpec("ZeroOneAdam", (ZeroOneAdam,), excluded=("group", "max_grad_norm")),  # ZeRO-0 only
     "onebitlamb": _OptimizerSpec("OneBitLamb", (OneBitLamb,), excluded=("group", "max_grad_norm")),  # ZeRO-0 only
     "muon": _OptimizerSpec("Muon", (), deepspeed_only=("lr", "momentum", "weight_decay", "ns_method", "muon_lr",
-                                                       "adam_lr", "betas", "eps", "adam_w_mode", "variant")),
+                                                       "adam_lr", "betas", "eps", "adam_w_mode", "variant",
+                                                       "ns_dtype")),
 }
 
 _ONEBIT = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
@@ -179,6 +180,7 @@ def _check_values(spec: _OptimizerSpec, params: Mapping[str, Any]) -> None:
     if spec.name == "Lamb" and params.get("amsgrad") is True:
         raise ConfigError(_key("amsgrad"), "Lamb has no AMSGrad variant (DeepSpeed's FusedLamb refuses it too)")
     _check_choice(params, "ns_method", _muon.NS_METHODS)
+    _check_choice(params, "ns_dtype", tuple(_muon.NS_DTYPES))
     _check_choice(params, "variant", _muon.VARIANTS)
     if spec.name == "Muon" and "momentum" in params and not params["momentum"] < 1:
         raise ConfigError(_key("momentum"), f"{params['momentum']!r} must be in [0, 1)")

@@ -260,7 +260,7 @@ def bind_sharded_muon(optimizer: torch.optim.Optimizer, buckets: list[Any], mast
 
 
 def _orthogonalize(buf: torch.Tensor, owned: list[_Owned], method: str, variant: str,
-                   plan: MuonShardPlan) -> torch.Tensor:
+                   plan: MuonShardPlan, dtype: str = "float32") -> torch.Tensor:
     """``NS(U) * scale`` of every owned matrix of ``buf``, in the same layout.
 
     One matrix at a time: stacking same-shape matrices into batched matmuls was measured slower on CPU
@@ -272,7 +272,7 @@ def _orthogonalize(buf: torch.Tensor, owned: list[_Owned], method: str, variant:
         # a fresh (aligned) copy: a reduction's rounding can depend on where a view starts, and the
         # single process orthogonalises a tensor of its own
         piece = buf.narrow(0, m.start, m.numel).view(m.shape[0], -1).clone()
-        out.narrow(0, m.start, m.numel).copy_((newton_schulz(piece, method, variant=variant)
+        out.narrow(0, m.start, m.numel).copy_((newton_schulz(piece, method, variant=variant, dtype=dtype)
                                                * muon_scale(m.shape)).reshape(-1))
     return out
 
@@ -306,7 +306,8 @@ def _sharded(bms: list[_BucketMatrices], ex: _Exchange, plan: MuonShardPlan, var
         for start, n in recv_runs:
             owned.narrow(0, start, n).copy_(got.narrow(0, at, n))
             at += n
-        result = _orthogonalize(owned, ex.owned, group_settings["ns_method"], variant, plan)
+        result = _orthogonalize(owned, ex.owned, group_settings["ns_method"], variant, plan,
+                                group_settings.get("ns_dtype", "float32"))
         at = 0
         for start, n in recv_runs:  # the way back: the same runs, read from the results
             got.narrow(0, at, n).copy_(result.narrow(0, start, n))
@@ -336,7 +337,8 @@ def _replicated(bms: list[_BucketMatrices], ex: _Shares, plan: MuonShardPlan, va
         for t, n in ex.mine:
             owned.narrow(0, at, n).copy_(updates[t].reshape(-1))
             at += n
-        result = _orthogonalize(owned, ex.owned, group_settings["ns_method"], variant, plan)
+        result = _orthogonalize(owned, ex.owned, group_settings["ns_method"], variant, plan,
+                                group_settings.get("ns_dtype", "float32"))
         got = _all_to_all(result.repeat(len(send_splits) - 1), sum(recv_splits), send_splits, recv_splits,
                           device, group)  # this rank's results to every other rank, theirs to this one
         outs: list[torch.Tensor] = list(updates)  # vectors on Muon pass through
