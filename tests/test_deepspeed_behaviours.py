@@ -216,6 +216,19 @@ def test_engine_config_reads_as_the_dict_the_user_gave():
     assert cfg.get("zero_optimization")["stage"] == 3 and cfg.zero_optimization.stage == 3
 
 
+def test_dotted_top_level_keys_are_ignored_as_deepspeed_ignores_them():
+    # TRL's prepare_deepspeed passes {"zero_optimization.reduce_bucket_size": ...} for its reference model
+    given = {"train_batch_size": 2, "zero_optimization": {"stage": 3},
+             "zero_optimization.reduce_bucket_size": 7, "zero_optimization.stage3_param_persistence_threshold": 9}
+    with pytest.warns(UserWarning, match=r"'zero_optimization.reduce_bucket_size', "
+                                         r"'zero_optimization.stage3_param_persistence_threshold' ignored"):
+        cfg = load_config(given)
+    plain = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3}})
+    assert cfg.zero_optimization == plain.zero_optimization
+    with pytest.raises(ConfigError, match=r"zero_optimisation.stage: unknown key"):
+        load_config({"train_batch_size": 2, "zero_optimisation.stage": 3})  # not a section's path: still refused
+
+
 # -- names ----------------------------------------------------------------------------------------------------
 def test_deepspeed_config_error_is_config_error():
     assert zerospeed.DeepSpeedConfigError is ConfigError

@@ -29,6 +29,7 @@ import json
 import os
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ def load_config(config: ConfigSource, *, dp_world_size: int = 1, batch_optional:
         raise ConfigError("", f"the top level must be a JSON object, got {type(raw).__name__}")
 
     work = copy.deepcopy(raw)
+    _drop_dotted_section_keys(work)
     reject_removed(work)
     drop_disabled_or_reject_unsupported(work)
     apply_legacy_forms(work)
@@ -77,6 +79,21 @@ def load_config(config: ConfigSource, *, dp_world_size: int = 1, batch_optional:
     resolved._raw = raw
     resolved._dp_world_size = dp_world_size
     return resolved
+
+
+def _drop_dotted_section_keys(work: dict[str, Any]) -> None:
+    """Top-level keys written as a dotted path into a section (``"zero_optimization.reduce_bucket_size"``): TRL's
+    ``prepare_deepspeed`` passes them to ``deepspeed.initialize`` for its reference and reward models. DeepSpeed
+    0.19.8 reads only its top-level names, so it never sees them and they change nothing; zerospeed drops them the
+    same way, with a warning naming them (any other unknown key stays an error)."""
+    sections = ZeroSpeedConfig.model_fields
+    dotted = [k for k in work if isinstance(k, str) and "." in k and k.split(".", 1)[0] in sections]
+    for key in dotted:
+        del work[key]
+    if dotted:
+        warnings.warn(f"zerospeed config: top-level key(s) {', '.join(map(repr, dotted))} ignored, as DeepSpeed "
+                      f"ignores them: a dotted name is not a path into a section (write it inside the section to "
+                      f"set it)", UserWarning, stacklevel=3)
 
 
 def read_config_source(config: ConfigSource) -> Any:
