@@ -90,7 +90,7 @@ $(BENCH_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_BIN)/python -m pip install -q --upgrade pip
 	$(BENCH_BIN)/python -m pip install -q "$(TORCH)"
-	$(BENCH_BIN)/python -m pip install -q -e .
+	$(BENCH_BIN)/python -m pip install -q -e ".[hf]"
 	$(BENCH_BIN)/python -m pip install -q setuptools wheel packaging ninja py-cpuinfo psutil hjson msgpack einops
 	DS_BUILD_OPS=0 DS_ACCELERATOR=cpu $(BENCH_BIN)/python -m pip install -q --no-build-isolation "$(DEEPSPEED)"
 	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(BENCH_EXT) $(BENCH_BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; [a().create_op_builder(n).load() for n in ('FusedAdamBuilder', 'ShareMemCommBuilder')]"
