@@ -167,7 +167,11 @@ class RolloutEngine:
                 self._hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._ensure_layer(i)))
             for s in self._layer_storage:
                 s.free()
-        self._other_storage.free() if not cfg.pin_parameters else None
+        if not cfg.pin_parameters:  # allocated only during calls
+            self._other_storage.free()
+            for s in self._layer_storage:
+                if s.resident:
+                    s.free()
         self.version = 0  # fills done
 
     # -- weights ------------------------------------------------------------------------------
