@@ -117,3 +117,31 @@ def zeropp_run(zeropp: dict, steps: int = 20, frozen_first: bool = False) -> dic
     engine.destroy()
     return {"losses": losses, "link_bytes": 2 * sum(sent[:2]), "weights": weights, "shards": shards,
             "quantized": quantized}
+
+
+def zeropp_fp16_overflow(zeropp: dict, steps: int = 6) -> dict:
+    """ZeRO-3 fp16 on 2 simulated hosts x 2 starting at loss scale 2^24 (the first steps overflow in fp16, in some gradient elements, then it trains): the
+    skipped steps and the loss scale after each step, and whether the weights stayed finite."""
+    import zerospeed
+
+    as_hosts(2, True)
+    net = model()
+    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "fp16": {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 1000},
+           "zero_optimization": {"stage": 3, "reduce_bucket_size": 1 << 20, "stage3_param_persistence_threshold": 0,
+                                 **zeropp}}
+    engine, _, _, _ = zerospeed.initialize(model=net, config=cfg)
+    rank = dist.get_rank()
+    scales, skipped = [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(4, 48, generator=g).half()
+        loss = nn.functional.mse_loss(engine(x).float(), x.float().repeat(1, 2)[:, :88].sin())
+        engine.backward(loss)
+        engine.step()
+        scales.append(float(engine.loss_scale() if callable(engine.loss_scale) else engine.loss_scale))
+        skipped.append(engine.skipped_steps)
+    finite = all(bool(torch.isfinite(v.float()).all()) for v in engine.consolidated_state_dict().values())
+    engine.destroy()
+    return {"scales": scales, "skipped": skipped, "finite": finite}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comm_cases import zeropp_run
+from comm_cases import zeropp_fp16_overflow, zeropp_run
 from zerospeed.ops.block_quant import wire_bytes
 from zerospeed.testing import run_distributed
 from zerospeed.zero.zeropp import GRAD_BLOCK, WEIGHT_BLOCK
@@ -90,6 +90,18 @@ def test_quantized_nontrainable_weights_quantize_the_frozen_buckets_only() -> No
     for a, b in zip(got["losses"], frozen_plain["losses"]):
         assert abs(a - b) <= 0.03 * b
     assert got["link_bytes"] < frozen_plain["link_bytes"]
+
+
+@pytest.mark.timeout(400)
+def test_an_fp16_overflow_survives_int4_gradients() -> None:
+    """An inf in a gradient makes its int4 block's scale NaN, so the reduced shard carries it and the engine skips
+    the step and lowers the scale exactly as plain ZeRO-3 does (never a silent update from clamped codes)."""
+    plain = run_distributed(zeropp_fp16_overflow, 4, {}, timeout=300)[0]
+    got = run_distributed(zeropp_fp16_overflow, 4, {"zero_quantized_gradients": True,
+                                                    "zero_quantized_weights": True}, timeout=300)[0]
+    assert plain["skipped"][0] == 1 and plain["skipped"][-1] < len(plain["skipped"])  # overflows, then trains
+    assert got["skipped"] == plain["skipped"] and got["scales"] == plain["scales"], (got, plain)
+    assert got["finite"] and plain["finite"]
 
 
 def test_zeropp_keys_need_stage_3_and_a_dividing_hpz_size() -> None:
