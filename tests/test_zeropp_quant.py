@@ -205,3 +205,35 @@ def test_the_baseline_isa_build_gives_the_same_bytes():
         dll.zs_block_dequantize(raw.data_ptr(), raw.data_ptr() + -(-x.numel() // block) * block * bits // 8,
                                 x.numel(), block, bits, back.data_ptr(), 0)
         assert torch.equal(back, dequantize(quantize(x, bits, block)))
+
+
+def test_the_config_switch_reaches_the_engine() -> None:
+    """``fast_paths.block_quant`` in the config forces the quantizer of a ZeRO++ engine (world 1); a bad value is
+    one error naming the key."""
+    import zerospeed
+    from zerospeed.config.errors import ConfigError
+    from zerospeed.config.loader import load_config
+    from zerospeed.zero import zeropp
+
+    with pytest.raises(ConfigError, match="fast_paths.block_quant: 'cuda' is not one of auto, torch, c"):
+        load_config({"train_batch_size": 1, "fast_paths": {"block_quant": "cuda"}})
+    got = run_distributed(_engine_path, 1, "torch", timeout=100)[0]
+    assert got == "torch"
+    if block_quant_kernel.available()[0]:
+        assert run_distributed(_engine_path, 1, "c", timeout=100)[0] == "c"
+    assert zerospeed and zeropp
+
+
+def _engine_path(setting: str) -> str:
+    import zerospeed
+    from zerospeed.zero import zeropp
+
+    net = torch.nn.Linear(64, 64)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "fast_paths": {"block_quant": setting},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}
+    engine, _, _, _ = zerospeed.initialize(model=net, config=cfg)
+    engine.backward(engine(torch.ones(1, 64)).sum())
+    engine.step()
+    engine.destroy()
+    return zeropp.kernel_path()

@@ -11,6 +11,7 @@ the switches a config leaves at ``auto``.
   implementations runs the optimizer built from the config, the offloaded optimizer step and CPU Adam;
 * ``direct_io`` - ``off`` | ``on``: O_DIRECT for the NVMe offload files (``on`` fails, naming the
   folder, where the file system refuses O_DIRECT);
+* ``block_quant`` - ``torch`` | ``c``: ZeRO++'s block quantizer (qwZ / qgZ), torch or its bit-identical C twin;
 * ``cpu_kernels`` - ``off`` | ``on``: zerospeed's C decode kernels (inference);
 * ``greedy_head`` - ``float32`` | ``bf16`` | ``int8``: the LM head of greedy decoding (inference).
 
@@ -34,6 +35,7 @@ from .fields import Section, fail
 SETTINGS: dict[str, tuple[str, ...]] = {
     "adam_kernel": ("auto", "forloop", "foreach", "fused"),
     "direct_io": ("auto", "off", "on"),
+    "block_quant": ("auto", "torch", "c"),
     "cpu_kernels": ("auto", "off", "on"),
     "greedy_head": ("auto", "float32", "bf16", "int8"),
 }
@@ -55,6 +57,7 @@ class FastPathsConfig(Section):
 
     adam_kernel: _setting("adam_kernel") = "auto"  # type: ignore[valid-type]
     direct_io: _setting("direct_io") = "auto"  # type: ignore[valid-type]
+    block_quant: _setting("block_quant") = "auto"  # type: ignore[valid-type]
     cpu_kernels: _setting("cpu_kernels") = "auto"  # type: ignore[valid-type]
     greedy_head: _setting("greedy_head") = "auto"  # type: ignore[valid-type]
 

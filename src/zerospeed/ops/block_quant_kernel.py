@@ -23,9 +23,10 @@ Build: plain C compiled on first use with ``$CC`` (default ``cc``) into ``$ZEROS
 ``ctypes`` (about a second; no torch headers). :func:`available` says whether it built and why not. The build
 uses ``-march=native``; ``_build(BASELINE)`` is the architecture's baseline, which the tests compare too.
 
-Which path runs: the ``block_quant`` fast path (:mod:`zerospeed.ops.fast_paths`; ``ZEROSPEED_FAST_PATHS=
-block_quant=torch`` or ``=c`` forces one, ``auto`` times both once per process on a 256 Ki-element tensor and
-keeps the torch reference unless C is faster by the chooser's margin). :func:`choose` returns the name.
+Which path runs: the ``block_quant`` fast path (:mod:`zerospeed.ops.fast_paths`). The config's
+``fast_paths.block_quant`` or ``ZEROSPEED_FAST_PATHS=block_quant=torch`` (or ``=c``) forces one; ``auto`` times
+both once per process on a 256 Ki-element tensor and keeps the torch reference unless C is faster by the chooser's
+margin. :func:`choose` returns the name.
 """
 
 from __future__ import annotations
@@ -250,7 +251,8 @@ _CHOOSER = fast_paths.FastPathChooser(repeats=3, budget_s=0.05)
 
 def choose(setting: str = "auto") -> str:
     """``"torch"`` or ``"c"``: the ``block_quant`` fast path of this process (see the module docstring)."""
-    setting = fast_paths.resolve_setting("block_quant", setting)
+    source = "fast_paths.block_quant" if setting != "auto" else "ZEROSPEED_FAST_PATHS: block_quant"
+    setting = fast_paths.resolve_setting("block_quant", setting, source)
     ok, why = available()
     sample = torch.randn(256 << 10, generator=torch.Generator().manual_seed(0))
     payload = torch.empty(_code_bytes(sample.numel(), 128, 4) + 4 * (sample.numel() // 128), dtype=torch.uint8)
@@ -265,5 +267,4 @@ def choose(setting: str = "auto") -> str:
         "c": fast_paths.Candidate((lambda: quantize_payload(sample, 4, 128, payload)) if ok else None,
                                   why_not=why or ""),
     }
-    return _CHOOSER.choose("block_quant", "wire", candidates, setting, "ZEROSPEED_FAST_PATHS: block_quant",
-                           measure=fast_paths.thread_cpu_clock)
+    return _CHOOSER.choose("block_quant", "wire", candidates, setting, source, measure=fast_paths.thread_cpu_clock)

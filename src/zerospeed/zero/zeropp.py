@@ -70,10 +70,12 @@ def _payload_bytes(numel: int, block: int, bits: int) -> int:
 _PATH: list[str] = []
 
 
-def kernel_path() -> str:
-    """``"torch"`` or ``"c"``: which block-quantization kernel this process uses (chosen once)."""
-    if not _PATH:
-        _PATH.append(block_quant_kernel.choose())
+def kernel_path(setting: str = "auto") -> str:
+    """``"torch"`` or ``"c"``: which block-quantization kernel this process uses. ``setting`` is the config's
+    ``fast_paths.block_quant`` (``auto`` defers to ``ZEROSPEED_FAST_PATHS``, then to a timing, once per process);
+    a forced setting replaces the previous choice (a new engine with another config)."""
+    if not _PATH or setting != "auto":
+        _PATH[:] = [block_quant_kernel.choose(setting)]
     return _PATH[0]
 
 

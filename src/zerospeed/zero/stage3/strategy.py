@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerospeed.comm import hierarchical
+from zerospeed.zero import zeropp
 from zerospeed.zero.partitioned_optimizer import ShardView, StepResult, optimizer_group_of
 from zerospeed.zero.stage3 import registry
 from zerospeed.zero.stage3.bucket import BucketState, Stage3Bucket
@@ -91,6 +92,8 @@ class Stage3Strategy:
             b.quantized_gather = bool(zero_config.zero_quantized_weights
                                       or (zero_config.zero_quantized_nontrainable_weights and not b.trainable))
         self.reducer.quantized_gradients = bool(zero_config.zero_quantized_gradients)
+        if self.reducer.quantized_gradients or any(b.quantized_gather for b in self.buckets):
+            zeropp.kernel_path(getattr(getattr(options, "fast_paths", None), "block_quant", "auto"))
         if zero_config.zero_hpz_partition_size > 1:  # ZeRO++ hpZ: secondary partitions (dp buckets, not experts')
             hpz_group = hierarchical.consecutive_subgroup(dp_group, int(zero_config.zero_hpz_partition_size))
             for b in self.buckets:
