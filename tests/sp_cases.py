@@ -274,6 +274,13 @@ def errors_body(sp: int) -> dict:
         out["hf_heads"] = str(exc)
     finally:
         UlyssesSPAttentionHF.unregister_from_transformers()
+    try:  # a degree that does not divide the world, at registration (before initialize)
+        UlyssesSPAttentionHF.register_with_transformers(llama(), "sdpa", 2 * sp, 1)
+        out["register_world"] = None
+    except ValueError as exc:
+        out["register_world"] = str(exc)
+    finally:
+        UlyssesSPAttentionHF.unregister_from_transformers()
     import zerospeed
 
     for name, cfg in (("world", sp_config(1, 2 * sp)),

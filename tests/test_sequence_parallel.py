@@ -92,6 +92,7 @@ def test_bad_input_is_one_line_naming_it():
         assert "3 key/value heads" in r["kv_heads"]
         assert "3 key/value heads" in r["hf_heads"] and "attention heads 6" in r["hf_heads"]
         assert "world size 2 is not divisible by pp=1 x sp=4 x tp=1" in r["world"]
+        assert "world size 2 is not divisible by pp=1 x sp=4 x tp=1" in r["register_world"]
         assert "sequence_parallel_size 2 with tensor_parallel.autotp_size 2" in r["tp"]
         assert "sequence length 15 is not divisible by sequence_parallel_size 2" in r["uneven"]
         assert all("\n" not in v for v in r.values() if v)
