@@ -145,3 +145,35 @@ def zeropp_fp16_overflow(zeropp: dict, steps: int = 6) -> dict:
     finite = all(bool(torch.isfinite(v.float()).all()) for v in engine.consolidated_state_dict().values())
     engine.destroy()
     return {"scales": scales, "skipped": skipped, "finite": finite}
+
+
+def comms_logger_lines(steps: int = 2) -> dict:
+    """ZeRO-2 on 2 simulated hosts x 2 with the comms logger on: rank 0's 'comms ...' log lines of the last step
+    and the engine's counted bytes for it."""
+    import logging
+
+    import zerospeed
+
+    as_hosts(2, True)
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Keep(level=logging.INFO)
+    logging.getLogger("zerospeed").addHandler(handler)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1, "comms_logger": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": 1 << 20, "allgather_bucket_size": 1 << 20}}
+    engine, _, _, _ = zerospeed.initialize(model=model(), config=cfg)
+    rank = dist.get_rank()
+    for step in range(steps):
+        x = torch.randn(4, 48, generator=torch.Generator().manual_seed(100 * step + rank))
+        lines.clear()
+        engine.backward(nn.functional.mse_loss(engine(x), x.repeat(1, 2)[:, :88].sin()))
+        engine.step()
+    logging.getLogger("zerospeed").removeHandler(handler)
+    counted = engine.last_step_comms
+    engine.destroy()
+    return {"lines": [ln for ln in lines if ln.startswith("comms ")], "counted": counted}

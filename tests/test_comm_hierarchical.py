@@ -8,7 +8,8 @@ code runs across real network namespaces in tests/test_multihost_netns.py. What 
   hierarchical == a single-process simulation of its reduction order to the bit (the pairwise reduce-scatter sums
   in rank order, see zerospeed.comm.hierarchical), with flat within the analytic bound 2 (N-1) u sum|x_i|;
 * per host link, the bytes the counter attributes to inter-host traffic equal the ZeRO formula: 2Ψ x 4 B (rx +
-  tx) per step at ZeRO-2, 3Ψ x 4 B at ZeRO-3, Ψ the padded bucket elements; flat collectives exceed it.
+  tx) per step at ZeRO-2, 3Ψ x 4 B at ZeRO-3, Ψ the padded bucket elements; flat collectives exceed it;
+* the comms logger's line per op says the MB sent inside the host and across hosts, the counter's figures.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comm_cases import collectives, rank_input, zero_step_bytes
+from comm_cases import collectives, comms_logger_lines, rank_input, zero_step_bytes
 from zerospeed.testing import run_distributed
 
 WORLD, PER_HOST = 4, 2
@@ -110,3 +111,23 @@ def test_zero_link_bytes_equal_the_formula(stage, passes):
     assert _host_link_bytes(flat, ops) > 1.4 * passes * psi * 4
     for k, v in flat[0]["weights"].items():  # the same training, to the reduction-order bound of fp32 Adam
         torch.testing.assert_close(hier[0]["weights"][k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(200)
+def test_comms_logger_reports_intra_and_inter_host_bytes() -> None:
+    import re
+
+    got = run_distributed(comms_logger_lines, WORLD, timeout=150)[0]
+    pattern = re.compile(r"comms (\w+): (\d+) calls, \d+ elements, [\d.]+ MB this step; sent ([\d.]+) MB inside "
+                         r"the host, ([\d.]+) MB across hosts")
+    seen = {}
+    for line in got["lines"]:
+        m = pattern.fullmatch(line)
+        assert m, line
+        seen[m.group(1)] = (int(m.group(2)), float(m.group(3)), float(m.group(4)))
+    for op in ("reduce_scatter", "all_gather"):
+        counts = got["counted"][op]
+        calls, intra_mb, inter_mb = seen[op]
+        assert calls == counts["count"]
+        assert intra_mb == round(counts["intra_host_bytes"] / 1e6, 3) and intra_mb > 0
+        assert inter_mb == round(counts["inter_host_bytes"] / 1e6, 3) and inter_mb > 0
