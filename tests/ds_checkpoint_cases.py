@@ -115,3 +115,83 @@ def resave_case(cfg: dict, load_dir: str, save_dir: str, num_steps: int = 0) -> 
     losses = train(engine, int(engine.global_steps), num_steps) if num_steps else []
     engine.save_checkpoint(save_dir, client_state={"epoch": 2})
     return losses
+
+
+# -- pipeline-parallel and tensor-parallel DeepSpeed folders (make_parallel_fixtures.py) -----------------------------
+def _pipe_losses(engine, first: int, num: int, pipeline: bool) -> list[float]:
+    """``num`` steps from ``first`` on this rank's replica of the global batch, as DeepSpeed's train_batch
+    reports them (the mean over micro-batches and replicas)."""
+    from tiny_model import PIPE_MICRO_BATCHES, batch, mse
+
+    rank, world = engine.dp_rank, engine.dp_world_size
+    losses = []
+    for step in range(first, first + num):
+        x, y = batch(step)
+        xs_all, ys_all = x.chunk(world)[rank], y.chunk(world)[rank]
+        micro = list(zip(xs_all.chunk(PIPE_MICRO_BATCHES), ys_all.chunk(PIPE_MICRO_BATCHES)))
+        if pipeline:
+            losses.append(float(engine.train_batch(iter(micro))))
+            continue
+        total = torch.zeros(())
+        for xs, ys in micro:
+            loss = mse(engine(xs), ys)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() / len(micro)
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def pipe_resume(cfg: dict, load_dir: str, num_stages: int, num_steps: int) -> dict:
+    """A zerospeed PipelineModule of ``num_stages`` stages (0: an nn.Sequential of the same layers in the plain
+    engine) loads a DeepSpeed pipeline folder and trains on."""
+    import zerospeed
+    from tiny_model import make_pipe_layers, mse
+
+    if num_stages:
+        from zerospeed.pipe import PipelineModule
+
+        model = PipelineModule(make_pipe_layers(99), num_stages=num_stages, loss_fn=mse, partition_method="uniform")
+    else:
+        model = torch.nn.Sequential(*make_pipe_layers(99))
+    engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    path, client = engine.load_checkpoint(load_dir)
+    out = {"path": path, "client": {k: client[k] for k in ("epoch", "note", "best")},
+           "client_weights": client["weights"].tolist(), "state": shard_state(engine),
+           "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+           "lr_scheduler": engine.lr_scheduler.state_dict()}
+    out["losses"] = _pipe_losses(engine, int(engine.global_steps), num_steps, bool(num_stages))
+    return out
+
+
+def tp_resume(cfg: dict, load_dir: str, num_steps: int) -> dict:
+    """TPNet (tensor-parallel when ``cfg`` says so) loads a DeepSpeed tensor-parallel folder and trains on;
+    ``state``: this rank's pieces in its own (tp-local) coordinates, ``tp_rank`` which slice it holds."""
+    import zerospeed
+    from zerospeed import comm
+    from tiny_model import batch, make_tp_model
+
+    model = make_tp_model(99)
+    engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    path, client = engine.load_checkpoint(load_dir)
+    mesh = comm.get_mesh() if "tensor_parallel" in cfg else None
+    out = {"path": path, "client": {k: client[k] for k in ("epoch", "note", "best")}, "state": shard_state(engine),
+           "tp_rank": mesh.tp_rank if mesh is not None else 0, "global_steps": engine.global_steps,
+           "global_samples": engine.global_samples, "lr_scheduler": engine.lr_scheduler.state_dict()}
+    rank, world = engine.dp_rank, engine.dp_world_size
+    losses = []
+    for step in range(int(engine.global_steps), int(engine.global_steps) + num_steps):
+        x, y = batch(step)
+        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        if world > 1:
+            dist.all_reduce(total, group=engine.dp_group)
+        losses.append(total.item() / world)
+    out["losses"] = losses
+    if mesh is not None:
+        comm.reset_mesh()
+    return out

@@ -33,7 +33,9 @@ from zerospeed.checkpoint.deepspeed import (DeepSpeedFileMissingError, DeepSpeed
                                             load_pickle, open_folder)
 from zerospeed.testing import run_distributed
 
-CASES = sorted(n for n in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, n, "expected.json")))
+#: the data-parallel folders (pipeline / tensor-parallel ones, pipe* / tp*: test_ds_checkpoint_parallel.py)
+CASES = sorted(n for n in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, n, "expected.json"))
+               and not n.startswith(("pipe", "tp")))
 UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 STEPS = 4
 
@@ -248,12 +250,14 @@ def test_latest_names_a_missing_tag(tmp_path) -> None:
         resolve(d, None)
 
 
-@pytest.mark.parametrize("extra,what", [("layer_01-model_00-model_states.pt", "pipeline-parallel"),
-                                        ("mp_rank_01_model_states.pt", "tensor-parallel")])
-def test_layouts_not_read_yet_are_named(tmp_path, extra: str, what: str) -> None:
-    from zerospeed.checkpoint.deepspeed import DeepSpeedUnsupportedError
-
+@pytest.mark.parametrize("extra,what", [
+    ("layer_01-model_00-model_states.pt", "entry 'module' is a OrderedDict, not the tensor a layer's state_dict holds"),
+    ("mp_rank_01_model_states.pt", "a model-parallel rank beyond mp_world_size 1: files of two saves mixed")])
+def test_stray_model_parallel_files_are_named(tmp_path, extra: str, what: str) -> None:
+    """Pipeline and tensor-parallel folders are read (test_ds_checkpoint_parallel.py); a file of that kind that does
+    not belong to the folder is named with what is wrong with it."""
     d = os.path.join(_copy("zero0_fp32", tmp_path), "global_step3")
     shutil.copy(os.path.join(d, "mp_rank_00_model_states.pt"), os.path.join(d, extra))
-    with pytest.raises(DeepSpeedUnsupportedError, match=f"^{d}: a {what} DeepSpeed folder"):
+    with pytest.raises(DeepSpeedLayoutError) as err:
         open_folder(d)
+    assert str(err.value) == f"{os.path.join(d, extra)}: {what}"

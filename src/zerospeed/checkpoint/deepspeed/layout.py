@@ -7,7 +7,8 @@ them in that form and :class:`DeepSpeedSource` hands the loader the tensors by t
 loader then restores any DeepSpeed folder at any world size, ZeRO stage and offload setting, with
 the checks and the all-ranks-agree step it applies to its own checkpoints.
 
-Layouts read (DeepSpeed 0.19.8, one model-parallel rank, no pipeline):
+Layouts read (DeepSpeed 0.19.8; pipeline-parallel and tensor-parallel folders are read rank by rank as
+these, see :mod:`zerospeed.checkpoint.deepspeed.model_parallel`):
 
 * ZeRO 1 and 2 (``zero_pp_rank_R_mp_rank_00_optim_states.pt``, ``bf16_`` prefix for bf16): per
   optimizer group, the flat fp32 partition ``single_partition_of_fp32_groups[g]`` of rank R covers
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -42,16 +42,14 @@ import torch
 
 from zerospeed.checkpoint.deepspeed.errors import (DeepSpeedFileMissingError, DeepSpeedLayoutError,
                                                    DeepSpeedUnsupportedError)
+from zerospeed.checkpoint.deepspeed.model_parallel import parse_model_parallel
+from zerospeed.checkpoint.deepspeed.names import (_DS_FILE, _LAYER_FILE_RE, _MODEL_FILE_RE, MODEL_FILE,  # noqa: F401
+                                                  OPTIM_FILE, ZERO3_MODEL_FILE, _need)
 from zerospeed.checkpoint.deepspeed.safe_load import LossScalerState, load_pickle
 from zerospeed.checkpoint.index import FORMAT, FORMAT_VERSION, CheckpointIndex
 from zerospeed.checkpoint.jsonstate import encode
 from zerospeed.checkpoint.tensor_io import dtype_name
 
-MODEL_FILE = "mp_rank_{mp:02d}_model_states.pt"
-ZERO3_MODEL_FILE = "zero_pp_rank_{rank}_mp_rank_{mp:02d}_model_states.pt"
-OPTIM_FILE = "{prefix}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
-_DS_FILE = re.compile(r"^(bf16_)?(zero_pp_rank_\d+_)?mp_rank_\d\d_(model|optim)_states\.pt$|^layer_\d+-model_\d\d-"
-                      r"model_states\.pt$")
 #: the model-states entry (DeepSpeed's OPTIMIZER constant) holding a ZeRO-0 optimizer's state_dict; the same name
 #: is the optimizer entry of zerospeed's index
 OPTIMIZER = "optimizer"
@@ -90,17 +88,33 @@ class _Builder:
         self.shards.append(_Shard(file, prefix, kinds))
         return len(self.shards) - 1
 
+    #: a tensor-parallel folder's rank being read: name -> (full shape, ``(local_start, full_start, numel)`` runs of
+    #: the elements this rank contributes); pieces are then recorded in full coordinates (model_parallel.py)
+    to_full: dict[str, tuple[list[int], list[tuple[int, int, int]]]] | None = None
+
     def add_param(self, name: str, shape: Iterable[int], dtype: torch.dtype, kind: str,
                   group: int | None = None) -> None:
         """``group``: the optimizer group (parameters are added in the group's own order)."""
-        if name in self.params:
+        if self.to_full is not None and name in self.to_full:
+            if name in self.params:
+                return  # another tensor-parallel rank's slice of it
+            shape = self.to_full[name][0]
+        elif name in self.params:
             raise DeepSpeedLayoutError(f"{self.directory}: parameter {name!r} appears twice in the folder's layout")
         self.params[name] = {"shape": [int(d) for d in shape], "dtype": dtype_name(dtype), "kind": kind, "pieces": [],
                              "group": group, "order": len(self.params)}
 
     def add_piece(self, name: str, shard: int, key_offset: int, param_start: int, numel: int) -> None:
-        if numel > 0:
-            self.params[name]["pieces"].append([shard, key_offset, param_start, numel])
+        if numel <= 0:
+            return
+        pieces = self.params[name]["pieces"]
+        if self.to_full is None or name not in self.to_full:
+            pieces.append([shard, key_offset, param_start, numel])
+            return
+        for local, full, n in self.to_full[name][1]:  # local [param_start, +numel) in full coordinates
+            a, b = max(local, param_start), min(local + n, param_start + numel)
+            if b > a:
+                pieces.append([shard, key_offset + a - param_start, full + a - local, b - a])
 
 
 class _Files:
@@ -133,16 +147,6 @@ class _Files:
 
     def close(self) -> None:
         self._loaded.clear()
-
-
-def _need(d: Any, key: str, where: str, kind: type | tuple[type, ...] = object) -> Any:
-    if not isinstance(d, dict) or key not in d:
-        raise DeepSpeedLayoutError(f"{where}: has no {key!r} entry: not a DeepSpeed checkpoint file, or one of a "
-                                   "version zerospeed does not read")
-    value = d[key]
-    if not isinstance(value, kind):
-        raise DeepSpeedLayoutError(f"{where}: {key!r} is a {type(value).__name__}, not what DeepSpeed writes")
-    return value
 
 
 def _numel(shape: Iterable[int]) -> int:
@@ -207,34 +211,43 @@ class DeepSpeedFolder:
         self.state_keys: set[str] = set()
         self.loss_scaler: dict[str, Any] | None = None
         self.zero_optimizer = False
+        self.mp = 0
+        self._aliases: dict[str, str] = {}
         self._parse()
 
     # -- parsing ---------------------------------------------------------------------------------
     def _parse(self) -> None:
         names = set(os.listdir(self.directory))
-        if any(n.startswith("layer_") for n in names):
-            raise DeepSpeedUnsupportedError(f"{self.directory}: a pipeline-parallel DeepSpeed folder (layer_* files); "
-                                            "zerospeed reads DeepSpeed's data-parallel ZeRO 0-3 folders so far")
-        if any(re.match(r"^(zero_pp_rank_\d+_)?mp_rank_(0[1-9]|[1-9]\d)_model_states\.pt$", n) for n in names):
-            raise DeepSpeedUnsupportedError(f"{self.directory}: a tensor-parallel DeepSpeed folder (mp_rank_01 and "
-                                            "up); zerospeed reads DeepSpeed's data-parallel ZeRO 0-3 folders so far")
-        if MODEL_FILE.format(mp=0) in names:
-            self.model_file = MODEL_FILE.format(mp=0)
-        elif ZERO3_MODEL_FILE.format(rank=0, mp=0) in names:
-            self.model_file = ZERO3_MODEL_FILE.format(rank=0, mp=0)
+        mp_ranks = sorted({int(m.group(1)) for m in map(_MODEL_FILE_RE.match, names) if m})
+        if any(_LAYER_FILE_RE.match(n) for n in names) or mp_ranks[1:]:
+            parse_model_parallel(self, names, mp_ranks)  # pipeline stages / tensor-parallel ranks (issue #26)
+            return
+        module = self._parse_rank(names, 0)
+        self._extras(module)
+        self._aliases = {str(k): str(v) for k, v in (self.meta.get("shared_params") or {}).items()}
+
+    def _parse_rank(self, names: set[str], mp: int, module: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The files of model-parallel rank ``mp`` (``module``: its weights when not in its model file, as for
+        pipeline stages); returns the module dict read."""
+        self.mp = mp
+        if MODEL_FILE.format(mp=mp) in names:
+            self.model_file = MODEL_FILE.format(mp=mp)
+        elif ZERO3_MODEL_FILE.format(rank=0, mp=mp) in names:
+            self.model_file = ZERO3_MODEL_FILE.format(rank=0, mp=mp)
         else:
-            raise DeepSpeedFileMissingError(f"{os.path.join(self.directory, MODEL_FILE.format(mp=0))} is missing: a "
-                                            "DeepSpeed folder holds mp_rank_00_model_states.pt (or, for ZeRO 3, "
-                                            "zero_pp_rank_0_mp_rank_00_model_states.pt)")
+            raise DeepSpeedFileMissingError(f"{os.path.join(self.directory, MODEL_FILE.format(mp=mp))} is missing: a "
+                                            f"DeepSpeed folder holds mp_rank_{mp:02d}_model_states.pt (or, for ZeRO "
+                                            f"3, zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt)")
         where = self.files.path(self.model_file)
         self.meta = self.files.get(self.model_file)
-        module = _need(self.meta, "module", where, dict)
+        if module is None:
+            module = _need(self.meta, "module", where, dict)
         self.dp_world_size = int(_need(self.meta, "dp_world_size", where, int))
         if self.dp_world_size < 1:
             raise DeepSpeedLayoutError(f"{where}: dp_world_size is {self.dp_world_size}")
         # the stage from the files themselves (the config recorded in them is the user's, not read here)
         self.stage = 3 if self.model_file.startswith("zero_pp_rank_") else 0
-        optim_prefix = next((p for p in ("", "bf16_") if OPTIM_FILE.format(prefix=p, rank=0, mp=0) in names), None)
+        optim_prefix = next((p for p in ("", "bf16_") if OPTIM_FILE.format(prefix=p, rank=0, mp=mp) in names), None)
         self.buffer_names = [str(n) for n in (self.meta.get("buffer_names") or [])]
         # the 16-bit training dtype, where there was one (ZeRO 3 saves only fp32 partitions: its weights are the
         # masters rounded to it)
@@ -251,15 +264,14 @@ class DeepSpeedFolder:
             self._fp16_optimizer(module)
         else:
             self._plain(module)
-        self._extras(module)
-        self._aliases = {str(k): str(v) for k, v in (self.meta.get("shared_params") or {}).items()}
+        return module
 
     def _optim_files(self, prefix: str) -> list[str]:
-        files = [OPTIM_FILE.format(prefix=prefix, rank=r, mp=0) for r in range(self.dp_world_size)]
+        files = [OPTIM_FILE.format(prefix=prefix, rank=r, mp=self.mp) for r in range(self.dp_world_size)]
         for r, f in enumerate(files):
             self.files.require(f, f"the folder was saved at data-parallel size {self.dp_world_size} "
                                f"({self.model_file} says so) and rank {r}'s optimizer shard is not there")
-        extra = OPTIM_FILE.format(prefix=prefix, rank=self.dp_world_size, mp=0)
+        extra = OPTIM_FILE.format(prefix=prefix, rank=self.dp_world_size, mp=self.mp)
         if self.files.exists(extra):
             raise DeepSpeedLayoutError(f"{self.files.path(extra)}: a rank file beyond dp_world_size "
                                        f"{self.dp_world_size} recorded in {self.model_file}: files of two saves mixed")
@@ -349,7 +361,7 @@ class DeepSpeedFolder:
         self.zero_optimizer = True
         where_model = self.files.path(self.model_file)
         if prefix is None:
-            raise DeepSpeedFileMissingError(f"{self.files.path(OPTIM_FILE.format(prefix='', rank=0, mp=0))} is "
+            raise DeepSpeedFileMissingError(f"{self.files.path(OPTIM_FILE.format(prefix='', rank=0, mp=self.mp))} is "
                                             "missing: a ZeRO-3 folder holds one optimizer shard per rank")
         shapes = _need(self.meta, "param_shapes", where_model, list)
         if self.meta.get("frozen_param_shapes"):
@@ -357,8 +369,8 @@ class DeepSpeedFolder:
                                             "fragments) are not read yet")
         files = self._optim_files(prefix)
         for r in range(self.dp_world_size):
-            self.files.require(ZERO3_MODEL_FILE.format(rank=r, mp=0), f"a ZeRO-3 folder saved at data-parallel size "
-                               f"{self.dp_world_size} holds every rank's model states")
+            self.files.require(ZERO3_MODEL_FILE.format(rank=r, mp=self.mp), "a ZeRO-3 folder saved at data-parallel "
+                               f"size {self.dp_world_size} holds every rank's model states")
         first = self._osd(files[0])
         where0 = self.files.path(files[0])
         self.loss_scaler = _loss_scaler(first.get("loss_scaler"))
