@@ -30,7 +30,8 @@ from zerospeed.checkpoint.errors import CheckpointError
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerospeed-convert", description=__doc__.split("\n\n")[0])
     way = p.add_mutually_exclusive_group(required=True)
-    way.add_argument("--to", choices=["deepspeed", "universal", "hf", "dcp"], help="format to write (SRC: any checkpoint)")
+    way.add_argument("--to", choices=["deepspeed", "universal", "hf", "dcp"],
+                     help="format to write (SRC: any checkpoint)")
     way.add_argument("--from", dest="from_", choices=["deepspeed", "dcp"], help="format to read into a zerospeed "
                      "checkpoint")
     p.add_argument("src")
