@@ -81,7 +81,8 @@ def test_sync_weights_to_a_serve_subprocess(folder: Path) -> None:
         r = full[0]
         assert r["version"] == 2
         assert r["payload_bytes"] == r["model_bytes"] == r["sent_bytes"]
-        assert r["num_buckets"] == -(-r["payload_bytes"] // 4096) and r["send_buffer_bytes"] == 4096
+        # two buffers of half a bucket: one on the wire while the other fills
+        assert r["num_buckets"] == -(-r["payload_bytes"] // 2048) and r["send_buffer_bytes"] == 4096
         for rank in full:  # trainer memory during the sync: one ZeRO-3 bucket gathered at a time + the buffer
             assert 0 < rank["peak_gathered_bytes"] <= rank["max_bucket_bytes"]
         text2, fp2 = _complete(url)

@@ -6,9 +6,9 @@ generator (``zerospeed serve --weight-update-group HOST:PORT``; the protocol is 
 
 Streaming from the shards: the weights are read in one pass over the ZeRO-3 buckets
 (:func:`zerospeed.rl.weights.run_pass`), one HF tensor at a time, each bucket gathered once and released after
-its last tensor; the bytes go into one send buffer of ``bucket_bytes``, sent whenever it is full. So the trainer
-holds at most the bucket being read plus the send buffer, never the whole model, and rank 0's send of one buffer
-overlaps nothing but is waited for before the buffer is refilled. A PEFT model is sent merged (base plus
+its last tensor; the bytes go into two send buffers of ``bucket_bytes / 2`` (one bucket of memory together):
+while one is on the wire (an asynchronous send), the pass fills the other. So the trainer holds at most the ZeRO-3
+bucket being read plus one sync bucket, never the whole model. A PEFT model is sent merged (base plus
 adapters, computed per tensor) in full mode; ``lora_only=True`` sends the adapters' A and B matrices alone.
 
 Counting: every buffer sent is recorded in :data:`zerospeed.comm.COUNTER` as a ``send`` (the pair group is
@@ -98,42 +98,73 @@ def _entries(source: WeightSource, lora_only: bool) -> tuple[list[dict[str, Any]
 
 
 class _Sender:
-    """Packs tensors' bytes into one buffer, sent (rank 0) whenever it is full."""
+    """Packs tensors' bytes into two buffers of ``bucket_bytes / 2`` (together one bucket of memory): while one is
+    on the wire (an asynchronous send, rank 0), the pass fills the other; each full buffer is one message."""
 
     def __init__(self, pg: Any, bucket_bytes: int, total: int) -> None:
         self.pg = pg
-        self.buf = torch.empty(min(bucket_bytes, max(total, 1)), dtype=torch.uint8)
+        half = max(1, min(bucket_bytes // 2 if bucket_bytes > 1 else 1, max(total, 1)))
+        self.bufs = [torch.empty(half, dtype=torch.uint8) for _ in range(2)]
+        self.works: list[Any] = [None, None]
+        self.cur = 0
         self.fill = 0
         self.sent = 0
         self.num_buckets = 0
         self.send_s = 0.0
         self.error: BaseException | None = None
 
+    @property
+    def message_bytes(self) -> int:
+        return self.bufs[0].numel()
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() for b in self.bufs)
+
+    def _wait(self, i: int) -> None:
+        work, self.works[i] = self.works[i], None
+        if work is None:
+            return
+        start = time.perf_counter()
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - finish the pass (its gathers are collectives), then raise
+            self.error = self.error or exc
+        self.send_s += time.perf_counter() - start
+
     def add(self, t: torch.Tensor) -> None:
         data = t.detach().contiguous().reshape(-1).view(torch.uint8)
         pos = 0
         while pos < data.numel():
-            n = min(self.buf.numel() - self.fill, data.numel() - pos)
-            self.buf.narrow(0, self.fill, n).copy_(data.narrow(0, pos, n))
+            if self.fill == 0:
+                self._wait(self.cur)  # this buffer's previous message has left
+            buf = self.bufs[self.cur]
+            n = min(buf.numel() - self.fill, data.numel() - pos)
+            buf.narrow(0, self.fill, n).copy_(data.narrow(0, pos, n))
             self.fill += n
             pos += n
-            if self.fill == self.buf.numel():
+            if self.fill == buf.numel():
                 self.flush()
 
     def flush(self) -> None:
+        """Send the current buffer's bytes (asynchronously) and switch to the other buffer."""
         if not self.fill:
             return
         if self.pg is not None and self.error is None:
-            start = time.perf_counter()
             try:
-                wire.send(self.pg, self.buf.narrow(0, 0, self.fill), 0)
-            except Exception as exc:  # noqa: BLE001 - finish the pass (its gathers are collectives), then raise
+                self.works[self.cur] = self.pg.send([self.bufs[self.cur].narrow(0, 0, self.fill)], 0, 0)
+            except Exception as exc:  # noqa: BLE001
                 self.error = exc
-            self.send_s += time.perf_counter() - start
             comm.COUNTER.record("send", self.fill, 1)
         self.sent += self.fill
         self.num_buckets += 1
         self.fill = 0
+        self.cur = 1 - self.cur
+
+    def finish(self) -> None:
+        self.flush()
+        for i in range(2):
+            self._wait(i)
 
 
 def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -174,7 +205,7 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
     sender = _Sender(client.pg if client else None, bucket_bytes, total)
     sender.error = connect_error
     manifest = json.dumps(entries).encode()
-    n_buckets = -(-total // sender.buf.numel()) if total else 0
+    n_buckets = -(-total // sender.message_bytes) if total else 0
     owners = {id(b.owner): b.owner for _, bs in ordered for b in bs}
     baseline = sum(o.live_bytes for o in owners.values())
     for o in owners.values():
@@ -182,12 +213,12 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
     if rank0 and client is not None:
         try:
             wire.send(client.pg, torch.tensor([wire.MAGIC, wire.LORA if lora_only else wire.FULL, len(manifest),
-                                               n_buckets, sender.buf.numel(), total], dtype=torch.int64), 0)
+                                               n_buckets, sender.message_bytes, total], dtype=torch.int64), 0)
             wire.send_bytes(client.pg, manifest, 0)
         except Exception as exc:  # noqa: BLE001
             sender.error = exc
     run_pass(ordered, consume=lambda job: sender.add(job.thunk()))  # every rank: the gathers are collectives
-    sender.flush()
+    sender.finish()
     peak = sum(o.live_peak_bytes for o in owners.values()) - baseline
     version, failure = -1, None
     if rank0:
@@ -211,5 +242,5 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
         raise wire.WeightSyncError(failure or "sync_weights failed on data-parallel rank 0 (see its error)")
     version = int(outcome[1])
     return SyncReport(version=version, payload_bytes=total, num_buckets=sender.num_buckets,
-                      bucket_bytes=sender.buf.numel(), seconds=time.perf_counter() - start,
-                      send_seconds=sender.send_s, peak_gathered_bytes=peak, send_buffer_bytes=sender.buf.numel())
+                      bucket_bytes=sender.message_bytes, seconds=time.perf_counter() - start,
+                      send_seconds=sender.send_s, peak_gathered_bytes=peak, send_buffer_bytes=sender.buffer_bytes)

@@ -166,11 +166,15 @@ class WeightUpdateReceiver:
         if sum(entry_nbytes(e) for e in manifest) != total:
             raise WeightSyncError("manifest and payload sizes disagree")
         payload = torch.empty(total, dtype=torch.uint8)  # staging: the served weights are untouched
-        offset = 0
-        for _ in range(num_buckets):
+        offset, works = 0, []
+        for _ in range(num_buckets):  # every receive posted at once: the trainer's sends never wait for one
             n = min(bucket_bytes, total - offset)
-            recv(pg, payload.narrow(0, offset, n), 1)
+            if n <= 0:
+                raise WeightSyncError(f"{num_buckets} buckets of {bucket_bytes} bytes for {total} payload bytes")
+            works.append(pg.recv([payload.narrow(0, offset, n)], 1, 0))
             offset += n
+        for work in works:
+            work.wait()
         if offset != total:
             raise WeightSyncError(f"received {offset} of {total} payload bytes")
         return payload
