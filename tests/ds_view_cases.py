@@ -110,3 +110,92 @@ def peft_body():
 
 def body():
     return {"attributes": attributes_body(), "peft": peft_body()}
+
+
+# -- a parameter gathered by the user inside the model's forward (TRL's fused LM head) -------------------------
+class _HeadLogProb(torch.autograd.Function):
+    """log_softmax(h @ w.T) at the targets, with the weight gathered again in backward (as TRL's
+    ChunkedLogProbFunction does through maybe_gather_lm_head_ctx)."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets):
+        ctx.save_for_backward(h, w, targets)
+        return torch.log_softmax(h @ w.t(), -1).gather(1, targets[:, None])[:, 0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, w, targets = ctx.saved_tensors
+        with _maybe_gather(w):
+            p = torch.softmax(h @ w.t(), -1)
+            dlogits = -p * grad[:, None]
+            dlogits[torch.arange(len(targets)), targets] += grad
+            return dlogits @ w, dlogits.t() @ h, None
+
+
+def _maybe_gather(*params):
+    """TRL's maybe_gather_lm_head_ctx: gather only what is not AVAILABLE already."""
+    import contextlib
+
+    from zerospeed import zero
+    from zerospeed.zero import ZeroParamStatus
+
+    todo = [p for p in params if hasattr(p, "ds_status") and p.ds_status != ZeroParamStatus.AVAILABLE]
+    return zero.GatheredParameters(todo) if todo else contextlib.nullcontext()
+
+
+class FusedHeadModel(torch.nn.Module):
+    """The model's forward runs the backbone, then reads ``head.weight`` directly (``head`` is never called)."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32))
+        self.head = torch.nn.Linear(32, 24, bias=False)
+
+    def forward(self, x, targets):
+        h = self.backbone(x)
+        with _maybe_gather(self.head.weight):
+            return -_HeadLogProb.apply(h, self.head.weight, targets).mean()
+
+
+def _fused_head_batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 24, (8,), generator=g)
+
+
+def fused_head_body(steps=3):
+    """ZeRO-3 on every rank's half of the batch against plain torch on the whole batch (each rank computes the
+    reference itself): losses and final weights."""
+    import torch.distributed as dist
+
+    import zerospeed
+    from zerospeed import zero
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = FusedHeadModel()
+    model = FusedHeadModel()
+    model.load_state_dict(ref.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    cfg = {"train_micro_batch_size_per_gpu": 8 // world, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    out = {"losses": [], "ref_losses": [], "status_after_forward": None}
+    for step in range(steps):
+        x, t = _fused_head_batch(step)
+        ref_loss = ref(x, t)
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        out["ref_losses"].append(ref_loss.item())
+        loss = engine(x.chunk(world)[rank], t.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+        losses = [torch.zeros(()) for _ in range(world)]
+        dist.all_gather(losses, loss.detach())
+        out["losses"].append(sum(v.item() for v in losses) / world)
+    out["status_after_step"] = model.head.weight.ds_status.name
+    with zero.GatheredParameters(list(model.parameters())):
+        out["max_weight_err"] = max(((p - q).abs().max() / q.abs().max()).item()
+                                    for p, q in zip(model.parameters(), ref.parameters()))
+    return out

@@ -48,6 +48,8 @@ class GatheredParameters:
                 buckets.append(bucket)
             if self.fwd_module is not None:
                 register_external_parameter(self.fwd_module, p)
+            elif hasattr(bucket.owner, "adopt_forward_use"):
+                bucket.owner.adopt_forward_use(p)  # inside a ZeRO-3 forward: its backward must gather p too
         self._groups = list(by_owner.values())
         for owner, buckets in self._groups:
             owner.pin(buckets, "GatheredParameters")

@@ -166,6 +166,7 @@ class Stage3Runtime(BucketGatherer):
         self.knobs = knobs
         self.trace = GatherTrace()
         self.in_backward = False
+        self.in_root_forward = False  # between the root's forward pre-hook and its forward hook
         self.stray_backward = False
         self._grads_done: set[int] = set()
         self._handles: dict[int, list[Any]] = {}
@@ -214,10 +215,21 @@ class Stage3Runtime(BucketGatherer):
                                      if (found := registry.lookup(p)) is not None]
         plan.buckets = [b for b in plan.buckets if any(b is n for n in needed)]
 
+    def adopt_forward_use(self, param: nn.Parameter) -> None:
+        """``param`` was gathered by ``zero.GatheredParameters`` inside the root's forward, with grad on, and is
+        not gathered by the forward of a module that owns it (TRL's fused LM head reads ``lm_head.weight`` in the
+        model's forward without calling ``lm_head``): register it as an external parameter of the root, as
+        DeepSpeed's ``GatheredParameters(fwd_module=...)`` would, so the root's backward gathers it again before
+        its gradient arrives (a full-size gradient cannot accumulate into a partitioned placeholder) and later
+        forwards gather it with the root."""
+        if param.requires_grad and torch.is_grad_enabled() and self.in_root_forward and not self.in_backward:
+            registry.add_external(self.root, param)
+
     # -- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if module is self.root:
             self._begin_pass()
+            self.in_root_forward = True
         plan = self.plans.get(id(module))
         if plan is None or not plan.buckets:
             return None
@@ -244,6 +256,8 @@ class Stage3Runtime(BucketGatherer):
                 register_multi_grad_hook(outs, lambda _grad, plan=plan: self._pre_backward(plan), mode="any")
             for b in plan.buckets:
                 self.maybe_release(b, keep_ok=True)
+        if module is self.root:
+            self.in_root_forward = False
         if module is self.root and not (grad_on and any(t.requires_grad for t in tensors_in(output))):
             self.release_all()  # no backward follows this forward
         return None
@@ -298,6 +312,7 @@ class Stage3Runtime(BucketGatherer):
             b.bwd_active = False
             b.bwd_calls = 0
         self.in_backward = False
+        self.in_root_forward = False  # a forward that raised never ran the root's forward hook
         self.release_all()
         if self.trace.finish_backward([b.padded_numel for b in self.buckets]):
             self._check_trace_agrees()
