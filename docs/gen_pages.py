@@ -305,6 +305,36 @@ def migration_tables() -> str:
     return "\n".join(lines) + "\n"
 
 
+#: what each optional extra is for (the install table of Getting started; a new extra needs its line here)
+EXTRA_USES = {
+    "hf": "HuggingFace models, tokenizers, Accelerate, Trainer",
+    "serve": "`zerospeed serve` (structured output included)",
+    "monitor": "TensorBoard, Weights & Biases, the demo's plots",
+    "autotune": "`zerospeed --autotuning` with the `model_based` / `cost_model` tuners",
+    "quant": "the torchao quantization backend",
+    "docs": "building this site (`make docs`) and its browser check",
+    "test": "the test suite (`make test`): every extra above and the comparison clients",
+}
+
+
+def extras() -> dict[str, list[str]]:
+    """pyproject.toml's optional extras: name -> the distributions it installs (version bounds dropped)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the docs are built with 3.11+ (tomllib)
+        raise RuntimeError("docs/gen_pages.py needs Python 3.11+ (tomllib) to read pyproject.toml") from None
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    return {name: [re.split(r"[<>=!;\[ ]", req, maxsplit=1)[0] for req in reqs]
+            for name, reqs in pyproject["project"]["optional-dependencies"].items()}
+
+
+def extras_table() -> str:
+    lines = ["| extra | for | installs |", "|---|---|---|"]
+    for name, dists in extras().items():
+        lines.append(f"| `{name}` | {EXTRA_USES[name]} | {', '.join(dists)} |")
+    return "\n".join(lines) + "\n"
+
+
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 _RUN = re.compile(r"^(?P<bench>.+?)-(?P<date>\d{8})-(?P<time>\d{4,6})$")
 
@@ -374,7 +404,8 @@ def benchmark_nav() -> list[dict[str, str]]:
 def pages() -> dict[str, str]:
     """Generated page path (relative to docs/) -> Markdown."""
     return {"reference/config.md": config_page(), "reference/cli.md": cli_page(),
-            "generated/migration_tables.md": migration_tables(), **benchmark_pages()}
+            "generated/migration_tables.md": migration_tables(), "generated/extras.md": extras_table(),
+            **benchmark_pages()}
 
 
 def main(argv: list[str] | None = None) -> int:

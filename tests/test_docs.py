@@ -113,6 +113,19 @@ def test_readme_is_short_and_its_links_and_results_files_exist() -> None:
     assert missing == [], missing
 
 
+def test_install_table_lists_every_extra_of_pyproject() -> None:
+    """Getting started's extras table is generated from pyproject.toml, and every extra says what it is for."""
+    import tomllib
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(gen_pages.EXTRA_USES) == set(declared), "an extra without its line in docs/gen_pages.EXTRA_USES"
+    table = gen_pages.extras_table()
+    for name in declared:
+        assert f"| `{name}` |" in table
+    assert "fastapi" in table and "mkdocs-material" in table
+    assert "<!-- generated: extras -->" in (ROOT / "docs" / "index.md").read_text()
+
+
 def test_api_page_renders_every_public_name() -> None:
     """Every function and class in zerospeed.__all__ has a mkdocstrings entry (under its defining module's path)."""
     import zerospeed
