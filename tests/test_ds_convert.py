@@ -190,17 +190,18 @@ def _two(cfg: dict, zs: str, from_dcp: str) -> list[dict]:
     return [resume_case(cfg, zs, 4), resume_case(cfg, from_dcp, 0)]
 
 
-def _deepspeed_resume(folder: str, stage: int, world: int, steps: int) -> dict:
+def _deepspeed_resume(folder: str, stage: int, world: int, steps: int, universal: bool = False) -> dict:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                TORCH_EXTENSIONS_DIR=os.path.join(ROOT, ".venv-bench", "torch_extensions"))
     proc = subprocess.run([BENCH_PYTHON, os.path.join(FIXTURES, "ds_resume.py"), folder, str(stage), "fp32",
-                           str(world), str(steps)], capture_output=True, text=True, timeout=240, env=env)
+                           str(world), str(steps)] + (["universal"] if universal else []), capture_output=True,
+                          text=True, timeout=240, env=env)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("DS_RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     return json.loads(line[len("DS_RESULT "):])
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # four DeepSpeed launches: 346 s at load ~18 on 2 cores
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs DeepSpeed 0.19.8 in .venv-bench (make bench-env); the "
                     "fixture comparisons above run without it")
 def test_round_trip_deepspeed_resumes_a_zerospeed_checkpoint(tmp_path) -> None:
@@ -217,6 +218,12 @@ def test_round_trip_deepspeed_resumes_a_zerospeed_checkpoint(tmp_path) -> None:
         got = _deepspeed_resume(ds_dir, stage, world, 3)
         assert got["losses"] == pytest.approx(own[0], rel=1e-6), (world, stage, got["losses"], own[0])
         assert got["global_steps"] == 5 + 3 and "epoch" in got["client_keys"]
+    # ...and DeepSpeed's universal load (checkpoint.load_universal) of --to universal's folder at 2 ranks, ZeRO 3
+    u_dir = str(tmp_path / "universal")
+    assert main(["--to", "universal", zs, u_dir, "--world-size", "2"]) == 0
+    got = _deepspeed_resume(u_dir, 3, 2, 3, universal=True)
+    assert got["losses"] == pytest.approx(own[0], rel=1e-6), ("universal", got["losses"], own[0])
+    assert got["global_steps"] == 5 + 3
 
 
 def _own_resume(zs: str) -> list[float]:
