@@ -16,6 +16,7 @@ schemas, and its grammar formats cover JSON schema, regex, choices and Lark.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import sys
 from typing import Any
@@ -74,6 +75,7 @@ class Guides:
         self._eos = list(eos_token_ids)
         self._ll_tokenizer: Any = None
         self._executor: Any = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _tokenizer_json(self) -> str:
         t = self._tokenizer
@@ -125,17 +127,59 @@ class Guides:
                                                bitmask.data_ptr(), words * 4, len(matchers))
         return bitmask
 
+    def start(self, rows: list[int], matchers: list[Any], vocab_size: int) -> "PendingMasks":
+        """Compute the masks of ``matchers`` (the guided ``rows`` of a forward) and their float32
+        ``[rows, V]`` terms on a worker thread while the caller runs the model: the matchers must not
+        consume tokens until the result is applied. llguidance and torch's gather run outside the GIL,
+        so on a CPU with a core to spare the mask costs the forward little wall time."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerospeed-guides")
+        return PendingMasks(rows, self._pool.submit(self._prepare, matchers, vocab_size))
+
+    def _prepare(self, matchers: list[Any], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bitmask = self.bitmask(matchers, vocab_size)
+        return bitmask, refusal_terms(bitmask, vocab_size, torch.float32, torch.device("cpu"))
+
     @staticmethod
     def apply(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
         """``logits[rows[i], t] += -inf`` where bit ``t`` of ``bitmask[i]`` is clear, ``+= 0`` elsewhere."""
-        words = bitmask.shape[1]
-        mask_bytes = bitmask.view(torch.uint8).reshape(-1, 4)
-        if sys.byteorder == "big":  # byte i of a word must hold its bits 8i .. 8i + 7
-            mask_bytes = mask_bytes.flip(1)
-        table = _refusal_table(logits.dtype, logits.device)
-        terms = torch.nn.functional.embedding(mask_bytes.reshape(-1).to(logits.device, torch.long), table)
-        terms = terms.view(len(rows), words * 32)[:, :logits.shape[1]]
+        terms = refusal_terms(bitmask, logits.shape[1], logits.dtype, logits.device)
         logits.index_add_(0, torch.tensor(rows, device=logits.device), terms)
+
+
+class PendingMasks:
+    """The masks of one forward's guided rows, being computed (:meth:`Guides.start`)."""
+
+    def __init__(self, rows: list[int], future: "concurrent.futures.Future") -> None:
+        self.rows = rows
+        self._future = future
+
+    def bitmask(self) -> torch.Tensor:
+        return self._future.result()[0]
+
+    def wait(self) -> None:
+        """Until the worker is done with the matchers (whether it succeeded or not)."""
+        concurrent.futures.wait([self._future])
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """:meth:`Guides.apply` to ``logits`` (the forward's sampled rows, or its approximate logits),
+        with the terms computed ahead where their dtype and device fit."""
+        bitmask, terms = self._future.result()
+        if terms.dtype != logits.dtype or terms.device != logits.device or terms.shape[1] != logits.shape[1]:
+            Guides.apply(logits, self.rows, bitmask)
+            return
+        logits.index_add_(0, torch.tensor(self.rows, device=logits.device), terms)
+
+
+def refusal_terms(bitmask: torch.Tensor, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[rows, vocab_size]``: 0 where bit ``t`` of ``bitmask[i]`` is set (token allowed), ``-inf`` elsewhere."""
+    words = bitmask.shape[1]
+    mask_bytes = bitmask.view(torch.uint8).reshape(-1, 4)
+    if sys.byteorder == "big":  # byte i of a word must hold its bits 8i .. 8i + 7
+        mask_bytes = mask_bytes.flip(1)
+    table = _refusal_table(dtype, device)
+    terms = torch.nn.functional.embedding(mask_bytes.reshape(-1).to(device, torch.long), table)
+    return terms.view(bitmask.shape[0], words * 32)[:, :vocab_size]
 
 
 _TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

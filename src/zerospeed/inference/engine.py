@@ -45,7 +45,6 @@ ragged batch (see :mod:`zerospeed.inference.tp_runtime`); the other ranks run
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -56,7 +55,7 @@ import torch
 
 from zerospeed.inference.api import EngineStats, RequestError, RequestOutput, SamplingParams
 from zerospeed.inference.attention import AttentionMetadata, Workspace
-from zerospeed.inference.constraints import Guides
+from zerospeed.inference.constraints import Guides, PendingMasks
 from zerospeed.inference.fast_path_choice import CpuKernels, quiet_choices, set_model_kernels
 from zerospeed.inference.forward_plan import ForwardPlanner
 from zerospeed.inference.kv_cache import BlockAllocator, KVCache, kv_cache_bytes
@@ -177,8 +176,8 @@ class InferenceEngine:
         self._num_forwards = 0
         self._forward_s = 0.0
         self._prompt_parts: list[tuple[Sequence, int, int]] = []  # the last forward's prompt rows
-        # the last forward's guided rows (indices among its sampled rows) and their token bitmask
-        self._guided: tuple[list[int], torch.Tensor] | None = None
+        # the last forward's guided rows (indices among its sampled rows) and their token masks
+        self._guided: PendingMasks | None = None
         self.guides = Guides(tokenizer, spec.vocab_size, list(spec.eos_token_ids))
         self._worker_hook = None  # set by tp_runtime on rank 0: broadcasts each batch
         self.spmd = False  # every rank schedules and samples the same (init_inference); no broadcast
@@ -320,8 +319,8 @@ class InferenceEngine:
         if logits.dim() == 1:  # the greedy tokens themselves (see run_forward)
             tokens, chosen, tops = logits.tolist(), [None] * len(need), [None] * len(need)
         else:
-            if self._guided is not None:  # the masks computed before the forward, for every guided row
-                self.guides.apply(logits, *self._guided)
+            if self._guided is not None:  # the masks computed during the forward, for every guided row
+                self._guided.apply(logits)
             tokens, chosen, tops = sample(logits, need)
         for seq, tok, lp, top in zip(need, tokens, chosen, tops):
             seq.tokens.append(tok)
@@ -368,6 +367,8 @@ class InferenceEngine:
             self.scheduler.finish(seq)
 
     def _fail(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
+        if self._guided is not None:  # the mask worker may still read these sequences' matchers
+            self._guided.wait()
         outs = []
         for seq, _ in batch.items:
             seq.finish_reason = "abort"
@@ -408,20 +409,19 @@ class InferenceEngine:
             self._worker_hook(ids, items, batch.num_decodes, batch.copies, rows)
         sampling = [s for s, n in batch.items if s.num_computed + n == len(s.tokens) and s.params.max_new_tokens > 0]
         # structured output: the token masks of this forward's guided rows (their matchers have consumed
-        # every token so far), computed before the forward so the greedy head below can use them too
+        # every token so far), computed on a worker thread while the model runs, so the greedy head below
+        # can use them too
         self._guided = None
         guided = [(i, s.matcher) for i, s in enumerate(sampling) if s.matcher is not None]
         if guided:
-            self._guided = ([i for i, _ in guided], self.guides.bitmask([m for _, m in guided], self.spec.vocab_size))
+            self._guided = self.guides.start([i for i, _ in guided], [m for _, m in guided], self.spec.vocab_size)
         # every sampled row greedy, no logprobs, no stop token masked by min_new_tokens: the model may
         # give the argmax tokens without all the logits (guided rows too: their masks are applied to the
         # approximate logits before the exact candidates are chosen, CausalLM.greedy_tokens)
         greedy = not prompt_rows and all(is_greedy(s.params) and s.params.logprobs is None
                                          and not (s.stop_set and s.num_generated < s.params.min_new_tokens)
                                          for s in sampling)
-        refuse = None
-        if self._guided is not None:
-            refuse = functools.partial(self.guides.apply, rows=self._guided[0], bitmask=self._guided[1])
+        refuse = None if self._guided is None else self._guided.apply
         return self.run_forward(ids, items, batch.num_decodes, batch.copies, rows, greedy=greedy, refuse=refuse)
 
     @torch.inference_mode()

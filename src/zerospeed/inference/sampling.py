@@ -125,7 +125,10 @@ def record_prompt_logprobs(logits: torch.Tensor, parts: list) -> None:
             target = torch.tensor(seq.tokens[first + a + 1:first + b + 1], device=lp.device)
             chosen = lp.gather(1, target[:, None])[:, 0].cpu().tolist()
             tv = ti = None
-            if k:
+            if k == 1:  # lm-eval's logprobs=1: one pass of max instead of topk's selection (same value)
+                top = lp.max(dim=1, keepdim=True)
+                tv, ti = top.values.cpu().tolist(), top.indices.cpu().tolist()
+            elif k:
                 top = torch.topk(lp, k)
                 tv, ti = top.values.cpu().tolist(), top.indices.cpu().tolist()
             for j in range(b - a):
