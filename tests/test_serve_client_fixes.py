@@ -108,37 +108,48 @@ def test_chat_stream_role_comes_with_the_first_token_and_bytes_add_up(server):
 def test_streamed_ttft_measured_by_a_client_matches_the_server_metric(server):
     """The first chunk carries the first token, so a client's time to first chunk is the server's
     time to first token plus the HTTP path (request parsing before arrival, one chunk's write after):
-    never less (minus the client's timer resolution), and within a loopback HTTP round trip more."""
+    never less (minus the client's timer resolution: every attempt), and within a loopback HTTP round
+    trip more. The upper bound is checked on the best of up to 5 attempts: on a loaded machine any one
+    attempt can be descheduled between the server's clock and the client's (seen: 0.14 s at load 16),
+    which says nothing about what the server sends when; a role chunk sent before the prompt's work
+    (the bug) or a Nagle delay would be in every attempt."""
     import json
 
     def ttft_sum():
         return metric(httpx.get(server.url + "/metrics").text, "zerospeed_time_to_first_token_seconds_sum")
 
-    before = ttft_sum()
-    body = {"messages": [{"role": "user", "content": "The quick brown fox " * 6}], "max_tokens": 4,
-            "stream": True}
-    with httpx.Client(timeout=60) as client:
-        client.get(server.url + "/health")  # connection made before the clock starts
-        start = time.perf_counter()
-        first = None
-        with client.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
-            for line in r.iter_lines():
-                if first is None and line.startswith("data: ") and line != "data: [DONE]":
-                    first = json.loads(line[6:])
-                    client_ttft = time.perf_counter() - start
-    server_ttft = ttft_sum() - before
-    assert first["choices"][0]["delta"]["role"] == "assistant" and "content" in first["choices"][0]["delta"]
     resolution = time.get_clock_info("perf_counter").resolution
-    assert client_ttft >= server_ttft - resolution, (client_ttft, server_ttft)
-    assert client_ttft - server_ttft < 0.1, (client_ttft, server_ttft)
+    gaps = []
+    for attempt in range(5):
+        before = ttft_sum()
+        body = {"messages": [{"role": "user", "content": "The quick brown fox " * 6}], "max_tokens": 4,
+                "stream": True}
+        with httpx.Client(timeout=60) as client:
+            client.get(server.url + "/health")  # connection made before the clock starts
+            start = time.perf_counter()
+            first = None
+            with client.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                        first = json.loads(line[6:])
+                        client_ttft = time.perf_counter() - start
+        server_ttft = ttft_sum() - before
+        assert first["choices"][0]["delta"]["role"] == "assistant" and "content" in first["choices"][0]["delta"]
+        assert server_ttft > 0
+        assert client_ttft >= server_ttft - resolution, (client_ttft, server_ttft)
+        gaps.append(client_ttft - server_ttft)
+        if gaps[-1] < 0.1:
+            break
+    assert min(gaps) < 0.1, gaps
 
 
 def test_no_nagle_delay_on_responses(server):
     """A response is written as headers then body; with Nagle's algorithm on the server's socket the
     body waited for the client's delayed ACK, 40 ms on every request over loopback (measured here:
     GET /health 44 ms, a streamed chat's first chunk 52 ms against 1.5 ms of server time to first
-    token). With TCP_NODELAY a loopback round trip takes about a millisecond; the median of 7 must
-    stay under 25 ms even on a loaded machine."""
+    token). With TCP_NODELAY a loopback round trip takes about a millisecond. Nagle's delay is in every
+    request (Linux's delayed ACK is at least 40 ms), load only in some: the fastest of 7 must stay under
+    30 ms (the median went to 33 ms at load 36 on the shared 2-core machine, the fastest to 21 ms)."""
     with httpx.Client(timeout=30) as client:
         client.get(server.url + "/health")
         times = []
@@ -146,4 +157,4 @@ def test_no_nagle_delay_on_responses(server):
             start = time.perf_counter()
             client.post(server.url + "/tokenize", json={"prompt": "hi"})
             times.append(time.perf_counter() - start)
-    assert sorted(times)[3] < 0.025, times
+    assert min(times) < 0.030, times
