@@ -403,6 +403,28 @@ class Server:
                  else "still running")
         return f"server {what} ({state}); last lines of its log:\n" + "".join(list(self.lines)[-30:])
 
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU seconds of the server and every process under it so far (vLLM's engine
+        core is a child of its API server), every thread counted: on the shared machine a system's
+        CPU seconds per request move far less with the load than its wall time. None without psutil."""
+        try:
+            import psutil
+        except ImportError:  # pragma: no cover
+            return None
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.Error:
+            return None
+        total = 0.0
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
     def _signal_group(self, sig: int) -> bool:
         try:
             os.killpg(self.proc.pid, sig)  # start_new_session: the group id is the leader's pid
@@ -561,6 +583,8 @@ def run_scoring(args: argparse.Namespace, env: dict[str, str]) -> None:
     with tempfile.TemporaryDirectory(prefix="serve_bench_scoring_") as tmp:
         model_dir, _ = build_model_dir(Path(tmp) / "llama-100m", seed=args.seed, size="100m",
                                        max_model_len=2 * serve_scoring.PROMPT_LEN)
+        hidden, inter, layers, heads, kv_heads = SIZES["100m"]
+        args.scoring_model_dims = (hidden, inter, layers, VOCAB, hidden + 2 * kv_heads * hidden // heads)
         rows, more = serve_scoring.run(
             args, env, model_dir, VOCAB,
             lambda system, folder, e, max_len: start_server(system, folder, args, e, max_len),

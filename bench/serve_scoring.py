@@ -90,10 +90,10 @@ def hf_worker_main(argv: list[str]) -> int:
 
     lm.loglikelihood(requests(batch[:2]), disable_tqdm=True)  # warm-up
     reqs = requests(batch[2:])
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = lm.loglikelihood(reqs, disable_tqdm=True)
-    wall = time.perf_counter() - t0
-    print("HFRESULT " + json.dumps({"wall_s": wall, "half_sums": [float(r[0]) for r in res]}))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print("HFRESULT " + json.dumps({"wall_s": wall, "cpu_s": cpu, "half_sums": [float(r[0]) for r in res]}))
     return 0
 
 
@@ -108,7 +108,37 @@ def run_hf(model_dir: Path, batch: list[list[int]], batch_size: int, env: dict[s
         raise RuntimeError(f"lm-eval hf backend failed (status {proc.returncode}): "
                            + (proc.stderr or proc.stdout)[-1500:])
     res = json.loads(line[len("HFRESULT "):])
-    return res["wall_s"], [{"half_sum": s} for s in res["half_sums"]]
+    return res["wall_s"], [{"half_sum": s} for s in res["half_sums"]], res.get("cpu_s")
+
+
+def gemm_floor(hidden: int, intermediate: int, layers: int, vocab: int, qkv_out: int, threads: int,
+               chunk: int = 512, reps: int = 3) -> dict[str, Any]:
+    """CPU seconds of the matrix products alone that scoring one ``PROMPT_LEN``-token prompt needs
+    (``torch.mm`` on the shapes of a 512-token chunk: fused QKV, output projection, fused gate/up,
+    down, and the LM head over every prompt position), timed here with ``threads`` threads. No
+    float32 implementation does less arithmetic, so ``1 / cpu_s`` bounds any system's requests per
+    CPU-second on this CPU up to its GEMM efficiency: a system at X requests per CPU-second cannot be
+    beaten by more than ``(1 / cpu_s) / X``."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+    def t(m, k, n):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        a @ b
+        c0 = time.process_time()
+        for _ in range(reps):
+            a @ b
+        return (time.process_time() - c0) / reps
+
+    chunks = PROMPT_LEN // chunk
+    body = layers * chunks * (t(chunk, hidden, qkv_out) + t(chunk, hidden, hidden) + t(chunk, hidden, 2 * intermediate)
+                              + t(chunk, intermediate, hidden))
+    head = chunks * t(chunk, hidden, vocab)
+    flops = 2 * PROMPT_LEN * (layers * (hidden * (qkv_out + hidden + 2 * intermediate) + intermediate * hidden)
+                              + hidden * vocab)
+    cpu = body + head
+    return {"cpu_s": cpu, "body_cpu_s": body, "head_cpu_s": head, "gflop": flops / 1e9}
 
 
 def agreement(answers: dict[str, list[dict[str, Any]]]) -> tuple[float | None, str]:
@@ -154,8 +184,8 @@ def run(args, env: dict[str, str], model_dir: Path, vocab: int, start_server, sc
             try:
                 if system == "hf":
                     row["client"] = f"lm-eval HFLM batch_size {args.hf_batch_size}, in-process"
-                    wall, out = run_hf(model_dir, batch[num_warm - 2:], args.hf_batch_size, env, script,
-                                       args.timeout * 4)
+                    wall, out, cpu = run_hf(model_dir, batch[num_warm - 2:], args.hf_batch_size, env, script,
+                                            args.timeout * 4)
                 else:
                     if system not in servers:
                         t0 = time.perf_counter()
@@ -171,8 +201,11 @@ def run(args, env: dict[str, str], model_dir: Path, vocab: int, start_server, sc
                     row["startup_s"] = startup
                     asyncio.run(score_all(server.url, warm, args.scoring_concurrency, max_tokens,
                                           args.timeout))
+                    cpu0 = server.cpu_seconds()
                     wall, out = asyncio.run(score_all(server.url, measured, args.scoring_concurrency,
                                                       max_tokens, args.timeout * 4))
+                    cpu1 = server.cpu_seconds()
+                    cpu = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
             except (RuntimeError, asyncio.TimeoutError, subprocess.TimeoutExpired) as e:
                 row["note"] = f"failed: {str(e).strip()[-1200:]}"
                 notes.append(f"{name} failed: " + " / ".join(
@@ -186,6 +219,8 @@ def run(args, env: dict[str, str], model_dir: Path, vocab: int, start_server, sc
             row.update({"completed": len(out) - len(errors), "wall_s": round(wall, 2),
                         "requests_per_s": round((len(out) - len(errors)) / wall, 3),
                         "prompt_tokens_per_s": round((len(out) - len(errors)) * PROMPT_LEN / wall, 1),
+                        "cpu_s": None if cpu is None else round(cpu, 2),
+                        "requests_per_cpu_s": None if not cpu else round((len(out) - len(errors)) / cpu, 3),
                         "load_avg_1m": load_avg()})
             if errors:
                 row["note"] = errors[0][:300]
@@ -198,6 +233,14 @@ def run(args, env: dict[str, str], model_dir: Path, vocab: int, start_server, sc
     finally:
         for server, _ in servers.values():
             server.stop()
+    floor = gemm_floor(*args.scoring_model_dims, threads=args.threads)
+    rows.append({"system": "GEMM floor (the model's matmuls alone, torch.mm, no server)", "prompts": 1,
+                 "prompt_tokens": PROMPT_LEN, "client": "in-process", "cpu_s": round(floor["cpu_s"], 3),
+                 "requests_per_cpu_s": round(1 / floor["cpu_s"], 3), "load_avg_1m": load_avg()})
+    notes.append(f"GEMM floor: the {floor['gflop']:.0f} GFLOP of matrix products one {PROMPT_LEN}-token prompt needs "
+                 f"take {floor['cpu_s']:.2f} CPU-s here (body {floor['body_cpu_s']:.2f}, LM head over the prompt "
+                 f"{floor['head_cpu_s']:.2f}) with {args.threads} thread(s): at most {1 / floor['cpu_s']:.3f} requests "
+                 "per CPU-second for any float32 system that computes these logprobs")
     worst, line = agreement(answers)
     notes.append(line)
     if worst is not None and worst > LOGPROB_SUM_ATOL:
@@ -208,6 +251,13 @@ def run(args, env: dict[str, str], model_dir: Path, vocab: int, start_server, sc
         if z and base in by:
             notes.append(f"scoring: zerospeed/{base.split()[0]} {z['requests_per_s'] / by[base]['requests_per_s']:.2f}x "
                          f"requests/s ({z['requests_per_s']} vs {by[base]['requests_per_s']})")
+    for name, r in by.items():
+        if r.get("requests_per_cpu_s"):
+            notes.append(f"{name}: {r['requests_per_cpu_s']} requests per CPU-second, "
+                         f"{r['requests_per_cpu_s'] * floor['cpu_s']:.0%} of the GEMM floor's rate")
+    zc, vc = (by.get(k, {}).get("requests_per_cpu_s") for k in ("zerospeed (max_tokens 1)", "vllm (max_tokens 1)"))
+    if zc and vc:
+        notes.append(f"scoring per CPU-second: zerospeed/vllm {zc / vc:.2f}x ({zc} vs {vc})")
     if z and "vllm (max_tokens 1)" in by:
         ratio = z["requests_per_s"] / by["vllm (max_tokens 1)"]["requests_per_s"]
         notes.append(f"target scoring >= 2x vLLM's CPU server: {'met' if ratio >= 2 else 'NOT met'} "
