@@ -1,0 +1,101 @@
+"""A plain TRL script: SFTTrainer with a PEFT LoRA config, or DPOTrainer with its own reference model. The
+trainer's config is parsed from the command line, so ``--deepspeed ds.json`` switches DeepSpeed on; nothing in it knows
+about zerospeed.
+
+argv: MODE (sft | dpo) MODEL_DIR OUT then SFTConfig / DPOConfig flags. MODEL_DIR holds a saved causal LM and a
+tokenizer. Every rank writes OUT.rank<N> (JSON): the loss of every logged step, the wrapped model's class, whether the
+model (and the DPO reference model) were partitioned, and, for SFT, the logits of the LoRA-merged model
+(``merge_and_unload`` on the live model, under ``deepspeed.zero.GatheredParameters`` when ZeRO-3 partitioned it, as
+PEFT's documentation says) on a fixed batch. The adapter is saved with ``trainer.save_model(OUT_adapter)``.
+"""
+
+import contextlib
+import json
+import sys
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, TrainerCallback
+
+WORDS = 60  # the word-level tokenizer's words are w0 .. w59
+
+
+class Losses(TrainerCallback):
+    def __init__(self):
+        self.losses = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(float(logs["loss"]))
+
+
+def _sentence(g, n):
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, WORDS, (n,), generator=g))
+
+
+def sft_data():
+    g = torch.Generator().manual_seed(7)
+    return Dataset.from_dict({"text": [_sentence(g, 7) for _ in range(16)]})
+
+
+def dpo_data():
+    g = torch.Generator().manual_seed(11)
+    rows = [(_sentence(g, 3), _sentence(g, 4), _sentence(g, 4)) for _ in range(16)]
+    return Dataset.from_dict({"prompt": [r[0] for r in rows], "chosen": [r[1] for r in rows],
+                              "rejected": [r[2] for r in rows]})
+
+
+def _partitioned(model):
+    return model is not None and any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _merged_logits(model, ids):
+    """Merge the LoRA adapter into the live model and run it (every rank; ZeRO-3: inside GatheredParameters)."""
+    params = list(model.parameters())
+    gather = contextlib.nullcontext()
+    if _partitioned(model):
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+    with gather, torch.no_grad():
+        merged = model.merge_and_unload()
+        merged.eval()
+        return merged(input_ids=ids).logits.tolist()
+
+
+def main():
+    mode, model_dir, out = sys.argv[1:4]
+    torch.set_num_threads(1)
+    if mode == "sft":
+        from peft import LoraConfig
+        from trl import SFTConfig as Config, SFTTrainer as TrainerClass
+    else:
+        from trl import DPOConfig as Config, DPOTrainer as TrainerClass
+    (args,) = HfArgumentParser(Config).parse_args_into_dataclasses(sys.argv[4:])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    losses = Losses()
+    kwargs = {"model": model, "args": args, "processing_class": tokenizer, "callbacks": [losses]}
+    if mode == "sft":
+        kwargs.update(train_dataset=sft_data(), peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                       target_modules=["q_proj", "v_proj"]))
+    else:
+        kwargs.update(train_dataset=dpo_data())
+    trainer = TrainerClass(**kwargs)
+    trainer.train()
+    trainer.save_model(out + "_adapter" if mode == "sft" else out + "_model")
+    record = {"losses": losses.losses, "wrapped": type(trainer.model_wrapped).__name__,
+              "partitioned": _partitioned(trainer.model), "world": args.world_size}
+    if mode == "dpo":
+        ref = getattr(trainer, "ref_model", None)
+        record["ref_wrapped"] = type(ref).__name__
+        record["ref_partitioned"] = _partitioned(getattr(ref, "module", ref))
+    else:
+        ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+        record["merged_logits"] = _merged_logits(trainer.model, ids)
+    with open(f"{out}.rank{args.process_index}", "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()
