@@ -193,6 +193,8 @@ def sync_trainer_worker(folder: str, address: str, repeats: int, bucket_bytes: i
     buckets = {id(f[0]): f[0] for p in engine.module.parameters() if (f := registry.lookup(p)) is not None}
     reports = [engine.sync_weights(address, bucket_bytes=bucket_bytes) for _ in range(repeats)]
     return {"seconds": [r.seconds for r in reports], "send_seconds": [r.send_seconds for r in reports],
+            "pass_seconds": [r.pass_seconds for r in reports], "reply_seconds": [r.reply_seconds for r in reports],
+            "cpu_seconds": time.process_time(),
             "payload_bytes": reports[0].payload_bytes, "num_buckets": reports[0].num_buckets,
             "versions": [r.version for r in reports], "peak_gathered_bytes": max(r.peak_gathered_bytes for r in reports),
             "send_buffer_bytes": reports[0].send_buffer_bytes,
@@ -248,6 +250,9 @@ def run_sync(args: argparse.Namespace) -> list[dict]:
     rows.append({"part": "sync", "world": args.world, "rate_mbit": args.rate_mbit,
                  "payload_bytes": r["payload_bytes"], "bucket_bytes": args.bucket_bytes, "num_buckets": r["num_buckets"],
                  "sync_s_median": round(secs, 3), "sync_s_all": [round(s, 3) for s in r["seconds"]],
+                 "rank0_send_wait_s_median": round(statistics.median(r["send_seconds"]), 3),
+                 "pass_s_median": round(statistics.median(r["pass_seconds"]), 3),
+                 "server_reply_s_median": round(statistics.median(r["reply_seconds"]), 3),
                  "wire_bound_s": round(wire_s, 3), "ratio_to_wire_bound": round(secs / wire_s, 3),
                  "server_rx_bytes": rx1 - rx0, "rx_over_payload": round((rx1 - rx0) / (r["payload_bytes"] * args.repeats), 4),
                  "versions": r["versions"],

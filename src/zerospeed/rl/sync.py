@@ -44,6 +44,8 @@ class SyncReport:
     bucket_bytes: int
     seconds: float
     send_seconds: float  # rank 0: time spent waiting for sends
+    pass_seconds: float  # the pass over the shards: gathers, reads, packing, sends (until the last byte left)
+    reply_seconds: float  # rank 0: from the last byte sent to the server's answer (its staging check and swap)
     peak_gathered_bytes: int  # ZeRO-3 buckets gathered at once during the pass, at most
     send_buffer_bytes: int
 
@@ -217,10 +219,14 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
             wire.send_bytes(client.pg, manifest, 0)
         except Exception as exc:  # noqa: BLE001
             sender.error = exc
-    run_pass(ordered, consume=lambda job: sender.add(job.thunk()))  # every rank: the gathers are collectives
+    pass_start = time.perf_counter()
+    # every rank runs the pass (its gathers are collectives); dp rank 0 alone reads and packs what it sends
+    run_pass(ordered, consume=(lambda job: sender.add(job.thunk())) if rank0 else (lambda job: None))
     sender.finish()
+    pass_s = time.perf_counter() - pass_start
     peak = sum(o.live_peak_bytes for o in owners.values()) - baseline
     version, failure = -1, None
+    reply_start = time.perf_counter()
     if rank0:
         try:
             if sender.error is not None:
@@ -234,6 +240,7 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
         except Exception as exc:  # noqa: BLE001 - the pair group is broken: reconnect next time
             engine.__dict__.get("_weight_sync_clients", {}).pop(address, None)
             failure = f"sync_weights to {address} failed: {type(exc).__name__}: {exc}"
+    reply_s = time.perf_counter() - reply_start
     outcome = torch.tensor([1 if failure else 0, version], dtype=torch.int64)
     if comm.get_world_size(engine.dp_group) > 1:  # every rank returns or raises alike
         outcome[1] = max(version, 0) if rank0 else 0
@@ -243,4 +250,5 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
     version = int(outcome[1])
     return SyncReport(version=version, payload_bytes=total, num_buckets=sender.num_buckets,
                       bucket_bytes=sender.message_bytes, seconds=time.perf_counter() - start,
-                      send_seconds=sender.send_s, peak_gathered_bytes=peak, send_buffer_bytes=sender.buffer_bytes)
+                      send_seconds=sender.send_s, pass_seconds=pass_s, reply_seconds=reply_s,
+                      peak_gathered_bytes=peak, send_buffer_bytes=sender.buffer_bytes)
