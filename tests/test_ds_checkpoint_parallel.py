@@ -160,3 +160,22 @@ def test_tensor_parallel_folder_needs_its_affine_map(tmp_path) -> None:
         open_folder(d)
     msg = str(err.value)
     assert msg.startswith(path + ": a tensor-parallel DeepSpeed folder without universal_checkpoint_info.affine_map")
+
+
+@pytest.mark.parametrize("case", ["pipe2_zero1_fp32", "tp2_zero1_fp32"])
+def test_zero_to_fp32_and_convert_read_the_parallel_folders(tmp_path, case: str) -> None:
+    """DeepSpeed's helper names and zerospeed-convert see the full parameters of both layouts."""
+    from zerospeed.checkpoint.convert import main
+    from zerospeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    _, ref = expected(case)
+    src = os.path.join(FIXTURES, case, "ckpt")
+    sd = get_fp32_state_dict_from_zero_checkpoint(src)
+    for key, want in ref.items():
+        name, kind = key.rsplit(".", 1)
+        if kind == "master":
+            assert sd[name].shape == want.shape and torch.equal(sd[name], want), name
+    # rewritten as a data-parallel DeepSpeed folder (no pipeline, no tp): the same masters
+    assert main(["--to", "deepspeed", src, str(tmp_path / "ds"), "--world-size", "2", "--zero-stage", "2"]) == 0
+    again = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ds"))
+    assert sorted(again) == sorted(sd) and all(torch.equal(again[k], sd[k]) for k in sd)
