@@ -9,6 +9,8 @@ import pytest
 from rl_cases import release_case, rollout_case, sampling_case
 from zerospeed.testing import run_distributed
 
+pytestmark = pytest.mark.timeout(600)  # each run_distributed has its own, shorter limit
+
 
 def _check_greedy(r: dict) -> None:
     for tokens, (hf, decided) in zip(r["tokens"], r["hf"]):

@@ -3,10 +3,13 @@ engine.generate rollouts: the mean reward rises well above a random policy's (is
 
 from __future__ import annotations
 
+import pytest
+
 from rl_cases import grpo_case
 from zerospeed.testing import run_distributed
 
 
+@pytest.mark.timeout(300)
 def test_grpo_reward_rises_on_two_zero3_ranks() -> None:
     histories = run_distributed(grpo_case, 2, 16, 1e-2, timeout=240)
     rewards = histories[0]["reward"]

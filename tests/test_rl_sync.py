@@ -18,6 +18,8 @@ from rl_cases import SYNC_FAST_PATHS, killed_sync_case, refused_sync_case, sync_
 from serve_cases import ServerProcess, build_model_dir, serve_argv
 from zerospeed.testing import DistributedTestError, run_distributed
 
+pytestmark = pytest.mark.timeout(900)  # the server, five trainer runs (each with its own limit)
+
 PROMPT = [5, 17, 42, 9, 100, 7]
 NEW = 24
 
