@@ -15,9 +15,7 @@ from docs_blocks import ROOT, Block, parse, run_block
 # Guide pages whose owners (other issues) are moving their blocks onto the convention. Until they have, a failing
 # block there is reported as an expected failure naming the issue; a page leaves this table when its blocks pass.
 CONVERTING = {
-    "docs/guides/checkpoints.md": "#26",
     "docs/guides/huggingface.md": "#27",
-    "docs/guides/serving.md": "#31",
 }
 
 PAGES = [p.relative_to(ROOT).as_posix() for p in docs_blocks.pages()]
