@@ -232,3 +232,31 @@ def grpo_case(steps: int, lr: float) -> dict:
     import grpo_toy
 
     return grpo_toy.train(steps=steps, prompts_per_rank=8, group=8, lr=lr, seed=0, log=None)
+
+
+def tp_refused_case() -> str:
+    """hybrid_engine on a tensor-parallel (AutoTP) engine: refused at initialize in one line."""
+    from zerospeed.config import ConfigError
+
+    cfg = rl_config(1)
+    cfg["tensor_parallel"] = {"autotp_size": 2}
+    cfg["zero_optimization"] = {"stage": 1}
+    try:
+        zerospeed.initialize(model=make_model("llama", seed=3), config=cfg)
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def hybrid_off_case() -> dict:
+    """Without hybrid_engine, engine.generate is the module's own HF generate, as before issue #32."""
+    world = comm.get_world_size()
+    cfg = rl_config(world)
+    cfg["hybrid_engine"] = {"enabled": False}
+    cfg["zero_optimization"] = {"stage": 0}
+    model = make_model("llama", seed=3)
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    ids = torch.tensor([prompts([6], seed=4)[0]])
+    out = engine.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return {"is_tensor": torch.is_tensor(out), "shape": tuple(out.shape), "rl_enabled": engine.rl.enabled}

@@ -82,3 +82,17 @@ def test_hybrid_engine_config_errors(hybrid: dict, key: str) -> None:
 
     message = run_distributed(bad_config_case, 1, hybrid, timeout=120)[0]
     assert message.startswith(f"zerospeed config: {key}:"), message
+
+
+def test_tensor_parallel_engine_refused() -> None:
+    from rl_cases import tp_refused_case
+
+    message = run_distributed(tp_refused_case, 2, timeout=180)[0]
+    assert message.startswith("zerospeed config: hybrid_engine.enabled:") and "tensor-parallel" in message, message
+
+
+def test_hybrid_engine_off_keeps_hf_generate() -> None:
+    from rl_cases import hybrid_off_case
+
+    r = run_distributed(hybrid_off_case, 1, timeout=120)[0]
+    assert r == {"is_tensor": True, "shape": (1, 10), "rl_enabled": False}
