@@ -23,6 +23,8 @@ HTML comments right before a block change that (they do not render, on the site 
   later ``bash`` block runs) instead of running it.
 - ``<!-- test: json -->``: the next ``json`` block is only parsed (not a whole zerospeed config, e.g. an autotuning
   grid).
+- ``<!-- test: output -->``: the next ``text`` block is what the previous ``python`` / ``bash`` block prints (its
+  standard output, compared line by line without trailing spaces).
 - ``<!-- test: skip REASON -->``: the next block is not run. REASON starts with one of ``SKIP_REASONS`` below: what a
   user would accept (it needs the network, a second machine, a GPU, or minutes of the whole suite).
 """
@@ -54,6 +56,7 @@ class Block:
     launch: int = 0
     file: str = ""
     json_only: bool = False
+    output: bool = False
     skip: str = ""
 
     @property
@@ -100,13 +103,15 @@ def parse(path: Path) -> list[Block]:
                 pending["file"] = rest
             elif name == "json":
                 pending["json_only"] = True
+            elif name == "output":
+                pending["output"] = True
             elif name == "skip":
                 if not rest.startswith(SKIP_REASONS) or len(rest.split(":", 1)[1].strip()) < 8:
                     raise ValueError(f"{rel}:{i + 1}: a skip says why, starting with one of {SKIP_REASONS}: got "
                                      f"{rest!r}")
                 pending["skip"] = rest
             else:
-                raise ValueError(f"{rel}:{i + 1}: unknown directive 'test: {name}' (setup, launch, file, json, skip)")
+                raise ValueError(f"{rel}:{i + 1}: unknown directive 'test: {name}' (setup, launch, file, json, output, skip)")
             i += 1
             continue
         if fence:
@@ -140,6 +145,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(cmd: list[str], cwd: Path, block: Block, timeout: float) -> None:
+    """Run the block's command; its standard output is kept in cwd/.last_output for an ``output`` block."""
     try:
         out = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -147,6 +153,7 @@ def _run(cmd: list[str], cwd: Path, block: Block, timeout: float) -> None:
     if out.returncode != 0:
         raise AssertionError(f"{block.where}: the {block.lang} block failed (exit {out.returncode}):\n"
                              f"{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    (cwd / ".last_output").write_text(out.stdout)
 
 
 def check_json(block: Block) -> None:
@@ -180,6 +187,16 @@ def run_block(block: Block, workdir: Path, timeout: float = 240) -> str:
     if block.file:
         (workdir / block.file).write_text("\n".join([*block.setup, block.code]))
         return f"wrote {block.file}"
+    if block.lang == "text" and block.output:
+        last = workdir / ".last_output"
+        if not last.is_file():
+            raise AssertionError(f"{block.where}: an output block follows no block that ran")
+        got = [line.rstrip() for line in last.read_text().strip("\n").splitlines()]
+        want = [line.rstrip() for line in block.code.strip("\n").splitlines()]
+        if got != want:
+            raise AssertionError(f"{block.where}: the previous block printed\n" + "\n".join(got)
+                                 + "\nnot what the page shows:\n" + "\n".join(want))
+        return "output matched"
     if block.lang == "text":
         return "shown"
     if block.lang == "json":

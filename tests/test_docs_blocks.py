@@ -84,3 +84,7 @@ def test_blocks_fail_when_they_should(tmp_path: Path) -> None:
     assert run_block(Block("p.md", 6, "json", '"zero_optimization": {"stage": 3}\n'), tmp_path) == "checked"
     assert run_block(Block("p.md", 7, "json", '{"stage": [1, 2]}\n', json_only=True), tmp_path) == "checked"
     assert run_block(Block("p.md", 8, "python", "import sys; assert x == 1\n", setup=["x = 1"]), tmp_path) == "ran"
+    assert run_block(Block("p.md", 9, "python", "print('a  ')\nprint('b')\n"), tmp_path) == "ran"
+    assert run_block(Block("p.md", 10, "text", "a\nb\n", output=True), tmp_path) == "output matched"
+    with pytest.raises(AssertionError, match="p.md:11: the previous block printed"):
+        run_block(Block("p.md", 11, "text", "a\nc\n", output=True), tmp_path)
