@@ -29,7 +29,7 @@ tokens per step, also spread over N ranks; so NS / (fwd+bwd) ~ 5*d / T whatever 
 step after the warm-up (zerospeed's comms counter) and the loss of every step (issue #28).
 
 ``--deepspeed_python``: DeepSpeed 0.19.8's Muon side by side (bench/optim_worker.py under torchrun, the same
-script under both libraries, DeepSpeed's tagging in both) at ZeRO 0, 1 and 2 on 2 ranks, each run under
+script under both libraries, DeepSpeed's tagging in both) at ZeRO 0-3 on 2 and 4 ranks, each run under
 ``--deepspeed_timeout`` seconds: a run with no result in that time is recorded as a hang.
 """
 
@@ -101,29 +101,32 @@ def _worker(model_size: str, opt_name: str, stage: int, steps: int, warmup: int,
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, cfg_model.vocab_size, (MICRO_BATCH * world, cfg_model.seq_len + 1), generator=gen)
             for _ in range((warmup + steps) * accumulation)]
-    step_s, total_s, loss, losses = [], [], 0.0, []
+    step_s, total_s, step_cpu_s, total_cpu_s, loss, losses = [], [], [], [], 0.0, []
     for i in range(warmup + steps):
         dist.barrier()
         if i == warmup:
             COUNTER.reset()  # bytes of the measured steps only
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for j, batch in enumerate(data[i * accumulation:(i + 1) * accumulation]):
             mine = batch.chunk(world)[rank]
             out = engine(mine[:, :-1], mine[:, 1:])
             engine.backward(out)
             if j < accumulation - 1:
                 engine.step()  # not a boundary: the engine only counts the micro-step
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         engine.step()
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         if i >= warmup:
             step_s.append(t2 - t1)
             total_s.append(t2 - t0)
+            step_cpu_s.append(c2 - c1)
+            total_cpu_s.append(c2 - c0)
         loss = float(out.detach())
         losses.append(round(loss, 5))
     sent = sum(v.intra_host_bytes + v.inter_host_bytes for v in COUNTER.ops.values()) / steps
     plan = getattr(opt, "shard_plan", None)
-    return {"opt_step_s": statistics.median(step_s), "train_step_s": statistics.median(total_s), "loss": loss,
+    return {"opt_step_s": statistics.median(step_s), "opt_step_cpu_s": statistics.median(step_cpu_s),
+            "train_step_s": statistics.median(total_s), "train_step_cpu_s": statistics.median(total_cpu_s), "loss": loss,
             "optimizer_state_bytes": engine.memory_breakdown()["optimizer_states"],
             "sent_bytes_per_step": sent, "losses": losses,
             "ns_gflop_per_step": None if plan is None else plan.ns_flops_done / 1e9 / (warmup + steps),
@@ -139,7 +142,9 @@ def _compare(rows: list[dict], per_opt: dict[str, dict], base: str) -> None:
             continue
         m = per_opt[name]
         row[f"step_vs_{base.lower()}"] = round(m["opt_step_s"] / b["opt_step_s"], 3)
+        row[f"step_cpu_vs_{base.lower()}"] = round(m["opt_step_cpu_s"] / b["opt_step_cpu_s"], 3)
         row[f"train_step_vs_{base.lower()}"] = round(m["train_step_s"] / b["train_step_s"], 3)
+        row[f"train_step_cpu_vs_{base.lower()}"] = round(m["train_step_cpu_s"] / b["train_step_cpu_s"], 3)
         row[f"state_vs_{base.lower()}"] = round(m["optimizer_state_bytes"] / b["optimizer_state_bytes"], 3)
         if b["sent_bytes_per_step"]:
             row[f"bytes_vs_{base.lower()}"] = round(m["sent_bytes_per_step"] / b["sent_bytes_per_step"], 4)
@@ -176,7 +181,7 @@ def _run(args: argparse.Namespace, world: int, stage: int, accumulation: int, ro
 
 
 def _deepspeed(args: argparse.Namespace, rows: list[dict]) -> None:
-    """DeepSpeed's and zerospeed's Muon on the same worker script, ZeRO 0/1/2 on 2 ranks."""
+    """DeepSpeed's and zerospeed's Muon on the same worker script, each --deepspeed_stages x --deepspeed_worlds."""
     import json
     import os
     import tempfile
@@ -185,12 +190,12 @@ def _deepspeed(args: argparse.Namespace, rows: list[dict]) -> None:
                TORCH_EXTENSIONS_DIR=str(Path(args.deepspeed_python).parents[1] / "torch_extensions"))
     worker = REPO / "bench" / "optim_worker.py"
     with tempfile.TemporaryDirectory() as tmp:
-        for stage in args.deepspeed_stages:
+        for world, stage in [(w, s) for w in args.deepspeed_worlds for s in args.deepspeed_stages]:
             runs = {}
             for lib in ("zerospeed", "deepspeed"):
-                out = Path(tmp) / f"{lib}-{stage}.json"
+                out = Path(tmp) / f"{lib}-{world}-{stage}.json"
                 python = args.deepspeed_python if lib == "deepspeed" else sys.executable
-                done = launch_workers(worker, [lib, "Muon", str(stage), str(args.steps), str(out)], num_procs=2,
+                done = launch_workers(worker, [lib, "Muon", str(stage), str(args.steps), str(out)], num_procs=world,
                                       python=python, env=env, timeout_s=args.deepspeed_timeout)
                 if done.returncode == 124:
                     runs[lib] = {"error": f"hangs (no result in {args.deepspeed_timeout:g} s)"}
@@ -200,7 +205,7 @@ def _deepspeed(args: argparse.Namespace, rows: list[dict]) -> None:
                     runs[lib] = json.loads(out.read_text())
             zs = runs["zerospeed"]
             for lib, r in runs.items():
-                row = {"part": "vs DeepSpeed", "world": 2, "stage": stage, "optimizer": f"Muon ({lib})"}
+                row = {"part": "vs DeepSpeed", "world": world, "stage": stage, "optimizer": f"Muon ({lib})"}
                 if "error" in r:
                     row["error"] = r["error"]
                 else:
@@ -224,7 +229,8 @@ def main() -> None:
     parser.add_argument("--tokens_sweep", type=int, nargs="*", default=[],
                         help="ZeRO-2, 2 ranks: gradient accumulation K (K x the tokens per step)")
     parser.add_argument("--deepspeed_python", default=None, help="python of a venv with DeepSpeed 0.19.8")
-    parser.add_argument("--deepspeed_stages", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--deepspeed_stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--deepspeed_worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--deepspeed_timeout", type=float, default=300.0)
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
     parser.add_argument("--onebit", action="store_true", help="ZeRO-0, 2 ranks: the 1-bit family next to Adam/Lamb")
@@ -245,14 +251,17 @@ def main() -> None:
     if args.deepspeed_python:
         _deepspeed(args, rows)
     notes = [
-        "opt_step_s: median engine.step() time (optimizer step incl. Muon's exchange of pieces / NS); train_step_s: "
+        "opt_step_s: median engine.step() wall time (optimizer step incl. Muon's exchange of pieces / NS); "
+        "opt_step_cpu_s: the same step's CPU time on the rank (process_time: less sensitive to the other jobs on "
+        "this shared machine; gloo's waits block rather than spin); train_step_s: "
         "forward+backward+step; state_vs_adamw: optimizer-state bytes per rank, whole model (Muon's weights hold 1 "
         "buffer, Adam's 2)",
         "part 'tokens': ZeRO-2, 2 ranks, K micro-batches accumulated per step; NS/(fwd+bwd) FLOPs ~ 5*d/T "
         "(d = d_model, T = tokens_per_step), so the train-step ratio falls toward 1 as T grows",
         "part 'vs DeepSpeed': bench/optim_worker.py, same script/model/batches under both libraries, DeepSpeed's "
-        "name rule tags tok_emb/pos_emb onto Muon in both; DeepSpeed runs Newton-Schulz in bf16/fp16 where the "
-        "accelerator reports support, zerospeed in fp32",
+        "name rule tags tok_emb/pos_emb onto Muon in both; DeepSpeed iterates Newton-Schulz in fp16 for ns_method gram "
+        "where its accelerator reports fp16 (the CPU accelerator asks mkldnn: no on this machine, so fp32) and bf16 for "
+        "standard; zerospeed in fp32 (ns_dtype default)",
         "'Muon bf16-NS': Muon with ns_dtype bfloat16 (Newton-Schulz iterated in bf16 after an fp32 normalisation; "
         "DeepSpeed's choice for ns_method standard on a bf16 device); the default is fp32",
         "part '1-bit' (--onebit): ZeRO-0, 2 ranks, freeze_step / var_freeze_step = --onebit_warmup, the measured steps "
