@@ -195,3 +195,19 @@ def tp_resume(cfg: dict, load_dir: str, num_steps: int) -> dict:
     if mesh is not None:
         comm.reset_mesh()
     return out
+
+
+def fsdp2_load_dcp(dcp_dir: str) -> dict:
+    """The fixture model under PyTorch's FSDP2 (fully_shard over this world) loads a DCP folder with
+    torch.distributed.checkpoint.load into its sharded state dict; returns the full tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(3)
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    sd = model.state_dict()
+    dcp.load(sd, checkpoint_id=dcp_dir)
+    model.load_state_dict(sd)
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint_cases import merge
-from ds_checkpoint_cases import FIXTURES, make_model, resave_case, resume_case, zs_config
+from ds_checkpoint_cases import FIXTURES, fsdp2_load_dcp, make_model, resave_case, resume_case, zs_config
 from zerospeed.checkpoint.convert import main
 from zerospeed.checkpoint.deepspeed import load_pickle
 from zerospeed.checkpoint.deepspeed.writer import write_deepspeed
@@ -184,6 +184,21 @@ def test_from_deepspeed_and_dcp_resume_in_zerospeed(tmp_path) -> None:
     sd = make_model(3).state_dict()
     dcp.load(sd, checkpoint_id=dcp_dir, no_dist=True)
     assert all(torch.equal(sd[n].reshape(-1), ref_bf16[f"{n}.master"].reshape(-1)) for n in weights)
+
+
+@pytest.mark.timeout(300)
+def test_dcp_folder_loads_into_an_fsdp2_model(tmp_path) -> None:
+    """--to dcp of a DeepSpeed ZeRO-3 folder: torch.distributed.checkpoint.load fills an FSDP2 (fully_shard) model's
+    sharded state dict on 2 ranks with DeepSpeed's fp32 masters, bit for bit, and the buffer."""
+    dcp_dir = str(tmp_path / "dcp")
+    assert main(["--to", "dcp", os.path.join(FIXTURES, "zero3_fp32", "ckpt"), dcp_dir]) == 0
+    per_rank = run_distributed(fsdp2_load_dcp, 2, dcp_dir, timeout=240)
+    ref = load_file(os.path.join(FIXTURES, "zero3_fp32", "expected.safetensors"))
+    for full in per_rank:
+        assert torch.equal(full.pop("offset"), torch.tensor([0.1, -0.2, 0.3]))
+        assert sorted(full) == sorted(k[:-len(".master")] for k in ref if k.endswith(".master"))
+        for name, t in full.items():
+            assert torch.equal(t, ref[f"{name}.master"]), name
 
 
 def _two(cfg: dict, zs: str, from_dcp: str) -> list[dict]:
