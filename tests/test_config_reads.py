@@ -72,6 +72,7 @@ OTHER_JSON: dict[str, str] = {
     "zerospeed.inference.serving.chat_template": "HF's tokenizer_config.json and special_tokens_map.json",
     "zerospeed.inference.serving.tools": "tool calls (JSON) in model replies",
     "zerospeed.inference.tokenizer": "HF's tokenizer files",
+    "zerospeed.inference.serving.weight_sync": "the weight-sync manifest a trainer sends (tensor names, shapes)",
     "zerospeed.inference.v1": "DeepSpeed's checkpoint-json (init_inference(checkpoint=...)), not a config",
     "zerospeed.zero.stage3.hooks": "ZeRO-3 collective digests exchanged through the store",
     "zerospeed.zero.stage3.watchdog": "ZeRO-3 collective histories exchanged through the store",
