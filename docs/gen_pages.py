@@ -302,6 +302,13 @@ def migration_tables() -> str:
               "These raise `NotImplementedError: engine.<name>() is not supported by zerospeed: <why>`:", "",
               "| method | why, or what instead |", "|---|---|"]
     lines += [f"| `{name}` | {_cell(why)} |" for name, why in sorted(engine_api.LACKS.items())]
+    from zerospeed.deepspeed_alias import behaviours
+
+    lines += ["", "## DeepSpeed 0.19.8 behaviours a switching script relies on", "",
+              "Each row was read in DeepSpeed 0.19.8's source (the file is named) and is tested "
+              "(`tests/test_deepspeed_behaviours.py`, the HuggingFace rows in `tests/test_as_deepspeed*.py` and "
+              "`tests/test_ds_param_view.py`); the rows are `zerospeed/deepspeed_alias/behaviours.py`.", "",
+              behaviours.markdown_table()]
     return "\n".join(lines) + "\n"
 
 

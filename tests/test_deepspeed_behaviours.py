@@ -359,3 +359,30 @@ def test_pipeline_without_optimizer_is_refused():
                            loss_fn=torch.nn.MSELoss())
     with pytest.raises(ConfigError, match=r"optimizer: no optimizer: the pipeline engine trains"):
         zerospeed.initialize(model=model, config={"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2})
+
+
+# -- the migration table ---------------------------------------------------------------------------------------
+#: every behaviour issue 27 lists (its "What to build" and "public module paths" lists and the two bugs)
+ISSUE_27_BEHAVIOURS = (
+    "gradient_clipping_default", "warmup_num_steps_clamp", "initialize_without_optimizer", "bf16_check_grad_overflow",
+    "compile_passes", "datastates_ckpt", "lr_schedule_constants", "ds_param_attributes", "partition_parameters_path",
+    "launcher_main_args", "checkpoint_tag_assertion", "deepspeed_config_error", "bf16_grad_accum_fp32",
+    "module_attribute_chains", "set_random_seed", "pickle_every_exception", "save_checkpoint_without_dir",
+    "zero_init_auto", "parameter_gathered_in_forward", "deepspeed_package_name", "engine_config_get",
+    "dotted_top_level_keys")
+
+
+def test_migration_table_lists_every_behaviour_of_issue_27():
+    import importlib.util
+
+    from zerospeed.deepspeed_alias.behaviours import BEHAVIOURS
+
+    keys = [b.key for b in BEHAVIOURS]
+    assert len(keys) == len(set(keys))
+    assert not set(ISSUE_27_BEHAVIOURS) - set(keys)
+    spec = importlib.util.spec_from_file_location("gen_pages", Path(__file__).parents[1] / "docs" / "gen_pages.py")
+    gen_pages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_pages)
+    page = gen_pages.migration_tables()
+    for b in BEHAVIOURS:  # the migration page shows every row as the module has it
+        assert f"| {b.behaviour} | {b.deepspeed} | {b.zerospeed} |" in page, b.key
