@@ -278,8 +278,17 @@ def worker_ds_save(root: str, tag: str) -> None:
     _barrier()
 
 
+def _optimizer_state_bytes(engine) -> int:
+    """Bytes of the tensors in the torch optimizer's state (DeepSpeed's ZeRO wraps it as ``.optimizer``)."""
+    opt = engine.optimizer
+    inner = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", opt)
+    return sum(t.numel() * t.element_size() for st in getattr(inner, "state", {}).values() for t in st.values()
+               if torch.is_tensor(t))
+
+
 def _timed_load(engine, root: str, tag: str) -> dict:
     _barrier()
+    state_before = _optimizer_state_bytes(engine)
     with _PeakSampler() as mem:
         t0 = time.perf_counter()
         path, _ = engine.load_checkpoint(root, tag=tag)
@@ -287,8 +296,11 @@ def _timed_load(engine, root: str, tag: str) -> dict:
         seconds = time.perf_counter() - t0
     if path is None:
         raise RuntimeError(f"load_checkpoint({root!r}, tag={tag!r}) loaded nothing")
+    # state the run ends with that the load created (zerospeed makes Adam's moments at the load; DeepSpeed's ZeRO
+    # made them at initialize): the memory a load holds beyond its model state is rss added minus this
+    created = _optimizer_state_bytes(engine) - state_before
     _step(engine, 1)  # the loaded state trains
-    return {"s": seconds, "rss_before": mem.before, "rss_peak": mem.peak}
+    return {"s": seconds, "rss_before": mem.before, "rss_peak": mem.peak, "state_created": created}
 
 
 def worker_zs_load_ds(root: str, tag: str) -> dict:
@@ -338,6 +350,11 @@ def _measure(imports: str, call: str) -> dict:
     return {"s": float(seconds), "rss_before": int(before), "rss_peak": int(peak)}
 
 
+def _beyond(r: dict) -> int:
+    """Resident memory a call added beyond the state it leaves behind (a zero_to_fp32 call: its whole output)."""
+    return r["rss_peak"] - r["rss_before"] - int(r.get("state_created", 0))
+
+
 def _added_ratio(ours: dict, theirs: dict) -> float:
     return (ours["rss_peak"] - ours["rss_before"]) / max(1, theirs["rss_peak"] - theirs["rss_before"])
 
@@ -376,11 +393,13 @@ def migration(args) -> None:
     def ranks(res: list[dict]) -> dict:
         return {"seconds": round(max(r["s"] for r in res), 3),
                 "peak_rss_per_rank": format_bytes(max(r["rss_peak"] for r in res)),
-                "rss_added_per_rank": format_bytes(max(r["rss_peak"] - r["rss_before"] for r in res))}
+                "rss_added_per_rank": format_bytes(max(r["rss_peak"] - r["rss_before"] for r in res)),
+                "added_beyond_model_state": format_bytes(max(_beyond(r) for r in res))}
 
     def one(r: dict) -> dict:
         return {"seconds": round(r["s"], 3), "peak_rss_per_rank": format_bytes(r["rss_peak"]),
-                "rss_added_per_rank": format_bytes(r["rss_peak"] - r["rss_before"])}
+                "rss_added_per_rank": format_bytes(r["rss_peak"] - r["rss_before"]),
+                "added_beyond_model_state": format_bytes(_beyond(r))}
 
     folder = f"DeepSpeed ZeRO-3 folder of gpt_bench saved at {src_world} ranks ({format_bytes(nbytes)})"
     uni_total = conv["s"] + max(r["s"] for r in ds_uni)
@@ -391,7 +410,7 @@ def migration(args) -> None:
         {"what": "DeepSpeed ds_to_universal (1 extract / 1 merge worker, one process)", **one(conv)},
         {"what": f"DeepSpeed universal load at {dst_world} ranks", **ranks(ds_uni)},
         {"what": "DeepSpeed ds_to_universal + universal load", "seconds": round(uni_total, 3),
-         "peak_rss_per_rank": "", "rss_added_per_rank": ""},
+         "peak_rss_per_rank": "", "rss_added_per_rank": "", "added_beyond_model_state": ""},
         {"what": "DeepSpeed get_fp32_state_dict_from_zero_checkpoint", **one(z2f_ds)},
         {"what": "zerospeed get_fp32_state_dict_from_zero_checkpoint", **one(z2f_zs)},
         {"what": "DeepSpeed convert_zero_checkpoint_to_fp32_state_dict (10MB shards, .bin)", **one(cv_ds)},
@@ -407,12 +426,18 @@ def migration(args) -> None:
         f"{t_zs / max(r['s'] for r in ds_own):.2f}x; / ds_to_universal + universal load: {t_zs / uni_total:.2f}x",
         f"zero_to_fp32 memory added, zerospeed / DeepSpeed: get_fp32_state_dict {_added_ratio(z2f_zs, z2f_ds):.2f}x, "
         f"convert (10MB shards) {_added_ratio(cv_zs, cv_ds):.2f}x",
+        f"memory a load holds beyond the model state it ends with, per rank, zerospeed {dst_world}-rank load / "
+        f"DeepSpeed zero_to_fp32 (get_fp32_state_dict) added: {max(_beyond(r) for r in zs) / max(1, _beyond(z2f_ds)):.2f}x"
+        " (issue #26 target: at most 0.5x)",
+        f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}",
+        "added_beyond_model_state: rss_added minus the optimizer state the load created (zerospeed creates Adam's "
+        "moments at the load, DeepSpeed's ZeRO at initialize)",
         "rss_added: peak resident memory during the call minus resident memory just before it (per rank: the "
         "largest); the loads sample /proc every 2 ms, the zero_to_fp32 rows use ru_maxrss of a fresh interpreter",
         "DeepSpeed files are read memory-mapped by zerospeed (torch.load(mmap=True, weights_only=True)): mapped "
         "pages count in RSS while touched but are file-backed and reclaimable",
     ]
-    for n in notes[1:3]:
+    for n in notes[1:5]:
         print(n)
     if not args.no_write:
         paths = write_results("checkpoint_migration", rows, params=vars(args), notes=notes, command=command_line())
