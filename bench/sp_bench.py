@@ -239,7 +239,7 @@ def main() -> None:
     notes.append("activation memory = peak RSS during the step minus RSS before it, max over ranks (fp32, ZeRO-2, "
                  "Adam); tiled = TiledMLP (ceil(seq/hidden) tiles) + tiled fused logits+loss; +ckpt = every decoder "
                  "layer checkpointed with the library's checkpoint function, cpu_checkpointing on (on CPU the "
-                 "checkpoints are in host memory already)")
+                 "checkpoints are in host memory already); +ckpt_no_offload = the same with cpu_checkpointing off")
     load_after = os.getloadavg()
     notes.append("load average (1/5/15 min) before the run: %.2f / %.2f / %.2f, after: %.2f / %.2f / %.2f"
                  % (*load_before, *load_after))
