@@ -83,7 +83,10 @@ class SwapFolder:
                 os.makedirs(root, exist_ok=True)
                 self.path = tempfile.mkdtemp(prefix=f"{kind}_rank{rank}_{os.getpid()}_", dir=root)
                 break
-            except FileNotFoundError as exc:  # another process removed the empty parent in between
+            except (FileNotFoundError, FileExistsError) as exc:
+                # another process removed the empty parent in between: after makedirs' mkdir failed with EEXIST
+                # its isdir check finds nothing (FileExistsError), or mkdtemp finds the parent gone. A root that is
+                # a regular file fails the same way every attempt and is reported below.
                 if attempt == 4:
                     raise AIOError("mkdir", root, exc.errno, detail=f"cannot create the swap folder ({key})") from exc
             except OSError as exc:
