@@ -16,6 +16,11 @@ Which weights feed which tensor: the fp32 master comes from the checkpoint's fp3
 has one (bf16/fp16 training) and from its weights otherwise; with ``load_module_only`` masters are
 rebuilt from the module weights (DeepSpeed's warm-start semantics). RNG states are restored only
 when the world size is unchanged (they are per rank).
+
+Memory: zerospeed's own shards are read (and CRC-checked) in phase 1. A source that maps its files instead
+(DeepSpeed's ``.pt`` files, :class:`~zerospeed.checkpoint.deepspeed.layout.DeepSpeedSource`) only checks them
+there; phase 3 then copies one source file at a time and releases it (``source.release(file)``), so the touched
+pages of at most one source file are resident beyond the state the load ends with (issue #26).
 """
 
 from __future__ import annotations
@@ -416,8 +421,18 @@ def _apply(engine: Any, index: CheckpointIndex, p: _Plan, source: TensorSource, 
 
     if p.state_keys or p.clear_optim:
         _make_optimizer_state(engine, p, index, source)
-    for job in p.jobs:
-        copy_pieces(job.ops, lambda s, k=job.kind: source.shard(s, k), job.target())
+    release = getattr(source, "release", None)
+    if callable(release):  # a memory-mapped source (DeepSpeed's files): one source file's pages resident at a time
+        files = sorted({index.shards[op.shard]["file"] for job in p.jobs for op in job.ops})
+        for fname in files:
+            for job in p.jobs:
+                ops = [op for op in job.ops if index.shards[op.shard]["file"] == fname]
+                if ops:
+                    copy_pieces(ops, lambda s, k=job.kind: source.shard(s, k), job.target())
+            release(fname)
+    else:
+        for job in p.jobs:
+            copy_pieces(job.ops, lambda s, k=job.kind: source.shard(s, k), job.target())
     with torch.no_grad():
         for t, kind, ops in p.extras:
             flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)

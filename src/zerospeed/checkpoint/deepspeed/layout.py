@@ -145,6 +145,10 @@ class _Files:
                 self._loaded[name] = obj
             return self._loaded[name]
 
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._loaded.pop(name, None)
+
     def close(self) -> None:
         self._loaded.clear()
 
@@ -649,6 +653,13 @@ class DeepSpeedSource:
 
     def shard(self, shard: int, kind: str) -> torch.Tensor:
         return self.get(*self.index.key(shard, kind)).reshape(-1)
+
+    def release(self, fname: str) -> None:
+        """Drop this source's tensors of file ``fname`` and its unpickled object, so its memory-mapped pages are
+        given back once copied (the loader copies one source file at a time); a later ``get`` maps it again."""
+        for key in [k for k in self._cache if k[0] == fname]:
+            del self._cache[key]
+        self.folder.files.forget(fname)
 
     def close(self) -> None:
         self._cache.clear()
