@@ -181,9 +181,8 @@ def sync_case(folder: str, address: str, prompt: list[int], max_new_tokens: int,
     sends0 = comm.COUNTER.snapshot().get("send", {"bytes": 0})["bytes"]
     report = engine.sync_weights(address, lora_only=lora, bucket_bytes=bucket_bytes)
     sent = comm.COUNTER.snapshot().get("send", {"bytes": 0})["bytes"] - sends0
-    adapter_bytes = sum(p.numel() * p.element_size() for n, p in engine.module.named_parameters()
-                        if ".lora_A." in n or ".lora_B." in n) if lora else 0
-    if lora:  # shapes of the adapters live in the bucket layout under ZeRO-3
+    adapter_bytes = 0
+    if lora:  # the adapters' sizes live in the bucket layout under ZeRO-3 (the parameters are placeholders)
         adapter_bytes = 0
         for n, p in engine.module.named_parameters():
             if ".lora_A." in n or ".lora_B." in n:

@@ -66,14 +66,6 @@ class RolloutStats:
     max_resident_layers_seen: int = 0
 
 
-def _storage_bytes(params: Sequence[nn.Parameter]) -> int:
-    seen: dict[int, int] = {}
-    for p in params:
-        st = p.data.untyped_storage()
-        seen[st.data_ptr() or id(st)] = max(seen.get(st.data_ptr() or id(st), 0), st.nbytes())
-    return sum(seen.values())
-
-
 class _Storage:
     """Frees and re-allocates the storage of a set of parameters (views stay valid, as ZeRO-3's buckets do)."""
 

@@ -28,7 +28,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.inference.serving import weight_sync as wire
-from zerospeed.rl.weights import Job, WeightSource, bucket_of, order_jobs, run_pass
+from zerospeed.rl.weights import Job, WeightSource, bucket_of, run_pass
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
