@@ -319,7 +319,9 @@ def checkpoint_run(name: str, ckpt: str, steps: range, save: bool, load: bool) -
 
     from onebit_engine_cases import batch, model
 
-    engine, opt, _, _ = zerospeed.initialize(model=model(), config=engine_cfg(name))
+    bf16 = name.endswith("-bf16")  # fp32 masters behind bf16 parameters
+    name = name.removesuffix("-bf16")
+    engine, opt, _, _ = zerospeed.initialize(model=model(), config=engine_cfg(name, bf16={"enabled": bf16}))
     loaded = None
     if load:
         engine.load_checkpoint(ckpt)
@@ -327,7 +329,7 @@ def checkpoint_run(name: str, ckpt: str, steps: range, save: bool, load: bool) -
     losses = []
     for step in steps:
         x, y = batch(step, dist.get_rank())
-        loss = nn.functional.mse_loss(engine(x), y)
+        loss = nn.functional.mse_loss(engine(x).float(), y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())

@@ -87,8 +87,9 @@ def test_engine_equals_the_optimizer_alone(name):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", ["ZeroOneAdam", "OneBitLamb", "OneBitAdam"])
+@pytest.mark.parametrize("name", ["ZeroOneAdam", "OneBitLamb", "OneBitAdam", "ZeroOneAdam-bf16"])
 def test_checkpoint_after_warm_up_resumes_bit_for_bit(name, tmp_path):
+    # -bf16: the optimizer steps fp32 masters behind bf16 parameters; 0/1 Adam's local masters come back too
     straight = run_distributed(checkpoint_run, 2, name, str(tmp_path / "x"), range(10), False, False, timeout=100)
     first = run_distributed(checkpoint_run, 2, name, str(tmp_path / "c"), range(7), True, False, timeout=100)
     resumed = run_distributed(checkpoint_run, 2, name, str(tmp_path / "c"), range(7, 10), False, True, timeout=100)
