@@ -49,6 +49,7 @@ from zerospeed.ops.adam.kernel import (
     adam_update,
 )
 from zerospeed.ops.fast_paths import Candidate, FastPathChooser, FastPathError, default_chooser, resolve_setting
+from zerospeed.ops import fast_paths
 
 __all__ = ["AdamKernelSwitch", "AdamShape", "PATH", "attach_switch", "check_forced", "choose_adam_kernel",
            "fused_unavailable", "kernel_of_flags", "resolve_kernel_setting", "shape_of", "switch_of"]
@@ -144,6 +145,7 @@ def choose_adam_kernel(setting: str, shape: AdamShape, *, amsgrad: bool = False,
                        chooser: FastPathChooser | None = None) -> str:
     """The kernel to run updates of ``shape`` with: ``setting`` when it forces one (an error naming
     ``source`` when that one cannot run here), else the fastest measured (cached per shape class)."""
+    own_clock = chooser is None
     chooser = chooser or default_chooser()
     why_fused = fused_unavailable(shape.device, getattr(torch, shape.state_dtype))
     items: list[list[Item]] = []  # built at the first measured run only (a forced or cached choice builds none)
@@ -163,7 +165,13 @@ def choose_adam_kernel(setting: str, shape: AdamShape, *, amsgrad: bool = False,
 
     candidates = {k: Candidate(None, why_fused) if k == "fused" and why_fused else Candidate(runner(k))
                   for k in KERNELS}
-    return chooser.choose(PATH, shape, candidates, setting, source)
+    # one thread doing all the work (no pool, one torch thread, CPU): its CPU time, which time slices lost to other
+    # processes do not inflate, so a loaded machine does not flip the choice from one run to the next (the families
+    # differ by an ulp, and runs compared bit for bit across processes must agree); otherwise the wall clock
+    # (a chooser passed in keeps its own clock)
+    single = shape.device == "cpu" and not shape.pooled and torch.get_num_threads() == 1
+    return chooser.choose(PATH, shape, candidates, setting, source,
+                          measure=fast_paths.thread_cpu_clock if single and own_clock else None)
 
 
 def check_forced(setting: str, tensors: Sequence[Any], source: str) -> None:
