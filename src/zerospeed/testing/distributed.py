@@ -73,6 +73,10 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, pg_ti
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
+        # every rank's gloo mesh is complete before any rank runs fn: a rank whose init returned first and whose fn
+        # ends at once (an expected error) would otherwise exit and close its sockets while a slower peer is still
+        # connecting ("Gloo connectFullMesh failed ... Connection closed by peer", seen at load ~30)
+        dist.barrier()
         value = fn(*args, **kwargs)
         buf = io.BytesIO()
         torch.save(value, buf)
