@@ -259,3 +259,32 @@ def hybrid_off_case() -> dict:
     out = engine.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                           eos_token_id=None, pad_token_id=0)
     return {"is_tensor": torch.is_tensor(out), "shape": tuple(out.shape), "rl_enabled": engine.rl.enabled}
+
+
+def bad_sync_input_case(folder: str) -> list[str]:
+    """sync_weights' own errors, no server involved: a malformed address, nobody listening, a bad bucket size."""
+    engine = _folder_engine(folder, False, comm.get_world_size(), seed=5)
+    out = []
+    for kwargs in ({"address": "no-port"}, {"address": "127.0.0.1:1", "timeout_s": 3.0},
+                   {"address": "127.0.0.1:2", "bucket_bytes": 0}):
+        try:
+            engine.sync_weights(**kwargs)
+            out.append("no error")
+        except Exception as exc:  # noqa: BLE001
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def mismatched_sync_case(address: str) -> str:
+    """A trainer whose model is not the server's: the server names the mismatch and keeps its weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    engine, *_ = zerospeed.initialize(model=model, config=rl_config(comm.get_world_size()))
+    try:
+        engine.sync_weights(address)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

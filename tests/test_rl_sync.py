@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rl_cases import SYNC_FAST_PATHS, killed_sync_case, refused_sync_case, sync_case
+from rl_cases import (SYNC_FAST_PATHS, bad_sync_input_case, killed_sync_case, mismatched_sync_case,
+                      refused_sync_case, sync_case)
 from serve_cases import ServerProcess, build_model_dir, serve_argv
 from zerospeed.testing import DistributedTestError, run_distributed
 
@@ -99,7 +100,12 @@ def test_sync_weights_to_a_serve_subprocess(folder: Path) -> None:
         assert "WeightSyncError" in message and "full sync has replaced them" in message, message
         assert _complete(url) == (text2, "weights-v2")
 
-        # 4. a trainer killed after its first bucket: the server serves version 2 and takes the next sync
+        # 4. a model that is not the server's: the server names the mismatched tensors, keeps version 2
+        message = run_distributed(mismatched_sync_case, 1, address, timeout=180)[0]
+        assert "WeightSyncError" in message and "mismatched tensors" in message and "mlp" in message, message
+        assert _complete(url) == (text2, "weights-v2")
+
+        # 5. a trainer killed after its first bucket: the server serves version 2 and takes the next sync
         with pytest.raises(DistributedTestError):
             run_distributed(killed_sync_case, 1, str(folder), address, timeout=180)
         assert _complete(url) == (text2, "weights-v2")
@@ -109,3 +115,12 @@ def test_sync_weights_to_a_serve_subprocess(folder: Path) -> None:
         assert server.proc.poll() is None
     finally:
         server.stop()
+
+
+def test_sync_weights_bad_input(folder: Path) -> None:
+    errors = run_distributed(bad_sync_input_case, 2, str(folder), timeout=240)
+    assert errors[0] == errors[1]  # every rank raises alike
+    bad_address, nobody, bad_bucket = errors[0]
+    assert bad_address.startswith("ValueError: sync_weights(address): expected HOST:PORT"), bad_address
+    assert nobody.startswith("WeightSyncError: ") and "127.0.0.1:1" in nobody, nobody
+    assert bad_bucket.startswith("ValueError: sync_weights(bucket_bytes=...)"), bad_bucket

@@ -177,6 +177,7 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
     the server's reason (the server then still serves its previous weights)."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"sync_weights(bucket_bytes=...): must be a positive number of bytes, got {bucket_bytes!r}")
+    wire.parse_address(address, "sync_weights(address)")  # every rank refuses a bad address alike, at once
     start = time.perf_counter()
     rl = engine.__dict__.get("rl")
     source = rl.rollout.source if rl is not None and rl._rollout is not None else WeightSource(engine.module)
@@ -239,14 +240,17 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
                 failure = (f"the generator refused the weights (it keeps version {version}): {message}")
         except Exception as exc:  # noqa: BLE001 - the pair group is broken: reconnect next time
             engine.__dict__.get("_weight_sync_clients", {}).pop(address, None)
-            failure = f"sync_weights to {address} failed: {type(exc).__name__}: {exc}"
+            failure = str(exc) if isinstance(exc, wire.WeightSyncError) else \
+                f"sync_weights to {address} failed: {type(exc).__name__}: {exc}"
     reply_s = time.perf_counter() - reply_start
     outcome = torch.tensor([1 if failure else 0, version], dtype=torch.int64)
     if comm.get_world_size(engine.dp_group) > 1:  # every rank returns or raises alike
         outcome[1] = max(version, 0) if rank0 else 0
         comm.all_reduce(outcome, op=comm.ReduceOp.MAX, group=engine.dp_group)
-    if failure or int(outcome[0]):
-        raise wire.WeightSyncError(failure or "sync_weights failed on data-parallel rank 0 (see its error)")
+    if int(outcome[0]):
+        if comm.get_world_size(engine.dp_group) > 1:  # every rank raises rank 0's message
+            failure = next(m for m in comm.all_gather_object(failure, group=engine.dp_group) if m)
+        raise wire.WeightSyncError(failure)
     version = int(outcome[1])
     return SyncReport(version=version, payload_bytes=total, num_buckets=sender.num_buckets,
                       bucket_bytes=sender.message_bytes, seconds=time.perf_counter() - start,
