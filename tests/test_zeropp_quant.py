@@ -191,10 +191,14 @@ def test_block_quant_switch(monkeypatch):
         block_quant_kernel.quantize_payload(torch.ones(32, dtype=torch.float64), 8, 32, raw)
 
 
-def test_the_baseline_isa_build_gives_the_same_bytes():
-    """No -march (SSE2 on x86-64): another CPU's vector width and rounding instructions, the same numbers."""
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "native"])
+def test_every_isa_build_gives_the_same_bytes(isa):
+    """The baseline (SSE2 on x86-64, auto-vectoriser off), AVX2 and native builds: other vector widths and rounding
+    instructions, the same numbers."""
     _needs_c()
-    dll = block_quant_kernel._build(block_quant_kernel.BASELINE)
+    if isa == "avx2" and not block_quant_kernel._is_x86():
+        pytest.skip("avx2 is an x86-64 level; this CPU is not x86")
+    dll = block_quant_kernel._build(isa)
     x = _inputs(10_007, seed=5)
     for bits, block in ((8, 256), (4, 128), (4, 6)):
         raw = torch.empty(wire_bytes(x.numel(), block, bits), dtype=torch.uint8)
@@ -237,3 +241,11 @@ def _engine_path(setting: str) -> str:
     engine.step()
     engine.destroy()
     return zeropp.kernel_path()
+
+
+def test_kernel_isa_variable(monkeypatch):
+    monkeypatch.setenv("ZEROSPEED_KERNEL_ISA", "sse9")
+    with pytest.raises(ValueError, match="ZEROSPEED_KERNEL_ISA: 'sse9' is not one of native, avx2, scalar"):
+        block_quant_kernel.kernel_isa()
+    monkeypatch.setenv("ZEROSPEED_KERNEL_ISA", "scalar")
+    assert block_quant_kernel.kernel_isa() == "scalar"

@@ -21,7 +21,8 @@ all-NaN on both paths (the fp16 overflow check then sees it); only those blocks'
 Build: plain C compiled on first use with ``$CC`` (default ``cc``) into ``$ZEROSPEED_KERNEL_CACHE`` (default
 ``~/.cache/zerospeed/kernels``), keyed by a hash of the source, flags, compiler and CPU flags, loaded with
 ``ctypes`` (about a second; no torch headers). :func:`available` says whether it built and why not. The build
-uses ``-march=native``; ``_build(BASELINE)`` is the architecture's baseline, which the tests compare too.
+level is ``$ZEROSPEED_KERNEL_ISA`` (``native`` by default, ``avx2``, ``scalar``), as for the inference C kernels; the
+tests compare every level's bytes with torch's.
 
 Which path runs: the ``block_quant`` fast path (:mod:`zerospeed.ops.fast_paths`). The config's
 ``fast_paths.block_quant`` or ``ZEROSPEED_FAST_PATHS=block_quant=torch`` (or ``=c``) forces one; ``auto`` times
@@ -161,15 +162,39 @@ def _cpu_tag() -> str:
     return platform.machine() + flags
 
 
-#: the architecture's baseline instead of -march=native (the tests compare both builds' bytes)
-BASELINE = "baseline"
+#: ``ZEROSPEED_KERNEL_ISA`` (shared with the inference C kernels) -> instruction-set flags: ``native`` (default,
+#: what the building CPU has), ``avx2`` (x86-64-v3), ``scalar`` (the architecture's baseline, auto-vectoriser off);
+#: ``make test-isa`` runs the tests at each. The results are the same bytes at every level (tested).
+ISA_ENV = "ZEROSPEED_KERNEL_ISA"
+ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"],
+             "scalar": ["-fno-tree-vectorize", "-fno-tree-slp-vectorize"]}
+BASELINE = "scalar"
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def kernel_isa() -> str:
+    """The build level of this process (``$ZEROSPEED_KERNEL_ISA``, default ``native``); ValueError naming the
+    variable for a value it does not know, or ``avx2`` off x86."""
+    value = os.environ.get(ISA_ENV, "").strip() or "native"
+    if value not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}: {value!r} is not one of {', '.join(ISA_FLAGS)}")
+    if value == "avx2" and not _is_x86():
+        raise ValueError(f"{ISA_ENV}: 'avx2' applies to x86-64 CPUs only (this one is {platform.machine()})")
+    return value
 
 
 def _build(isa: str = "native") -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
-    flags = [f for f in FLAGS if f != "-march=native"]
-    if isa == "native" and platform.machine().lower() in ("x86_64", "amd64"):
-        flags = FLAGS
+    base = [f for f in FLAGS if f != "-march=native"]
+    extra = ISA_FLAGS[isa]
+    if isa == "native" and not _is_x86():
+        extra = ["-mcpu=native"] if platform.machine().lower() in ("aarch64", "arm64") else []
+    if isa == "scalar" and _is_x86():
+        extra = ["-march=x86-64", "-mtune=generic", *extra]
+    flags = base[:1] + extra + base[1:]
     key = hashlib.sha256((C_SOURCE + " ".join(flags) + cc + _cpu_tag()).encode()).hexdigest()[:16]
     cache = os.environ.get("ZEROSPEED_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "zerospeed",
                                                                        "kernels")
@@ -197,7 +222,7 @@ def _dll() -> ctypes.CDLL | None:
     with _lock:
         if "dll" not in _state:
             try:
-                _state["dll"], _state["why_not"] = _build(), None
+                _state["dll"], _state["why_not"] = _build(kernel_isa()), None
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _state["dll"], _state["why_not"] = None, str(exc)
         return _state["dll"]
