@@ -52,9 +52,10 @@ def _gathered_copy(engine, base):
     return ref.eval()
 
 
-def rollout_case(max_resident_layers: int = 0, lora: bool = False, max_new_tokens: int = 10) -> dict:
+def rollout_case(max_resident_layers: int = 0, lora: bool = False, max_new_tokens: int = 10,
+                 family: str = "llama") -> dict:
     rank, world = comm.get_rank(), comm.get_world_size()
-    base = make_model("llama", seed=3)
+    base = make_model(family, seed=3)
     model = copy.deepcopy(base)
     if lora:
         from peft import LoraConfig, get_peft_model

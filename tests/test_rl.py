@@ -96,3 +96,11 @@ def test_hybrid_engine_off_keeps_hf_generate() -> None:
 
     r = run_distributed(hybrid_off_case, 1, timeout=120)[0]
     assert r == {"is_tensor": True, "shape": (1, 10), "rl_enabled": False}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_generate_other_families(family: str) -> None:
+    """GPT-2 (Conv1D weights, tied head, causal-mask buffers) and Qwen2 (QKV biases) read from the shards."""
+    for r in run_distributed(rollout_case, 2, 0, False, 10, family, timeout=240):
+        _check_greedy(r)
+        assert r["all_gathers"] == len(r["bucket_numels"])
