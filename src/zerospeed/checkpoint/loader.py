@@ -19,8 +19,9 @@ when the world size is unchanged (they are per rank).
 
 Memory: zerospeed's own shards are read (and CRC-checked) in phase 1. A source that maps its files instead
 (DeepSpeed's ``.pt`` files, :class:`~zerospeed.checkpoint.deepspeed.layout.DeepSpeedSource`) only checks them
-there; phase 3 then copies one source file at a time and releases it (``source.release(file)``), so the touched
-pages of at most one source file are resident beyond the state the load ends with (issue #26).
+there; phase 3 then copies one kind (weights, masters, one optimizer state) of one source file at a time and
+releases the file after each (``source.release(file)``), so the touched pages of at most one source tensor are
+resident beyond the state the load ends with (issue #26).
 """
 
 from __future__ import annotations
@@ -422,11 +423,11 @@ def _apply(engine: Any, index: CheckpointIndex, p: _Plan, source: TensorSource, 
     if p.state_keys or p.clear_optim:
         _make_optimizer_state(engine, p, index, source)
     release = getattr(source, "release", None)
-    if callable(release):  # a memory-mapped source (DeepSpeed's files): one source file's pages resident at a time
-        files = sorted({index.shards[op.shard]["file"] for job in p.jobs for op in job.ops})
-        for fname in files:
+    if callable(release):  # a memory-mapped source (DeepSpeed's files): one file's tensors of one kind at a time
+        groups = sorted({(index.shards[op.shard]["file"], job.kind) for job in p.jobs for op in job.ops})
+        for fname, kind in groups:
             for job in p.jobs:
-                ops = [op for op in job.ops if index.shards[op.shard]["file"] == fname]
+                ops = [op for op in job.ops if job.kind == kind and index.shards[op.shard]["file"] == fname]
                 if ops:
                     copy_pieces(ops, lambda s, k=job.kind: source.shard(s, k), job.target())
             release(fname)
