@@ -386,3 +386,14 @@ def test_migration_table_lists_every_behaviour_of_issue_27():
     page = gen_pages.migration_tables()
     for b in BEHAVIOURS:  # the migration page shows every row as the module has it
         assert f"| {b.behaviour} | {b.deepspeed} | {b.zerospeed} |" in page, b.key
+
+
+def test_git_version_info_as_deepspeeds():
+    # DeepSpeed's test harness (tests/unit/util.py) and ds_report read it; zerospeed compiles none of its ops
+    from zerospeed import git_version_info as g
+
+    assert g.version == zerospeed.__version__ and g.git_hash == "unknown"
+    assert set(g.torch_info) == {"version", "bf16_support", "cuda_version", "nccl_version", "hip_version"}
+    assert g.torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
+    assert g.installed_ops and not any(g.installed_ops.values())
+    assert g.accelerator_name == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -23,6 +23,8 @@ LAYERS: list[tuple[int, str, str]] = [
     (0, "zerospeed.accelerator", "DeepSpeed's get_accelerator(): a device abstraction over torch alone"),
     (0, "zerospeed._import_noise", "logging filters for optional dependencies' import-time noise (torchao)"),
     (0, "zerospeed._version", "the version string, for the facade and for checkpoint metadata"),
+    (1, "zerospeed.git_version_info", "DeepSpeed's build record (version, compiled ops, torch_info): torch and "
+                                      "_version only"),
     (-1, "zerospeed._submodules", "each package's lazy __getattr__ for its submodules (DeepSpeed's attribute chains "
                                  "after the top-level import); importlib only"),
     (0, "zerospeed.arguments", "DeepSpeed's argparse helpers (add_config_arguments), read by the facade"),
