@@ -8,7 +8,7 @@ The fixtures were written by real DeepSpeed (``tests/fixtures/deepspeed/make_par
 Each comes with what DeepSpeed's *own* resume from it gave: the losses of the next steps and the full fp32
 masters and Adam moments right after its load. zerospeed loads the folders onto other meshes (pipeline 2
 stages at data-parallel 1 and 2, one stage, no pipeline at all; tensor-parallel 2 and no tensor parallelism,
-other ZeRO stages, 1, 2 and 4 ranks). A load copies and computes nothing, so masters and moments must be
+other ZeRO stages, the optimizer offloaded, 1, 2 and 4 ranks). A load copies and computes nothing, so masters and moments must be
 bit-identical to DeepSpeed's; both libraries then run the same fp32 Adam on the same weights and differ only
 by the order of a few float sums, so the next losses agree to 1e-6 relative (as in test_ds_checkpoint.py).
 """
@@ -122,8 +122,8 @@ def _tp_slice(t: torch.Tensor, name: str, rank: int, tp: int) -> torch.Tensor:
     return (t if dim is None or tp == 1 else t.chunk(tp, dim=dim)[rank]).reshape(-1)
 
 
-#: zerospeed world size -> [(tensor-parallel size, ZeRO stage)]
-TP = {1: [(1, 0)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (1, 3)]}
+#: zerospeed world size -> [(tensor-parallel size, ZeRO stage, optimizer offloaded to the CPU)]
+TP = {1: [(1, 0, False)], 2: [(2, 1, False), (1, 2, True)], 4: [(2, 2, False), (1, 3, False)]}
 
 
 @pytest.mark.timeout(300)
@@ -132,13 +132,15 @@ def test_tensor_parallel_folder_resumes_on_other_meshes(world: int) -> None:
     case = "tp2_zero1_fp32"
     _, ref = expected(case)
     load_dir = os.path.join(FIXTURES, case, "ckpt")
-    for tp, zero in TP[world]:
+    for tp, zero, offload in TP[world]:
         dp = world // tp
         cfg = tp_config(zero, "fp32", tp, dp) if tp > 1 else pipe_config(zero, "fp32", dp)
         if tp == 1:
             cfg.update(train_micro_batch_size_per_gpu=8 // dp, gradient_accumulation_steps=1)
+        if offload:
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         per_rank = run_distributed(tp_resume, world, cfg, load_dir, STEPS, timeout=250)
-        where = f"{case} -> zerospeed world {world}, tensor-parallel {tp}, ZeRO {zero}"
+        where = f"{case} -> zerospeed world {world}, tensor-parallel {tp}, ZeRO {zero}, offload {offload}"
         check_common(case, per_rank[0], where)
         for t in range(tp):  # each tensor-parallel rank's slice, merged over its data-parallel replicas
             full = merge([r["state"] for r in per_rank if r["tp_rank"] == t])["full"]
