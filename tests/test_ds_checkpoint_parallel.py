@@ -8,9 +8,10 @@ The fixtures were written by real DeepSpeed (``tests/fixtures/deepspeed/make_par
 Each comes with what DeepSpeed's *own* resume from it gave: the losses of the next steps and the full fp32
 masters and Adam moments right after its load. zerospeed loads the folders onto other meshes (pipeline 2
 stages at data-parallel 1 and 2, one stage, no pipeline at all; tensor-parallel 2 and no tensor parallelism,
-other ZeRO stages, the optimizer offloaded, 1, 2 and 4 ranks). A load copies and computes nothing, so masters and moments must be
-bit-identical to DeepSpeed's; both libraries then run the same fp32 Adam on the same weights and differ only
-by the order of a few float sums, so the next losses agree to 1e-6 relative (as in test_ds_checkpoint.py).
+other ZeRO stages, the optimizer offloaded, 1, 2 and 4 ranks). A load copies and computes nothing, so masters
+and moments must be bit-identical to DeepSpeed's; both libraries then run the same fp32 Adam on the same weights
+and differ only by the order of a few float sums, so the next losses agree to 1e-6 relative (as in
+test_ds_checkpoint.py).
 """
 
 from __future__ import annotations
