@@ -7,6 +7,7 @@ kept), and a sync killed halfway (the server keeps serving the last good version
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 
 from rl_cases import (SYNC_FAST_PATHS, bad_sync_input_case, killed_sync_case, mismatched_sync_case,
                       refused_sync_case, sync_case)
-from serve_cases import ServerProcess, build_model_dir, serve_argv
+from serve_cases import FakeEngine, ServerProcess, build_model_dir, build_tokenizer, serve_argv
 from zerospeed.testing import DistributedTestError, run_distributed
 
 pytestmark = pytest.mark.timeout(900)  # the server, five trainer runs (each with its own limit)
@@ -124,3 +125,49 @@ def test_sync_weights_bad_input(folder: Path) -> None:
     assert bad_address.startswith("ValueError: sync_weights(address): expected HOST:PORT"), bad_address
     assert nobody.startswith("WeightSyncError: ") and "127.0.0.1:1" in nobody, nobody
     assert bad_bucket.startswith("ValueError: sync_weights(bucket_bytes=...)"), bad_bucket
+
+
+@pytest.mark.timeout(60)
+def test_streamed_chunks_name_the_weights_version(tmp_path: Path) -> None:
+    """Every streamed chunk (completions and chat, the usage chunk too) carries ``system_fingerprint`` =
+    ``weights-vN`` as the non-streamed response does: before a sync v0, after one the new version. The sync is
+    the server's own swap step (``EngineLoop.request_update``, what ``--weight-update-group`` runs once the
+    buckets are in), here on the deterministic engine so the test takes about a second."""
+    from zerospeed.inference import serve
+
+    build_tokenizer(tmp_path)
+    handle = serve(tmp_path, engine=FakeEngine(tmp_path), port=0)
+    try:
+        def streamed(route: str, body: dict) -> list[dict]:
+            body = dict(body, model=handle.model_name, max_tokens=6, temperature=0, stream=True,
+                        stream_options={"include_usage": True})
+            with httpx.stream("POST", handle.url + route, json=body, timeout=30) as r:
+                r.raise_for_status()
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert len(chunks) >= 3 and chunks[-1]["usage"] is not None  # tokens, finish, usage
+            return chunks
+
+        def fingerprints() -> set[str]:
+            fps = set()
+            for route, body in (("/v1/completions", {"prompt": "hello"}),
+                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                fps |= {c.get("system_fingerprint") for c in streamed(route, body)}
+                whole = httpx.post(handle.url + route, timeout=30, json=dict(
+                    body, model=handle.model_name, max_tokens=6, temperature=0)).json()
+                fps.add(whole["system_fingerprint"])
+            return fps
+
+        assert fingerprints() == {"weights-v0"}
+        applied = threading.Event()
+
+        def apply() -> int:
+            applied.set()
+            return 7
+
+        handle.engine_loop.request_update(apply)
+        assert applied.wait(10)
+        assert fingerprints() == {"weights-v7"}
+    finally:
+        handle.stop(5)

@@ -40,7 +40,7 @@ from zerospeed.inference.serving.chat import chat as chat_endpoint
 from zerospeed.inference.serving.chat_template import ChatTemplate, require
 from zerospeed.inference.serving.completions import completions as completions_endpoint
 from zerospeed.inference.serving.engine_loop import EngineLoop
-from zerospeed.inference.serving.generation import Generation, GenerationFailed, finite_logprob
+from zerospeed.inference.serving.generation import Generation, GenerationFailed, finite_logprob, fingerprint
 from zerospeed.inference.serving.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -234,8 +234,7 @@ class Handlers:
         finally:
             gen.abort()
         body = final(gen)
-        if gen.weights_version is not None:  # which weights produced it (issue #32 weight sync): OpenAI's field
-            body["system_fingerprint"] = f"weights-v{gen.weights_version}"
+        body.update(fingerprint(gen))  # which weights produced it (issue #32 weight sync): OpenAI's field
         return JSONResponse(body)
 
     @staticmethod

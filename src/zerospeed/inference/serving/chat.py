@@ -18,7 +18,8 @@ from fastapi.responses import Response
 
 from zerospeed.inference.constraints import grammar_for, validation_error
 from zerospeed.inference.serving.chat_template import require
-from zerospeed.inference.serving.generation import Generation, coalesce, finite_logprob, sse, sse_stream
+from zerospeed.inference.serving.generation import (Generation, coalesce, finite_logprob, fingerprint, sse,
+                                                    sse_stream)
 from zerospeed.inference.serving.protocol import ApiError, ChatCompletionRequest, bad_request
 from zerospeed.inference.serving.tools import call_schema, check_messages, parse_calls, plan_tools
 
@@ -82,7 +83,7 @@ async def chat(h: Any, request: Request, req: ChatCompletionRequest) -> Response
     def chunks(g: Generation) -> AsyncIterator[str]:
         def chunk(index: int, delta: dict[str, Any], finish: str | None,
                   lp: Any = None) -> str:
-            c = dict(base, choices=[{"index": index, "delta": delta, "logprobs": lp,
+            c = dict(base, **fingerprint(g), choices=[{"index": index, "delta": delta, "logprobs": lp,
                                      "finish_reason": finish}])
             if req.include_usage():
                 c["usage"] = None

@@ -15,7 +15,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from zerospeed.inference.serving.generation import Generation, coalesce, finite_logprob, sse, sse_stream
+from zerospeed.inference.serving.generation import (Generation, coalesce, finite_logprob, fingerprint, sse,
+                                                    sse_stream)
 from zerospeed.inference.serving.protocol import CompletionRequest
 
 
@@ -129,7 +130,7 @@ async def completions(h: Any, request: Request, req: CompletionRequest) -> Respo
                     extra["prompt_logprobs"] = prompt_logprobs_field(d.index, c)
             if lp and lp["tokens"]:  # offsets count token texts, as the full answer's do
                 sent[d.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-            chunk = dict(base, choices=[{
+            chunk = dict(base, **fingerprint(g), choices=[{
                 "index": d.index, "text": text, "logprobs": lp,
                 "finish_reason": d.finish_reason, **extra}])
             if req.include_usage():

@@ -244,6 +244,12 @@ def finite_logprob(x: float) -> float:
 # -- server-sent events ------------------------------------------------------------------------------
 
 
+def fingerprint(g: Generation) -> dict[str, str]:
+    """``system_fingerprint`` of a response or stream chunk: the server's weights version that produced it
+    (issue #32 weight sync), ``weights-vN``; empty before the engine reported one."""
+    return {} if g.weights_version is None else {"system_fingerprint": f"weights-v{g.weights_version}"}
+
+
 def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -263,5 +269,5 @@ async def sse_stream(g: Generation, deltas: AsyncIterator[str], base: dict[str, 
     finally:
         await deltas.aclose()  # a client that went away closes this stream: close the endpoint's too
     if include_usage:
-        yield sse(dict(base, choices=[], usage=g.usage()))
+        yield sse(dict(base, **fingerprint(g), choices=[], usage=g.usage()))
     yield sse("[DONE]")
