@@ -46,17 +46,14 @@ order of additions differs from SDPA's, so results match it to float32 rounding,
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import subprocess
-import tempfile
 import threading
 
 import torch
 
 from zerospeed.inference.cpu_kernel_source import C_SOURCE
+from zerospeed.ops import c_build
 
 log = logging.getLogger(__name__)
 
@@ -65,44 +62,22 @@ log = logging.getLogger(__name__)
 BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
               "-fno-trapping-math", "-pthread"]
 
-#: ``ZEROSPEED_KERNEL_ISA`` -> the compiler's instruction-set flags. ``native``: whatever the CPU that
-#: builds has (``-march=native``; the default). ``avx2``: x86-64-v3 (AVX2, FMA, no AVX-512), as on a
-#: CPU without AVX-512. ``scalar``: the architecture's baseline (x86-64: SSE2) with the
-#: auto-vectoriser off, a build that runs on any CPU of the architecture (the kernels' vector-extension
-#: loops are then lowered to SSE2 on x86, to scalar code or the baseline's SIMD elsewhere).
-ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"],
-             "scalar": ["-march=x86-64", "-mtune=generic", "-fno-tree-vectorize", "-fno-tree-slp-vectorize"]}
-_SCALAR_OTHER = ["-fno-tree-vectorize", "-fno-tree-slp-vectorize"]  # non-x86: the baseline, no -march
-ISA_ENV = "ZEROSPEED_KERNEL_ISA"
+#: ``ZEROSPEED_KERNEL_ISA`` -> the compiler's instruction-set flags (:mod:`zerospeed.ops.c_build`, shared with
+#: ZeRO++'s quantizer). ``native``: whatever the CPU that builds has (the default). ``avx2``: x86-64-v3 (AVX2,
+#: FMA, no AVX-512), as on a CPU without AVX-512. ``scalar``: the architecture's baseline (x86-64: SSE2) with the
+#: auto-vectoriser off, a build that runs on any CPU of the architecture (the kernels' vector-extension loops are
+#: then lowered to SSE2 on x86, to scalar code or the baseline's SIMD elsewhere).
+ISA_FLAGS = c_build.ISA_FLAGS
+ISA_ENV = c_build.ISA_ENV
+kernel_isa = c_build.kernel_isa
 
 # kept for readers of the old name: the flags of the default (native) build
-FLAGS = BASE_FLAGS[:1] + ISA_FLAGS["native"] + BASE_FLAGS[1:]
-
-
-def _is_x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
-
-
-def kernel_isa(environ=None) -> str:
-    """The instruction-set level of the process's kernels (``$ZEROSPEED_KERNEL_ISA``, default ``native``);
-    a ValueError naming the variable for an unknown value, or for ``avx2`` on a CPU that is not x86."""
-    value = (os.environ if environ is None else environ).get(ISA_ENV, "").strip() or "native"
-    if value not in ISA_FLAGS:
-        raise ValueError(f"{ISA_ENV}: {value!r} is not one of {', '.join(ISA_FLAGS)}")
-    if value == "avx2" and not _is_x86():
-        raise ValueError(f"{ISA_ENV}: 'avx2' applies to x86-64 CPUs only (this one is {platform.machine()}); "
-                         "use native or scalar")
-    return value
+FLAGS = c_build.isa_flags("native", BASE_FLAGS)
 
 
 def isa_flags(isa: str) -> list[str]:
     """The compiler flags of the ``isa`` build (see :data:`ISA_FLAGS`)."""
-    if isa not in ISA_FLAGS:
-        raise ValueError(f"{ISA_ENV}: {isa!r} is not one of {', '.join(ISA_FLAGS)}")
-    if isa == "avx2" and not _is_x86():
-        raise ValueError(f"{ISA_ENV}: 'avx2' applies to x86-64 CPUs only (this one is {platform.machine()})")
-    extra = _SCALAR_OTHER if isa == "scalar" and not _is_x86() else ISA_FLAGS[isa]
-    return BASE_FLAGS[:1] + extra + BASE_FLAGS[1:]
+    return c_build.isa_flags(isa, BASE_FLAGS)
 
 
 _lock = threading.Lock()
@@ -110,51 +85,21 @@ _state: dict = {}
 _loaded: dict[str, "Kernels"] = {}
 
 
-def _cpu_tag() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
+_P, _I, _D, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_float
+_SIGNATURES = {
+    "zs_paged_decode_attention": ([_P] * 6 + [_I] * 8 + [_F, _I], ctypes.c_int),
+    "zs_attention_layer": ([_P] + [_I] * 7 + [_P] * 9 + [_I] * 4 + [_F, _I, _P], ctypes.c_int),
+    "zs_rms_norm": ([_P, _P, _P, _I, _I, _F], None),
+    "zs_skinny_gemm": ([_P, _I, _I, _P, _I, _P, _P, _P], None),
+    "zs_silu_mul": ([_P, _I, _I, _P], None),
+    "zs_int8_rows": ([_P, _I, _I, _D, _D, _D, _D, _P, _P, _P], None),
+    "zs_greedy_refine": ([_P, _P, _P, _P, _I, _I, _I, _I, _P], None),
+    "zs_greedy_refine_f32": ([_P, _P, _P, _P, _I, _I, _I, _I, _P], None),
+}
 
 
 def _build(flags: list[str]) -> ctypes.CDLL:
-    cc = os.environ.get("CC", "cc")
-    # the CPU's flags are part of the key even for a fixed -march: a cache shared by machines (NFS home)
-    # never hands one CPU a build made for another
-    key = hashlib.sha256((C_SOURCE + " ".join(flags) + cc + _cpu_tag()).encode()).hexdigest()[:16]
-    cache = os.environ.get("ZEROSPEED_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "zerospeed",
-                                                                       "kernels")
-    os.makedirs(cache, exist_ok=True)
-    lib = os.path.join(cache, f"paged_attention_{key}.so")
-    if not os.path.exists(lib):
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src = os.path.join(tmp, "paged_attention.c")
-            with open(src, "w") as f:
-                f.write(C_SOURCE)
-            out = os.path.join(tmp, "k.so")
-            proc = subprocess.run([cc, *flags, src, "-o", out, "-lm"], capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} {' '.join(flags)} failed: {proc.stderr.strip()[-500:]}")
-            os.replace(out, lib)  # atomic: concurrent builders (TP ranks) never see half a file
-    dll = ctypes.CDLL(lib)
-    P, I, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-    signatures = {
-        "zs_paged_decode_attention": ([P, P, P, P, P, P, I, I, I, I, I, I, I, I, ctypes.c_float, I], ctypes.c_int),
-        "zs_attention_layer": ([P, I, I, I, I, I, I, I, P, P, P, P, P, P, P, P, P, I, I, I, I, ctypes.c_float, I, P],
-                               ctypes.c_int),
-        "zs_rms_norm": ([P, P, P, I, I, ctypes.c_float], None),
-        "zs_skinny_gemm": ([P, I, I, P, I, P, P, P], None),
-        "zs_silu_mul": ([P, I, I, P], None),
-        "zs_int8_rows": ([P, I, I, D, D, D, D, P, P, P], None),
-        "zs_greedy_refine": ([P, P, P, P, I, I, I, I, P], None),
-        "zs_greedy_refine_f32": ([P, P, P, P, I, I, I, I, P], None),
-    }
-    for name, (args, res) in signatures.items():
-        fn = getattr(dll, name)
-        fn.argtypes, fn.restype = args, res
-    return dll
+    return c_build.build("paged_attention", C_SOURCE, flags, _SIGNATURES)
 
 
 class Kernels:
@@ -165,7 +110,7 @@ class Kernels:
         self.isa, self.flags, self.dll = isa, flags, dll
 
     def describe(self) -> str:
-        return f"C kernels built, {' '.join(f for f in self.flags if f.startswith('-march') or 'vectorize' in f)}"
+        return f"C kernels built, {' '.join(f for f in self.flags if f.startswith(('-march', '-mcpu')) or 'vectorize' in f)}"
 
     def decode_attention(self, q, k_cache, v_cache, tables, lens, block_size, max_ctx, scale, window, out=None):
         B, hq, d = q.shape

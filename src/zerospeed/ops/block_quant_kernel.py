@@ -33,17 +33,14 @@ margin. :func:`choose` returns the name.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
 import subprocess
-import tempfile
 import threading
 
 import torch
 
-from zerospeed.ops import fast_paths
+from zerospeed.ops import c_build, fast_paths
 
 __all__ = ["C_SOURCE", "available", "choose", "dequantize_payload", "quantize_payload"]
 
@@ -147,75 +144,29 @@ void zs_block_dequantize(const uint8_t *codes, const uint8_t *scales, int64_t n,
 }
 """
 
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+#: Base flags (the level's instruction-set flags go after -O3, :mod:`zerospeed.ops.c_build`); no fast-math and no
+#: contraction, so every build computes what the torch reference computes.
+BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
 
 _lock = threading.Lock()
 _state: dict = {}
 
-
-def _cpu_tag() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
 #: ``ZEROSPEED_KERNEL_ISA`` (shared with the inference C kernels) -> instruction-set flags: ``native`` (default,
 #: what the building CPU has), ``avx2`` (x86-64-v3), ``scalar`` (the architecture's baseline, auto-vectoriser off);
 #: ``make test-isa`` runs the tests at each. The results are the same bytes at every level (tested).
-ISA_ENV = "ZEROSPEED_KERNEL_ISA"
-ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"],
-             "scalar": ["-fno-tree-vectorize", "-fno-tree-slp-vectorize"]}
+ISA_ENV = c_build.ISA_ENV
+ISA_FLAGS = c_build.ISA_FLAGS
 BASELINE = "scalar"
+kernel_isa = c_build.kernel_isa
+_is_x86 = c_build.is_x86
 
-
-def _is_x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64")
-
-
-def kernel_isa() -> str:
-    """The build level of this process (``$ZEROSPEED_KERNEL_ISA``, default ``native``); ValueError naming the
-    variable for a value it does not know, or ``avx2`` off x86."""
-    value = os.environ.get(ISA_ENV, "").strip() or "native"
-    if value not in ISA_FLAGS:
-        raise ValueError(f"{ISA_ENV}: {value!r} is not one of {', '.join(ISA_FLAGS)}")
-    if value == "avx2" and not _is_x86():
-        raise ValueError(f"{ISA_ENV}: 'avx2' applies to x86-64 CPUs only (this one is {platform.machine()})")
-    return value
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {"zs_block_quantize": ([_P, _I, _I, ctypes.c_int, _P, _P], None),
+               "zs_block_dequantize": ([_P, _P, _I, _I, ctypes.c_int, _P, ctypes.c_int], None)}
 
 
 def _build(isa: str = "native") -> ctypes.CDLL:
-    cc = os.environ.get("CC", "cc")
-    base = [f for f in FLAGS if f != "-march=native"]
-    extra = ISA_FLAGS[isa]
-    if isa == "native" and not _is_x86():
-        extra = ["-mcpu=native"] if platform.machine().lower() in ("aarch64", "arm64") else []
-    if isa == "scalar" and _is_x86():
-        extra = ["-march=x86-64", "-mtune=generic", *extra]
-    flags = base[:1] + extra + base[1:]
-    key = hashlib.sha256((C_SOURCE + " ".join(flags) + cc + _cpu_tag()).encode()).hexdigest()[:16]
-    cache = os.environ.get("ZEROSPEED_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "zerospeed",
-                                                                       "kernels")
-    os.makedirs(cache, exist_ok=True)
-    lib = os.path.join(cache, f"block_quant_{key}.so")
-    if not os.path.exists(lib):
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src = os.path.join(tmp, "block_quant.c")
-            with open(src, "w") as f:
-                f.write(C_SOURCE)
-            out = os.path.join(tmp, "k.so")
-            proc = subprocess.run([cc, *flags, src, "-o", out, "-lm"], capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} {' '.join(flags)} failed: {proc.stderr.strip()[-500:]}")
-            os.replace(out, lib)  # atomic: ranks building at once never load half a file
-    dll = ctypes.CDLL(lib)
-    P, I = ctypes.c_void_p, ctypes.c_int64
-    dll.zs_block_quantize.argtypes, dll.zs_block_quantize.restype = [P, I, I, ctypes.c_int, P, P], None
-    dll.zs_block_dequantize.argtypes = [P, P, I, I, ctypes.c_int, P, ctypes.c_int]
-    dll.zs_block_dequantize.restype = None
-    return dll
+    return c_build.build("block_quant", C_SOURCE, c_build.isa_flags(isa, BASE_FLAGS), _SIGNATURES)
 
 
 def _dll() -> ctypes.CDLL | None:
