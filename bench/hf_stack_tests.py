@@ -73,9 +73,12 @@ def outcomes(xml: Path) -> dict[str, tuple[str, str]]:
 
 def summarise(suite: str, runs: dict[str, dict[str, tuple[str, str]]], baseline: str | None) -> list[dict]:
     rows = []
-    for runner, cases in runs.items():
-        counted = cases if baseline is None or runner == baseline else {
-            k: v for k, v in cases.items() if runs[baseline].get(k, ("",))[0] == "passed"}
+    views = [(runner, runner, cases) for runner, cases in runs.items()]
+    if baseline is not None:  # also: the other runners on the tests that pass under the baseline
+        views += [(f"{runner} (tests passing under {baseline})", runner,
+                   {k: v for k, v in cases.items() if runs[baseline].get(k, ("",))[0] == "passed"})
+                  for runner, cases in runs.items() if runner != baseline]
+    for runner, _, counted in views:
         by = collections.Counter(status for status, _ in counted.values())
         reasons = collections.Counter(f"{status}: {reason}" for status, reason in counted.values() if status != "passed")
         rows.append({"suite": suite, "runner": runner, "tests": len(counted), "passed": by["passed"],
@@ -93,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--junit-dir", type=Path, help="read <suite>.xml from here instead of running pytest")
     ap.add_argument("--extra-path", default="", help="PYTHONPATH entries the suites need (pytest plugins)")
     ap.add_argument("--timeout", type=int, default=2400)
+    ap.add_argument("--note", action="append", default=[], help="a line for the results' notes (how the XML was made)")
     args = ap.parse_args(argv)
     work = args.junit_dir or Path("/tmp/zerospeed-hf-stack-tests")
     work.mkdir(parents=True, exist_ok=True)
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += summarise("TRL tests/distributed", runs, None)
     load = os.getloadavg()
     notes = [f"load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min)",
-             "DeepSpeed rows for zerospeed count only the tests that pass under DeepSpeed itself."]
+             "The '(tests passing under deepspeed)' row counts only the tests that pass under DeepSpeed itself.",
+             *args.note]
     json_path, md_path = write_results("hf_stack_tests", rows, params=params, notes=notes)
     print(md_path.read_text())
     return 0
