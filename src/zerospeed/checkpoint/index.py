@@ -2,7 +2,8 @@
 
 A checkpoint is a directory ``SAVE_DIR/<tag>/`` holding:
 
-``rank00000.safetensors`` ... one file per data-parallel rank (standard safetensors). Rank r's file
+``rank00000.safetensors`` ... one file per data-parallel rank (per global rank for a pipeline engine
+    with several stages, per rank of the world under tensor parallelism; standard safetensors). Rank r's file
     holds, for every bucket shard it wrote, one 1-D tensor per kind, ``b<i>.weight`` (model dtype),
     ``b<i>.master`` (fp32; absent when training in fp32, where the master is the weight) and
     ``b<i>.optim.<state>`` (``exp_avg``, ``exp_avg_sq``, ...), plus its RNG states (``rng.*``).

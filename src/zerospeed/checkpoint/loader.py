@@ -49,6 +49,7 @@ from zerospeed.checkpoint.shards import (
     master_is_weight,
     opt_mode,
     owned_pieces,
+    pipeline_stages,
     plan_range,
     resident_for_checkpoint,
 )
@@ -152,11 +153,6 @@ def _ranged(tp: Any) -> Callable[..., list[CopyOp]]:
     return ranged
 
 
-def _pipeline_stages(engine: Any) -> int:
-    """Pipeline stages of a pipeline engine (each holds its own layers), 1 for any other engine."""
-    return int(getattr(engine, "num_stages", 1) or 1) if getattr(engine, "pipe_group", None) is not None else 1
-
-
 def plan(engine: Any, index: CheckpointIndex, strict: bool, load_optimizer: bool, module_only: bool) -> _Plan:
     rank, world = engine.dp_rank, engine.dp_world_size
     tp = getattr(engine, "checkpoint_layout", None)
@@ -177,7 +173,7 @@ def plan(engine: Any, index: CheckpointIndex, strict: bool, load_optimizer: bool
     if any(getattr(v, "split", None) is not None for v in views):  # experts differ between ranks
         for names in comm.all_gather_object(sorted(shapes), engine.dp_group):
             held_elsewhere.update(names)
-    if _pipeline_stages(engine) > 1:  # the other stages' layers are theirs to load
+    if pipeline_stages(engine) > 1:  # the other stages' layers are theirs to load
         for names in comm.all_gather_object(sorted(shapes)):
             held_elsewhere.update(names)
     _check_names(index, shapes, strict, held_elsewhere)
@@ -325,7 +321,7 @@ def load(engine: Any, load_dir: str, tag: str | None, load_module_strict: bool, 
     tp = getattr(engine, "checkpoint_layout", None)
     if tp is not None:  # every rank of the world loads its own pieces; they agree (and restore RNG) as one
         group, rank, world = tp.group, tp.rank, tp.world_size
-    elif _pipeline_stages(engine) > 1:  # each stage loads its own layers; all stages agree as one
+    elif pipeline_stages(engine) > 1:  # each stage loads its own layers; all stages agree as one
         group, rank, world = None, comm.get_rank(), comm.get_world_size()
     # DeepSpeed 0.19.8 looks only for load_dir/latest: a directory not created yet (an elastic job's first attempt)
     # is "nothing to load", (None, None) with the warning below, not an error (issue #33); with a tag it is one

@@ -14,6 +14,13 @@ published:
 4. publish (rank 0): ``index.json``, rename to ``save_dir/<tag>``, then ``latest``
    (see :mod:`zerospeed.checkpoint.publish`).
 
+A pipeline engine with several stages saves one checkpoint for the whole world: every rank (of every
+stage) writes ``rank<global rank>.safetensors`` into the one temporary directory global rank 0
+created, the agreements span the world, and global rank 0 alone writes ``index.json`` (each stage's
+first replica sends its layers' parameter records, buffers and keys; a weight tied across stages
+keeps its lowest stage's pieces only) and publishes. The loader plans each stage from that index by
+parameter name, so the folder loads at another data-parallel size or stage count.
+
 Asynchronous save (``checkpoint.async_save``): phases 1-2 run in the caller (the snapshot copies
 tensors to CPU memory, so training may change them right after), phases 3-4 in a background
 thread whose agreements use a dedicated gloo process group, so they never interleave with the
@@ -49,6 +56,7 @@ from zerospeed.checkpoint.shards import (
     all_views,
     collect_shards,
     master_is_weight,
+    pipeline_stages,
     resident_for_checkpoint,
 )
 from zerospeed.checkpoint.tensor_io import dtype_name, write_safetensors
@@ -155,9 +163,29 @@ def _tp_layout(engine: Any) -> Any:
 
 
 def _save_rank_group(engine: Any) -> tuple[int, Any]:
-    """(this rank's file number, the group that agrees): the dp group, or the whole world under tp."""
+    """(this rank's file number, the group that agrees): the dp group; the whole world under tp, and for a
+    pipeline engine with several stages (one checkpoint folder for all stages: every rank writes
+    ``rank<global rank>`` into the same staging folder, the world agrees, global rank 0 alone publishes)."""
     tp = _tp_layout(engine)
-    return (engine.dp_rank, engine.dp_group) if tp is None else (tp.rank, tp.group)
+    if tp is not None:
+        return tp.rank, tp.group
+    if pipeline_stages(engine) > 1:
+        return comm.get_rank(), None
+    return engine.dp_rank, engine.dp_group
+
+
+def _add_extras(engine: Any, shards: LocalShards, extras: dict[str, torch.Tensor],
+                param_info: dict[str, dict[str, Any]], copy: bool) -> None:
+    """Unbucketed module entries (buffers, frozen parameters), written whole by one rank of the model copy."""
+    tp = _tp_layout(engine)
+    for j, (key, t) in enumerate(extras.items()):
+        if tp is not None and tp.is_split(key):
+            raise ValueError(f"{key}: a frozen tensor-parallel parameter outside the ZeRO buckets cannot be "
+                             "checkpointed yet (make it trainable or use ZeRO stage 3)")
+        add_full_tensor(shards, key, t, f"x{j}", copy=copy)
+        param_info[key] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                           "kind": "frozen" if isinstance(t, torch.nn.Parameter) else "buffer", "group": None,
+                           "master": False}
 
 
 def _loader_state(engine: Any) -> dict[str, int] | None:
@@ -195,27 +223,28 @@ def snapshot(engine: Any, tag: str, client_state: dict[str, Any], copy: bool) ->
             shape = list(s.shape) if tp is None else tp.full_shape(s.name, list(s.shape))
             param_info[s.name] = {"shape": shape, "dtype": dtype_name(v.param_shard.dtype), "kind": kind,
                                   "group": v.layout.group_index if v.opt_tensors else None, "master": separate}
+    stages = pipeline_stages(engine) if tp is None else 1
+    if stages > 1:  # global rank 0 publishes the one index: it needs every stage's rank files in stage order
+        shards.stage = int(engine.stage_id)
     if _save_rank_group(engine)[0] != 0:
-        if any(getattr(v, "split", None) is not None for v in views):  # parameters rank 0 may not hold
+        if stages > 1 and rank == 0:  # the first replica of another stage: its layers' entries for the index
+            keys, aliases, extras = _module_entries(engine, views)
+            _add_extras(engine, shards, extras, param_info, copy)
+            shards.param_info, shards.keys, shards.aliases = param_info, keys, aliases
+        elif any(getattr(v, "split", None) is not None for v in views):  # parameters rank 0 may not hold
             shards.param_info, shards.keys = param_info, list(engine.module.state_dict(keep_vars=True))
         return _Snapshot(shards, rng_meta, None, None)
     keys, aliases, extras = _module_entries(engine, views)
-    for j, (key, t) in enumerate(extras.items()):
-        if tp is not None and tp.is_split(key):
-            raise ValueError(f"{key}: a frozen tensor-parallel parameter outside the ZeRO buckets cannot be "
-                             "checkpointed yet (make it trainable or use ZeRO stage 3)")
-        add_full_tensor(shards, key, t, f"x{j}", copy=copy)
-        param_info[key] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
-                           "kind": "frozen" if isinstance(t, torch.nn.Parameter) else "buffer", "group": None,
-                           "master": False}
+    _add_extras(engine, shards, extras, param_info, copy)
     client_tensors: dict[str, torch.Tensor] = {}
     client_json = encode(client_state, "client_state", client_tensors, key_prefix="client.")
     shards.tensors.update(client_tensors)
     opt = engine.optimizer
     sched = engine.lr_scheduler
     scaler = getattr(engine, "loss_scaler", None)
+    files = tp.world_size if tp is not None else comm.get_world_size() if stages > 1 else world
     header = {
-        "tag": tag, "world_size": world if tp is None else tp.world_size, "zero_stage": int(engine.zero_stage),
+        "tag": tag, "world_size": files, "zero_stage": int(engine.zero_stage),
         "compute_dtype": dtype_name(engine.compute_dtype),
         "zerospeed_version": __version__, "torch_version": torch.__version__, "created_unix": time.time(),
         "state_dict_keys": keys, "aliases": aliases,
@@ -249,10 +278,21 @@ def _checkpoint_group(engine: Any) -> Any:
 
 
 def _merge_other_ranks(snap: _Snapshot, records: list[dict[str, Any]]) -> None:
-    """Add parameters and module keys that only other ranks hold (mixture-of-experts experts)."""
+    """Add parameters and module keys that only other ranks hold (mixture-of-experts experts, other
+    pipeline stages' layers). A parameter several pipeline stages hold (a tied weight, kept equal on
+    every stage that uses it) keeps the pieces of its lowest stage only, so it is stored once."""
     assert snap.header is not None and snap.param_info is not None
     keys = snap.header["state_dict_keys"]
     known = set(keys)
+    if any(rec.get("stage") is not None for rec in records):
+        owner: dict[str, int] = {}
+        for rec in records:
+            for name in rec["pieces"]:
+                owner[name] = min(owner.get(name, rec["stage"]), rec["stage"])
+        for rec in records:
+            rec["pieces"] = {n: p for n, p in rec["pieces"].items() if owner[n] == rec["stage"]}
+            for alias, target in (rec.pop("aliases", None) or {}).items():
+                snap.header["aliases"].setdefault(alias, target)
     for rec in records:
         for name, info in (rec.pop("param_info", None) or {}).items():
             snap.param_info.setdefault(name, info)
@@ -276,7 +316,8 @@ def _write_and_publish(engine_rank: int, snap: _Snapshot, save_dir: str, tag: st
         record = {"file": dict(rec.to_json(), name=rec.name), "shards": snap.shards.shards,
                   "pieces": snap.shards.pieces, "scalars": snap.shards.scalars,
                   "state_keys": snap.shards.state_keys, "rng": snap.rng_meta,
-                  "param_info": snap.shards.param_info, "keys": snap.shards.keys}
+                  "param_info": snap.shards.param_info, "keys": snap.shards.keys,
+                  "stage": snap.shards.stage, "aliases": snap.shards.aliases}
     except Exception as e:  # noqa: BLE001 - every failure must reach the agreement
         error = _error_text(e, "write", path)
     snap.shards.tensors.clear()  # free the snapshot as soon as it is on disk

@@ -56,6 +56,14 @@ class LocalShards:
     #: ranks can hold parameters rank 0 does not (mixture-of-experts experts on other ranks)
     param_info: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     keys: list[str] = dataclasses.field(default_factory=list)
+    #: a pipeline engine's stage (None otherwise) and, on a stage's first replica, its tied-weight aliases
+    stage: int | None = None
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def pipeline_stages(engine: Any) -> int:
+    """Pipeline stages of a pipeline engine (each holds its own layers), 1 for any other engine."""
+    return int(getattr(engine, "num_stages", 1) or 1) if getattr(engine, "pipe_group", None) is not None else 1
 
 
 def all_views(strategy: Any) -> list[Any]:
