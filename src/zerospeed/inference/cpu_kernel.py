@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 
 import torch

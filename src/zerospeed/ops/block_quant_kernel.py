@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import subprocess
 import threading
 

@@ -45,7 +45,10 @@ from zerospeed.checkpoint.deepspeed.errors import (DeepSpeedFileMissingError, De
 from zerospeed.checkpoint.deepspeed.model_parallel import parse_model_parallel
 from zerospeed.checkpoint.deepspeed.names import (_DS_FILE, _LAYER_FILE_RE, _MODEL_FILE_RE, MODEL_FILE,  # noqa: F401
                                                   OPTIM_FILE, ZERO3_MODEL_FILE, _need)
-from zerospeed.checkpoint.deepspeed.safe_load import LossScalerState, load_pickle
+from zerospeed.checkpoint.deepspeed.safe_load import load_pickle
+from zerospeed.checkpoint.deepspeed.source import DeepSpeedSource
+from zerospeed.checkpoint.deepspeed.universal import UNIVERSAL_DIR, parse_universal
+from zerospeed.checkpoint.deepspeed.values import _flat_module, _loss_scaler, _moment_keys, _numel, _step_scalar
 from zerospeed.checkpoint.index import FORMAT, FORMAT_VERSION, CheckpointIndex
 from zerospeed.checkpoint.jsonstate import encode
 from zerospeed.checkpoint.tensor_io import dtype_name
@@ -53,8 +56,6 @@ from zerospeed.checkpoint.tensor_io import dtype_name
 #: the model-states entry (DeepSpeed's OPTIMIZER constant) holding a ZeRO-0 optimizer's state_dict; the same name
 #: is the optimizer entry of zerospeed's index
 OPTIMIZER = "optimizer"
-#: the folder of a universal checkpoint (ds_to_universal) holding zero/<parameter>/<state>.pt
-UNIVERSAL_DIR = "zero"
 #: top-level keys of mp_rank_XX_model_states.pt that are DeepSpeed's own (the rest is the user's client state)
 DEEPSPEED_STATES = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
                     "random_ltd")
@@ -153,53 +154,6 @@ class _Files:
         self._loaded.clear()
 
 
-def _numel(shape: Iterable[int]) -> int:
-    return math.prod(int(d) for d in shape)
-
-
-def _step_scalar(state: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in state.items():
-        if torch.is_tensor(value) and value.dim() > 0:
-            continue
-        v = value.item() if torch.is_tensor(value) else value
-        if key == "step":  # torch and zerospeed keep Adam's step as a float32 tensor; DeepSpeed's fused Adam an int
-            out[key] = {"v": float(v), "t": "float32"}
-        else:
-            out[key] = {"v": encode(v, f"optimizer state {key!r}", None)}
-    return out
-
-
-def _moment_keys(state: dict[str, Any]) -> list[str]:
-    return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
-
-
-def _flat_module(module: dict[str, Any], names: list[str], where: str) -> torch.Tensor:
-    parts = []
-    for n in names:
-        t = module.get(n)
-        if not torch.is_tensor(t):
-            raise DeepSpeedLayoutError(f"{where}: 'module' has no tensor {n!r} although 'param_shapes' lists it")
-        parts.append(t.reshape(-1))
-    return torch.cat(parts) if parts else torch.empty(0)
-
-
-def _loss_scaler(obj: Any) -> dict[str, Any] | None:
-    """DeepSpeed's scaler state -> zerospeed's ``{"scale", "hysteresis_left", "clean_steps"}``."""
-    d = obj.as_dict() if isinstance(obj, LossScalerState) else obj if isinstance(obj, dict) else None
-    if d is None or "cur_scale" not in d:
-        return None
-    out: dict[str, Any] = {"scale": float(d["cur_scale"])}
-    if d.get("dynamic", d.get("dynamic_loss_scale", "cur_iter" in d)) and "cur_iter" in d:
-        # DeepSpeed grows the scale when (cur_iter - last_overflow_iter) % window == 0 after counting the step;
-        # zerospeed when clean_steps % window == 0 after counting it: the same count since the last overflow.
-        out["clean_steps"] = int(d["cur_iter"]) - int(d.get("last_overflow_iter", -1)) - 1
-        out["hysteresis_left"] = int(d.get("cur_hysteresis", d.get("delayed_shift", 1)))
-    else:
-        out.update(clean_steps=0, hysteresis_left=1)
-    return out
-
-
 class DeepSpeedFolder:
     """The parsed layout of one DeepSpeed tag folder: a zerospeed index dict plus its tensor shards."""
 
@@ -259,7 +213,7 @@ class DeepSpeedFolder:
         self.weight_dtype = torch.bfloat16 if optim_prefix == "bf16_" or torch.bfloat16 in dtypes else \
             torch.float16 if torch.float16 in dtypes else torch.float32
         if os.path.isdir(os.path.join(self.directory, UNIVERSAL_DIR)):
-            self._universal()
+            parse_universal(self)
         elif self.stage == 3:
             self._zero3(optim_prefix)
         elif optim_prefix is not None:
@@ -425,58 +379,6 @@ class DeepSpeedFolder:
                 offset += part
                 self.scalar_group[n] = 0
 
-    def _universal(self) -> None:
-        """``ds_to_universal`` output: every parameter's full fp32 value and optimizer states in its own files
-        (``zero/<name>/fp32.pt``, ``exp_avg.pt``, ...; a tensor, or a dict with it under ``param``), the
-        shared optimizer state in ``zero/optimizer_state.pt``."""
-        self.zero_optimizer = True
-        where_model = self.files.path(self.model_file)
-        shapes = _need(self.meta, "param_shapes", where_model, list)
-        common_name = os.path.join(UNIVERSAL_DIR, "optimizer_state.pt")
-        common = self.files.get(common_name) if self.files.exists(common_name) else {}
-        self.loss_scaler = _loss_scaler(common.get("loss_scaler"))
-        groups = common.get("param_groups") or (common.get("optimizer_state_dict") or {}).get("param_groups") or []
-        self._set_groups(list(groups)[:len(shapes)], self.files.path(common_name))
-        inner_state = (common.get("optimizer_state_dict") or {}).get("state") or {}
-        shared_step = next((_step_scalar({"step": st["step"]}) for st in inner_state.values()
-                            if isinstance(st, dict) and "step" in st), None)
-
-        def tensor_of(rel: str, shape: list[int]) -> torch.Tensor:
-            obj = self.files.get(rel, None)
-            t = obj.get("param") if isinstance(obj, dict) else obj
-            if not torch.is_tensor(t):
-                raise DeepSpeedLayoutError(f"{self.files.path(rel)}: holds a {type(t).__name__}, not a tensor")
-            if t.numel() != _numel(shape):
-                raise DeepSpeedUnsupportedError(f"{self.files.path(rel)}: {t.numel()} elements for a parameter of "
-                                                f"shape {tuple(shape)} (a tensor-parallel slice?): not read yet")
-            return t.detach().reshape(-1)
-
-        for g, group in enumerate(shapes):
-            for name, shape in group.items():
-                name, shape = str(name), [int(d) for d in shape]
-                folder = os.path.join(UNIVERSAL_DIR, name)
-                self.files.require(os.path.join(folder, "fp32.pt"), f"a universal checkpoint holds every parameter's "
-                                   f"fp32 value ({name!r} is in param_shapes of {self.model_file})")
-                keys = sorted(f[:-3] for f in os.listdir(self.files.path(folder))
-                              if f.endswith(".pt") and f not in ("fp32.pt", "step.pt"))
-                self.state_keys.update(keys)
-                fp32 = os.path.join(folder, "fp32.pt")
-                kinds: dict[str, Callable[[], torch.Tensor]] = {
-                    "master": lambda fp32=fp32, shape=shape: tensor_of(fp32, shape),
-                    "weight": lambda fp32=fp32, shape=shape: tensor_of(fp32, shape).to(self.weight_dtype)}
-                for k in keys:
-                    kinds[f"optim.{k}"] = lambda rel=os.path.join(folder, f"{k}.pt"), shape=shape: tensor_of(rel, shape)
-                self._b.add_param(name, shape, torch.float32, "param", g)
-                shard = self._b.add_shard(self.model_file, f"u.{name}", kinds)
-                self._b.add_piece(name, shard, 0, 0, _numel(shape))
-                step_file = os.path.join(folder, "step.pt")
-                if self.files.exists(step_file):
-                    value = self.files.get(step_file, None)
-                    self.scalars[("u", name)] = _step_scalar({"step": value})
-                elif shared_step is not None:
-                    self.scalars[("u", name)] = shared_step
-                self.scalar_group[name] = ("u", name)
-
     def _fp16_optimizer(self, module: dict[str, Any]) -> None:
         where = self.files.path(self.model_file)
         opt = self.meta[OPTIMIZER]
@@ -618,52 +520,6 @@ class DeepSpeedFolder:
                 and self.meta.get(OPTIMIZER) is not None:
             out[OPTIMIZER] = self.meta[OPTIMIZER]
         return out
-
-
-class DeepSpeedSource:
-    """:class:`zerospeed.checkpoint.reader.TensorSource`'s interface over a :class:`DeepSpeedFolder`."""
-
-    def __init__(self, folder: DeepSpeedFolder, index: CheckpointIndex) -> None:
-        self.folder = folder
-        self.index = index
-        self._by_key = {(s.file, f"{s.prefix}.{k}"): fn for s in folder._b.shards for k, fn in s.kinds.items()}
-        self._cache: dict[tuple[str, str], torch.Tensor] = {}
-        self.bytes_read = 0
-
-    def prefetch(self, wanted: Iterable[tuple[str, str]]) -> None:
-        """Check that every wanted tensor exists and has the elements its pieces need (files stay mapped)."""
-        for key in sorted(set(wanted)):
-            self.get(*key)
-
-    def get(self, fname: str, key: str) -> torch.Tensor:
-        hit = self._cache.get((fname, key))
-        if hit is not None:
-            return hit
-        fn = self._by_key.get((fname, key))
-        if fn is None:
-            raise DeepSpeedLayoutError(f"{self.folder.files.path(fname)}: has no tensor {key!r}")
-        try:
-            t = fn()
-        except (KeyError, IndexError, TypeError, AttributeError) as e:
-            raise DeepSpeedLayoutError(f"{self.folder.files.path(fname)}: cannot read {key!r} ({type(e).__name__}: "
-                                       f"{e}): the file does not hold what its folder's other files describe") from None
-        self.bytes_read += t.numel() * t.element_size()
-        self._cache[(fname, key)] = t
-        return t
-
-    def shard(self, shard: int, kind: str) -> torch.Tensor:
-        return self.get(*self.index.key(shard, kind)).reshape(-1)
-
-    def release(self, fname: str) -> None:
-        """Drop this source's tensors of file ``fname`` and its unpickled object, so its memory-mapped pages are
-        given back once copied (the loader copies one source file at a time); a later ``get`` maps it again."""
-        for key in [k for k in self._cache if k[0] == fname]:
-            del self._cache[key]
-        self.folder.files.forget(fname)
-
-    def close(self) -> None:
-        self._cache.clear()
-        self.folder.files.close()
 
 
 def open_folder(directory: str) -> tuple[CheckpointIndex, DeepSpeedSource, DeepSpeedFolder]:

@@ -25,7 +25,7 @@ import shutil
 
 import torch
 
-from zerospeed.checkpoint.deepspeed.layout import UNIVERSAL_DIR
+from zerospeed.checkpoint.deepspeed.universal import UNIVERSAL_DIR
 from zerospeed.checkpoint.deepspeed.writer import _save, _zero3_rank, layout_of, write_deepspeed
 from zerospeed.checkpoint.full_tensors import FullTensors
 from zerospeed.checkpoint.publish import TMP_PREFIX, new_nonce, publish_dir, validate_tag, write_text_atomic
