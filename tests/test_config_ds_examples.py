@@ -78,7 +78,7 @@ EXPECTED = {
         ("removed", "progressive_layer_drop"),
     "training__bing_bert__deepspeed_bsz64k_lamb_config_seq128.json": ("removed", "sparse_attention"),
     "training__bing_bert__1-bit_lamb__nccl__deepspeed_bsz64k_onebitlamb_config_seq128_nccl.json":
-        ("not yet", "optimizer.type"),  # 1-bit LAMB not built yet (issue #28; OneBitAdam is)
+        ("parses", None),  # OneBitLamb built (issue #28), as OneBitAdam
     "training__BingBertSquad__1-bit_adam__nccl__deepspeed_onebitadam_bsz96_config.json": ("parses", None),
     "training__tensor_parallel__hf_integration__configs__ds_config.json": ("auto", "bf16.enabled"),
     "training__DeepSpeed-ZenFlow__finetuning__zf_config.json": ("not yet", "zero_optimization.zenflow"),
