@@ -7,7 +7,8 @@ MLP of 2.1M parameters (fp32) on seeded random regression data, so that communic
 Rows: DDP-equivalent (zerospeed ZeRO-0), ZeRO-2 and ZeRO-3 flat (``ZEROSPEED_HIERARCHICAL=0``) and hierarchical,
 ZeRO++ parts alone and together (qwZ, qgZ, hpZ), 1-bit Adam (zerospeed.ops.onebit_adam.OneBitAdam in a plain
 loop; its freeze_step is the warm-up, 20 steps by default, so the timed steps are compressed; an Adam twin runs
-the same schedule), and DeepSpeed 0.19.8 ZeRO-3 (and ZeRO++) from the bench
+the same schedule), 0/1 Adam and 1-bit LAMB (optimizer types ZeroOneAdam / OneBitLamb through zerospeed.initialize
+at ZeRO-0, DeepSpeedExamples' settings scaled down, timed after their warm-up / freeze; twins AdamW / Lamb), and DeepSpeed 0.19.8 ZeRO-3 (and ZeRO++) from the bench
 venv where it runs. Per row: bytes per step on host A's veth (rx+tx) over the timed steps, the ZeRO formula per
 host link (2Ψ x 4 B for stages 0-2, 3Ψ x 4 B for stage 3), step time, the loss after the last step.
 
@@ -108,9 +109,24 @@ if rank == 0:
 
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3}}
 
+# 0/1 Adam and 1-bit LAMB: DeepSpeedExamples' bing_bert seq128 configs (shared/ds_configs), lr / weight decay /
+# coefficient clamps as published, the step counts scaled down 1000x in samples: 0/1 Adam (4K batch)
+# var_freeze_step 12500 -> 12 and local_step_scaler 32678 -> 32; 1-bit LAMB (64K batch = 16x 4K) freeze_step
+# 1000 -> 16. Their twins: the same lr and weight decay uncompressed (AdamW; DeepSpeed's published LAMB config).
+ZO_VAR_FREEZE, ZO_LOCAL_SCALER, LAMB_FREEZE = 12, 32, 16
+ZERO_ONE_ADAM = {"type": "ZeroOneAdam", "params": {
+    "lr": 4e-4, "weight_decay": 0.01, "bias_correction": False, "var_freeze_step": ZO_VAR_FREEZE,
+    "local_step_scaler": ZO_LOCAL_SCALER, "cuda_aware": False, "comm_backend_name": "nccl"}}
+ZERO_ONE_TWIN = {"type": "AdamW", "params": {"lr": 4e-4, "weight_decay": 0.01}}
+LAMB_PARAMS = {"lr": 0.011, "weight_decay": 0.01, "bias_correction": False, "max_coeff": 0.3, "min_coeff": 0.01}
+ONEBIT_LAMB = {"type": "OneBitLamb", "params": {
+    **LAMB_PARAMS, "freeze_step": LAMB_FREEZE, "cuda_aware": False, "comm_backend_name": "nccl",
+    "coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1}}
+LAMB_TWIN = {"type": "Lamb", "params": LAMB_PARAMS}
 
-def _zs(stage: int, **zero) -> dict:
-    return {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 0, "optimizer": ADAMW,
+
+def _zs(stage: int, optimizer: dict = ADAMW, **zero) -> dict:
+    return {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 0, "optimizer": optimizer,
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 1 << 24, "allgather_bucket_size": 1 << 24,
                                   "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, **zero}}
 
@@ -132,12 +148,29 @@ ROWS = [
      {"ZEROSPEED_FAST_PATHS": "block_quant=torch"}, 3),
     ("1-bit Adam (timed after its warm-up)", "onebit", {}, {}, 2),
     ("Adam, DDP-equivalent, on 1-bit Adam's schedule", "zs", _zs(0), {}, 2),
+    ("0/1 Adam (timed after var_freeze_step)", "zs", _zs(0, ZERO_ONE_ADAM), {}, 2),
+    ("Adam, DDP-equivalent, on 0/1 Adam's schedule", "zs", _zs(0, ZERO_ONE_TWIN), {}, 2),
+    ("1-bit LAMB (timed after its freeze_step)", "zs", _zs(0, ONEBIT_LAMB), {}, 2),
+    ("LAMB, DDP-equivalent, on 1-bit LAMB's schedule", "zs", _zs(0, LAMB_TWIN), {}, 2),
     ("DeepSpeed 0.19.8 ZeRO-3", "ds", _zs(3), {}, 3),
     ("DeepSpeed 0.19.8 ZeRO++ (qwZ+qgZ+hpZ)", "ds", _zs(3, zero_quantized_weights=True, zero_quantized_gradients=True,
                                                         zero_hpz_partition_size=2), {}, 3),
 ]
 
 CAPS = [None, "1gbit", "200mbit"]
+
+#: warm-up steps (untimed) of the rows that need their own: the timed steps are all in the compressed phase
+#: (0/1 Adam: frozen from step var_freeze_step + 2, its step 1 being the initialisation step; 1-bit LAMB:
+#: compressing from step freeze_step + 1); 1-bit Adam and its twin take --onebit-warmup
+ROW_WARMUP = {"0/1 Adam (timed after var_freeze_step)": ZO_VAR_FREEZE + 1,
+              "Adam, DDP-equivalent, on 0/1 Adam's schedule": ZO_VAR_FREEZE + 1,
+              "1-bit LAMB (timed after its freeze_step)": LAMB_FREEZE,
+              "LAMB, DDP-equivalent, on 1-bit LAMB's schedule": LAMB_FREEZE}
+
+#: compressed row -> its uncompressed twin (same link, same steps)
+TWINS = {"1-bit Adam (timed after its warm-up)": "Adam, DDP-equivalent, on 1-bit Adam's schedule",
+         "0/1 Adam (timed after var_freeze_step)": "Adam, DDP-equivalent, on 0/1 Adam's schedule",
+         "1-bit LAMB (timed after its freeze_step)": "LAMB, DDP-equivalent, on 1-bit LAMB's schedule"}
 
 
 def _python(kind: str) -> str:
@@ -226,13 +259,14 @@ def main() -> None:
                     if runs[name] and "error" in runs[name][-1]:
                         continue
                     port += 1
-                    warmup = args.onebit_warmup if "1-bit" in name else args.warmup
+                    warmup = ROW_WARMUP.get(name, args.onebit_warmup if "1-bit" in name else args.warmup)
                     if kind == "ds":
                         cfg = {**cfg, "steps_per_print": 1 << 30}  # DeepSpeed 0.19.8 divides by it
                     loads[name].append(os.getloadavg()[0])
                     runs[name].append(run_row(hosts, work, name, kind, cfg, extra, args.steps, warmup, port))
                     print(name, cap, runs[name][-1], flush=True)
             for name, kind, cfg, extra, factor in wanted:
+                warmup = ROW_WARMUP.get(name, args.onebit_warmup if "1-bit" in name else args.warmup)
                 row = {"link": cap or "uncapped", "row": name}
                 ok = [g for g in runs[name] if "error" not in g]
                 if not ok:
@@ -263,10 +297,11 @@ def main() -> None:
             if z3 and r["row"].startswith("ZeRO++"):
                 r["bytes / ZeRO-3"] = round(r["veth_MB_per_step"] / z3["veth_MB_per_step"], 3)
                 r["time / ZeRO-3"] = round(r["step_s"] / z3["step_s"], 3)
-            twin = by.get("Adam, DDP-equivalent, on 1-bit Adam's schedule")
-            if twin and r["row"].startswith("1-bit"):
-                r["bytes / Adam"] = round(r["veth_MB_per_step"] / twin["veth_MB_per_step"], 3)
-                r["time / Adam"] = round(r["step_s"] / twin["step_s"], 3)
+            twin = by.get(TWINS.get(r["row"], ""))
+            if twin:
+                r["bytes / twin"] = round(r["veth_MB_per_step"] / twin["veth_MB_per_step"], 3)
+                r["time / twin"] = round(r["step_s"] / twin["step_s"], 3)
+                r["loss - twin's"] = round(r["loss after the last step"] - twin["loss after the last step"], 5)
     notes = [
         f"CPU: {platform.processor() or platform.machine()}, shared 2-core machine with other jobs running: step "
         "times are noisy; bytes are exact counters of the veth (rx+tx on host A's end, TCP/IP headers included).",
@@ -274,6 +309,15 @@ def main() -> None:
         "3Ψ x 4 B (stage 3). ZeRO-3 rows use stage3_max_reuse_distance 0 (backward re-gathers, the 3Ψ case).",
         "1-bit Adam runs zerospeed.ops.onebit_adam.OneBitAdam in a plain loop (no engine; it owns the gradient "
         "and momentum communication); its warm-up steps are outside the timed window.",
+        f"0/1 Adam and 1-bit LAMB run through zerospeed.initialize at ZeRO stage 0 with DeepSpeedExamples' bing_bert "
+        "seq128 settings (lr, weight decay, bias_correction false, LAMB's coefficient clamps and factors as "
+        "published), step counts scaled down 1000x in samples: 0/1 Adam lr 4e-4, var_freeze_step 12500 -> "
+        f"{ZO_VAR_FREEZE}, local_step_scaler 32678 -> {ZO_LOCAL_SCALER} (var_update_scaler and local_step_clipper "
+        f"16, the defaults), {ZO_VAR_FREEZE + 1} warm-up steps; 1-bit LAMB lr 0.011, freeze_step 1000 at a 64K "
+        f"batch -> {LAMB_FREEZE}, {LAMB_FREEZE} warm-up steps. The timed steps are all compressed (0/1 Adam: "
+        "frozen variance, local_step_interval 1 throughout, so one 1-bit all-reduce per step). Twins: the same "
+        "lr and weight decay uncompressed: AdamW (with its bias correction), and DeepSpeed's published LAMB "
+        "config (bing_bert bsz64k seq128).",
         "Loss: mean over ranks of the last step's loss; quantized rows against their plain twin in the same link.",
     ]
     paths = write_results("comm_bench", rows, params=vars(args), notes=notes)
