@@ -394,3 +394,62 @@ def initialize_with_two_configs() -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+class _SumNet(nn.Module):
+    """DeepSpeed's test_zero_torch_func model: the engine's output is the scalar it is differentiated for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x))).sum()
+
+
+def torch_func_through_engine(stage: int) -> dict:
+    """torch.func transforms called on the engine (whose output passes through torch_backward._Entry) against
+    the same transforms on a copy of the model, at 4 accumulation steps (not applied under a transform, as in
+    DeepSpeed); then 3 steps of loss.backward() after the transforms against 3 steps without them."""
+    import copy
+
+    import zerospeed
+
+    def build() -> tuple:
+        torch.manual_seed(0)
+        model = _SumNet()
+        baseline = copy.deepcopy(model)
+        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+               "zero_optimization": {"stage": stage}, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+        engine, *_ = zerospeed.initialize(model=model, config=cfg)
+        return engine, baseline
+
+    func = torch.func
+    engine, baseline = build()
+    x, t = torch.randn(8), torch.randn(8)
+    xs = torch.stack([x, x + 0.1, x - 0.1])
+    f, g = (lambda xi: engine(xi)), (lambda xi: baseline(xi))
+    pairs = {
+        "grad": (func.grad(f)(x), func.grad(g)(x)),
+        "grad_and_value": (torch.cat([v.reshape(-1) for v in func.grad_and_value(f)(x)]),
+                           torch.cat([v.reshape(-1) for v in func.grad_and_value(g)(x)])),
+        "jacrev": (func.jacrev(f)(x), func.jacrev(g)(x)),
+        "vmap_grad": (func.vmap(func.grad(f))(xs), func.vmap(func.grad(g))(xs)),
+        "vmap": (func.vmap(f)(xs), func.vmap(g)(xs)),
+        "jvp": (func.jvp(f, (x,), (t,))[1], func.jvp(g, (x,), (t,))[1]),
+    }
+    errors = {k: float((a - b).abs().max()) for k, (a, b) in pairs.items()}
+
+    def train(e) -> list[torch.Tensor]:
+        for i in range(3):
+            for _ in range(e.gradient_accumulation_steps()):
+                loss = e(x.unsqueeze(0) + i)
+                loss.backward()
+                e.step()
+        return [p.detach().clone() for p in e.module.parameters()]
+
+    after_transforms = train(engine)
+    plain, _ = build()
+    reference = train(plain)
+    return {"errors": errors, "train_equal": all(torch.equal(a, b) for a, b in zip(after_transforms, reference))}

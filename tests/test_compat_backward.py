@@ -10,7 +10,7 @@ bf16 before the 1/gas factor is applied instead of after).
 
 import pytest
 
-from compat_cases import backward_parity, fp16_logits_refused
+from compat_cases import backward_parity, fp16_logits_refused, torch_func_through_engine
 from engine_cases import max_rel_err
 from zerospeed.testing import run_distributed
 
@@ -39,3 +39,15 @@ def test_loss_backward_matches_engine_backward():
 def test_fp16_non_scalar_output_is_refused_with_advice():
     message = run_distributed(fp16_logits_refused, 1)[0]
     assert "engine.backward(loss)" in message and "engine.scale(loss).backward()" in message, message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_torch_func_transforms_through_engine_output(stage):
+    """torch.func.grad / grad_and_value / jacrev / vmap(grad) / vmap / jvp on the engine, as DeepSpeed's
+    tests/unit/v1/zero/test_zero_torch_func.py calls them: _Entry (torch_backward.py) once defined
+    forward(ctx, ...) without setup_context and every transform raised; gradients are the model's own
+    (no 1/gradient_accumulation_steps), and training afterwards is bit for bit that of an engine without them."""
+    r = run_distributed(torch_func_through_engine, 1, stage, timeout=110)[0]
+    assert all(err < 1e-5 for err in r["errors"].values()), r["errors"]
+    assert r["train_equal"]

@@ -22,6 +22,10 @@ By linearity this equals scaling the loss, so gradients match ``engine.backward`
   accumulation steps). When the model returns the scalar loss (HuggingFace style) the scaling is
   exact and allowed.
 
+Under a torch.func transform (``torch.func.grad(lambda x: engine(x))``, ``vmap``, ``jacrev``, ``jvp``)
+the gradients pass through :class:`_Entry` untouched and the strategy's hooks are not called, as in
+DeepSpeed: the transform differentiates a function, it is not a training step.
+
 Not detected (as in DeepSpeed): loss terms that use parameters directly, outside the engine's
 forward (``loss = ce(engine(x), y) + l2(model.weight)``), are not divided by the accumulation steps
 under ``loss.backward()``; use ``engine.backward`` for such losses.
@@ -36,18 +40,44 @@ import torch
 _LOW_PRECISION = (torch.float16,)
 
 
+def functorch_transforming() -> bool:
+    """True under a torch.func transform (grad, vmap, jacrev, jvp, ...), as DeepSpeed checks it."""
+    functorch = getattr(torch._C, "_functorch", None)
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
 class _Entry(torch.autograd.Function):
+    """Identity on the engine's outputs; its backward hands their gradients to :class:`TorchBackwardHooks`.
+
+    ``forward`` + ``setup_context`` (not ``forward(ctx, ...)``) and ``generate_vmap_rule`` make it usable
+    under torch.func transforms. There, as in DeepSpeed, the gradients pass through untouched: the
+    transform computes gradients of a function, not a training step (no accumulation-step division, no
+    loss scale, no ``begin_backward`` / ``end_backward``).
+    """
+
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx: Any, hooks: "TorchBackwardHooks", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.hooks = hooks
-        ctx.set_materialize_grads(False)
+    def forward(hooks: "TorchBackwardHooks", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # detach(), not view_as(): the outputs may then be modified in place (HF Trainer: `loss *= ...`),
         # which autograd forbids on views made inside a custom Function; the version counter is shared
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.hooks = inputs[0]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        if functorch_transforming():
+            return (None, *grads)
         return (None, *ctx.hooks.on_output_grads(grads))
+
+    @staticmethod
+    def jvp(ctx: Any, _hooks_tangent: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return tangents
 
 
 def _leaves(obj: Any, out: list[torch.Tensor]) -> None:
