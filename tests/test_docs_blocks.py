@@ -12,12 +12,6 @@ import pytest
 import docs_blocks
 from docs_blocks import ROOT, Block, parse, run_block
 
-# Guide pages whose owners (other issues) are moving their blocks onto the convention. Until they have, a failing
-# block there is reported as an expected failure naming the issue; a page leaves this table when its blocks pass.
-CONVERTING = {
-    "docs/guides/huggingface.md": "#27",
-}
-
 PAGES = [p.relative_to(ROOT).as_posix() for p in docs_blocks.pages()]
 
 
@@ -27,12 +21,7 @@ def test_every_block_of_the_page_runs(page: str, tmp_path: Path) -> None:
     blocks = parse(ROOT / page)
     done = []
     for block in blocks:
-        try:
-            done.append(f"{block.where} {block.lang}: {run_block(block, tmp_path)}")
-        except AssertionError as exc:
-            if page in CONVERTING:
-                pytest.xfail(f"{page} is being moved onto the block convention (issue {CONVERTING[page]}): {exc}")
-            raise
+        done.append(f"{block.where} {block.lang}: {run_block(block, tmp_path)}")
     print("\n".join(done))
 
 
