@@ -78,7 +78,7 @@ def _prompts(rank: int, n: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
 
-def _config(world: int, stage: int, hybrid: bool, n: int, max_len: int) -> dict:
+def _config(world: int, stage: int, hybrid: bool, n: int, max_len: int) -> dict:  # n: sequences per rank
     cfg = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": stage}, "steps_per_print": 0}
@@ -87,7 +87,10 @@ def _config(world: int, stage: int, hybrid: bool, n: int, max_len: int) -> dict:
     return cfg
 
 
-def rollout_worker(system: str, n: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
+def rollout_worker(system: str, n: int, prompt_len: int, new_tokens: int, repeats: int, samples: int = 1,
+                   temperature: float = 0.0) -> dict:
+    """``n`` prompts per rank, ``samples`` completions of each (GRPO's group), sampled at ``temperature`` (0:
+    greedy); every system generates ``n * samples`` sequences of ``new_tokens`` per rank."""
     import torch
 
     import zerospeed
@@ -100,6 +103,15 @@ def rollout_worker(system: str, n: int, prompt_len: int, new_tokens: int, repeat
     max_len = prompt_len + new_tokens
     hf_kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    sampled = temperature > 0
+    if sampled:  # pure sampling on both sides (HF's default top_k=50 off), each prompt's group in one batch
+        hf_kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                         num_return_sequences=samples)
+    gen_kwargs = dict(max_new_tokens=new_tokens, ignore_eos=True)
+    if sampled:
+        gen_kwargs.update(do_sample=True, temperature=temperature, seed=rank)
+    seqs = n * samples
+    timing = {"gather_s": 0.0}
 
     if system == "hf_unsharded":
         def call():
@@ -108,17 +120,21 @@ def rollout_worker(system: str, n: int, prompt_len: int, new_tokens: int, repeat
     else:
         stage = 0 if system == "zerospeed_unsharded" else 3
         hybrid = system in ("zerospeed", "zerospeed_unsharded")
-        engine, *_ = zerospeed.initialize(model=model, config=_config(world, stage, hybrid, n, max_len))
+        engine, *_ = zerospeed.initialize(model=model, config=_config(world, stage, hybrid, seqs, max_len))
         module = engine.module
         if hybrid:
             def call():
-                return engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+                out = engine.generate(prompts, n=samples, **gen_kwargs)
+                timing["gather_s"] = engine.rl.rollout.stats.fill_s
+                return out
         elif system == "trl_zero3":
             runtime = engine.strategy.runtime
 
             def call():
+                t0 = time.perf_counter()
                 with zero.GatheredParameters(list(module.parameters())), torch.no_grad():
                     runtime.remove_hooks()  # TRL's remove_hooks(model): no ZeRO-3 hook runs during generate
+                    timing["gather_s"] = time.perf_counter() - t0
                     try:
                         return module.generate(ids, **hf_kwargs)[:, prompt_len:].tolist()
                     finally:  # TRL's add_hooks(model)
@@ -132,16 +148,17 @@ def rollout_worker(system: str, n: int, prompt_len: int, new_tokens: int, repeat
                     return module.generate(ids, **hf_kwargs)[:, prompt_len:].tolist()
     comm.barrier()
     call()  # warm-up (the rollout engine is built and its fast paths measured at the first call)
-    walls, cpus, out = [], [], None
+    walls, cpus, gathers, out = [], [], [], None
     for _ in range(repeats):
         comm.barrier()
         w0, c0 = time.perf_counter(), time.process_time()
         out = call()
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
+        gathers.append(timing["gather_s"])
     wall, cpu = statistics.median(walls), statistics.median(cpus)
-    return {"tokens": out, "wall_s": wall, "cpu_s": cpu, "tokens_per_s": n * new_tokens / wall,
-            "tokens_per_cpu_s": n * new_tokens / cpu}
+    return {"tokens": out, "wall_s": wall, "cpu_s": cpu, "gather_s": statistics.median(gathers),
+            "tokens_per_s": seqs * new_tokens / wall, "tokens_per_cpu_s": seqs * new_tokens / cpu}
 
 
 def run_rollouts(args: argparse.Namespace) -> list[dict]:
@@ -152,18 +169,25 @@ def run_rollouts(args: argparse.Namespace) -> list[dict]:
     results = {}
     for system in systems:
         res = run_distributed(rollout_worker, args.world, system, args.prompts, args.prompt_len, args.new_tokens,
-                              args.repeats, timeout=1800)
+                              args.repeats, args.samples, args.temperature, timeout=1800)
         results[system] = res
         print(system, [round(r["tokens_per_s"], 1) for r in res], flush=True)
     ref = results["hf_unsharded"]
     rows = []
     for system, res in results.items():
         same = sum(a == b for r, q in zip(res, ref) for a, b in zip(r["tokens"], q["tokens"]))
-        rows.append({"part": "rollout", "system": system, "world": args.world,
+        total = sum(len(r["tokens"]) for r in res)
+        rows.append({"part": "rollout", "workload": args.workload, "system": system, "world": args.world,
                      "tokens_per_s": round(statistics.mean(r["tokens_per_s"] for r in res), 1),
                      "tokens_per_cpu_s": round(statistics.mean(r["tokens_per_cpu_s"] for r in res), 1),
                      "wall_s": round(statistics.mean(r["wall_s"] for r in res), 3),
-                     "rows_equal_to_hf": f"{same}/{sum(len(r['tokens']) for r in res)}"})
+                     "gather_s": round(statistics.mean(r["gather_s"] for r in res), 3),
+                     # sampled rows differ by RNG; then only the shape is checked
+                     "rows_equal_to_hf": f"{same}/{total}" if args.temperature == 0 else
+                     f"sampled ({total} rows of {args.new_tokens})"})
+        if args.temperature > 0:
+            assert all(len(t) == args.new_tokens for r in res for t in r["tokens"]) and \
+                total == len(ref[0]["tokens"]) * len(res), system
     by = {r["system"]: r for r in rows}
     z = by["zerospeed"]
     for key in ("tokens_per_s", "tokens_per_cpu_s"):
@@ -279,10 +303,18 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--samples", type=int, default=1, help="completions per prompt (GRPO's group size)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: pure sampling")
+    p.add_argument("--workload", choices=("default", "grpo"), default="default",
+                   help="grpo: a GRPO rollout batch per rank, 8 prompts x 8 samples of 128 new tokens after a "
+                        "64-token prompt, sampled at temperature 1 (sets --prompts/--samples/--prompt-len/"
+                        "--new-tokens/--temperature)")
     p.add_argument("--nogather", action="store_true", help="also time TRL's gather_deepspeed3_params=False path")
     p.add_argument("--rate-mbit", type=int, default=1000)
     p.add_argument("--bucket-bytes", type=int, default=32 << 20)
     args = p.parse_args()
+    if args.workload == "grpo":
+        args.prompts, args.samples, args.prompt_len, args.new_tokens, args.temperature = 8, 8, 64, 128, 1.0
     load0 = os.getloadavg()
     rows = []
     if args.part in ("rollout", "all"):
@@ -296,7 +328,14 @@ def main() -> None:
              "trl_zero3 reproduces TRL's unwrap_model_for_generation (gather_deepspeed3_params=True) on zerospeed's "
              "ZeRO-3 engine: GatheredParameters over every parameter, the ZeRO-3 hooks removed during HF generate and "
              "re-added after, as TRL's remove_hooks/add_hooks do (TRL's helper needs an Accelerate DeepSpeed plugin, "
-             "not available on this machine)"]
+             "not available on this machine)",
+             "gather_s: the median call's weight-gather time, inside wall_s: zerospeed's one pass over the ZeRO-3 "
+             "buckets into the rollout copy (RolloutStats.fill_s), trl_zero3's GatheredParameters enter + hook "
+             "removal; 0 for the systems that gather nothing",
+             f"workload {args.workload}: per rank {args.prompts} prompts x {args.samples} samples = "
+             f"{args.prompts * args.samples} sequences, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+             + ("greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature} (top_k 0, top_p 1;"
+                " HF with num_return_sequences, zerospeed with n= sharing each prompt's prefill)")]
     for r in rows:
         print(r)
     json_path, md_path = write_results("rl_bench", rows, params=vars(args), notes=notes, command=command_line())

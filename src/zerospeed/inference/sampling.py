@@ -1,9 +1,10 @@
 """Turning each sequence's last-token logits into its next token.
 
 Greedy rows (``do_sample=False`` or ``temperature == 0``) take one batched ``argmax``. Sampled rows
-are processed one by one on the CPU, each with its own ``torch.Generator`` seeded from the
-request's ``seed``: temperature, then top-k, then top-p (nucleus; the most likely token always
-survives), then ``multinomial``. A row's draw depends only on its own logits and generator, so a
+are drawn on the CPU, each with its own ``torch.Generator`` seeded from the request's ``seed``:
+temperature, then top-k, then top-p (nucleus; the most likely token always survives), then one
+uniform draw against the row's cumulative distribution (batched over the sampled rows). A row's
+draw depends only on its own logits and generator, so a
 seeded request gives the same tokens whatever else shares its batch, and on any device.
 
 ``min_new_tokens`` masks the stop tokens (EOS and ``stop_token_ids``) until enough tokens exist,
@@ -81,6 +82,29 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def _draw(logits: torch.Tensor, seqs: list) -> list[int]:
+    """Sampled rows ``logits [R, V]`` (CPU float32) -> one token each by inverse-CDF: row ``r``'s one uniform
+    draw comes from its own generator, so its token depends only on its logits and seed. Temperature, softmax,
+    cumsum and the search run once over all rows (a per-row ``multinomial`` cost 0.3 ms a row at V=4096: a
+    64-sequence GRPO rollout spent a third of its decode there); top-k / top-p rows are filtered one by one."""
+    temps = torch.tensor([float(s.params.temperature) for s in seqs], dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    for r, s in enumerate(seqs):
+        if s.params.top_k > 0 or s.params.top_p < 1.0:
+            logits[r] = _filter(logits[r], replace_temperature(s.params))
+    cdf = logits.softmax(-1).cumsum_(-1)
+    u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in seqs])
+    target = (u * cdf[:, -1].double()).to(cdf.dtype)[:, None]
+    # the first index whose cumulative mass exceeds the target: a token of zero probability never is
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1).tolist()
+
+
+def replace_temperature(params: SamplingParams) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, temperature=1.0)  # already applied
+
+
 def sample(logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float | None], list[dict[int, float] | None]]:
     """``logits [N, V]`` float32, one row per sequence. Returns token ids, the chosen token's
     logprob (when asked) and the top alternatives (when ``logprobs > 0``)."""
@@ -90,10 +114,8 @@ def sample(logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float | No
     tokens = logits.max(-1).indices.tolist()  # first maximum, as argmax; 3x faster on CPU here
     rows = [i for i, s in enumerate(seqs) if not is_greedy(s.params)]
     if rows:
-        cpu = logits[rows].cpu()
-        for r, i in enumerate(rows):
-            probs = _filter(cpu[r], seqs[i].params).softmax(-1)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=seqs[i].generator).item())
+        for i, t in zip(rows, _draw(logits[rows].cpu(), [seqs[i] for i in rows])):
+            tokens[i] = t
     chosen: list[float | None] = [None] * len(seqs)
     tops: list[dict[int, float] | None] = [None] * len(seqs)
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]

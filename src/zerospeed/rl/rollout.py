@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -64,6 +65,7 @@ class RolloutStats:
     other_weight_bytes: int = 0  # embeddings, final norm, LM head
     kv_cache_bytes: int = 0
     max_resident_layers_seen: int = 0
+    fill_s: float = 0.0  # wall seconds of the call's up-front fill (all weights, or streamed: the non-layer ones)
 
 
 class _Storage:
@@ -276,7 +278,9 @@ class RolloutEngine:
         self.stats.weight_bytes_peak = 0
         self.stats.max_resident_layers_seen = 0
         try:
+            t0 = time.perf_counter()
             self._fill()
+            self.stats.fill_s = time.perf_counter() - t0
             engine = self._engine()
             forwards0, gen0 = engine._num_forwards, engine._num_generated
             ids = self._add(engine, prompts, params, n, seeds)
