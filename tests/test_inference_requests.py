@@ -179,3 +179,29 @@ def test_prefix_sharing_and_copy_on_write(folder):
     ref = hf_greedy(model, shared, 6)
     assert outs == {"x": ref, "y": ref}
     assert engine.stats().num_blocks_free == 64
+
+
+def test_batched_sampler_draws_the_filtered_distribution():
+    """The sampler's inverse-CDF draw (one uniform per row from the row's own generator, softmax / cumsum / search
+    batched over the sampled rows) follows temperature, top-k and top-p, never picks a zero-probability token, and
+    a row's tokens do not depend on the other rows of its batch."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zerospeed.inference.sampling import _draw, make_generator
+
+    logits = torch.tensor([1.0, 0.5, -1.0, float("-inf"), 2.0, 0.0])
+    n = 4000
+    cases = [(SamplingParams(do_sample=True, temperature=0.7), (logits / 0.7).softmax(-1)),
+             (SamplingParams(do_sample=True, top_k=2), torch.tensor([1.0, 0, 0, 0, 2.0, 0]).exp() * (logits > 0.9)),
+             (SamplingParams(do_sample=True, top_p=0.6), torch.tensor([1.0, 0, 0, 0, 2.0, 0]).exp() * (logits > 0.9))]
+    for params, expected in cases:
+        rows = [SimpleNamespace(params=params, generator=make_generator(i)) for i in range(n)]
+        counts = torch.bincount(torch.tensor(_draw(logits.repeat(n, 1), rows)), minlength=6).float() / n
+        assert counts[3] == 0 and torch.allclose(counts, expected / expected.sum(), atol=0.03), (params, counts)
+    x = torch.randn(3, 50)
+    mixed = [SimpleNamespace(params=SamplingParams(do_sample=True, temperature=t), generator=make_generator(s))
+             for s, t in ((1, 1.0), (2, 0.5), (3, 1.3))]
+    alone = SimpleNamespace(params=SamplingParams(do_sample=True, temperature=0.5), generator=make_generator(2))
+    assert _draw(x.clone(), mixed)[1] == _draw(x[1:2].clone(), [alone])[0]
