@@ -205,3 +205,21 @@ def test_batched_sampler_draws_the_filtered_distribution():
              for s, t in ((1, 1.0), (2, 0.5), (3, 1.3))]
     alone = SimpleNamespace(params=SamplingParams(do_sample=True, temperature=0.5), generator=make_generator(2))
     assert _draw(x.clone(), mixed)[1] == _draw(x[1:2].clone(), [alone])[0]
+
+
+def test_sampler_draw_near_one_stays_on_a_kept_token(monkeypatch):
+    """A uniform draw just below 1 whose product with the total rounds up to it in float32 must still land on a
+    token top-k kept, not run past the last one onto a filtered token at the end of the vocabulary."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zerospeed.inference import sampling
+
+    real_rand = torch.rand
+    monkeypatch.setattr(sampling.torch, "rand",
+                        lambda *a, **k: torch.tensor([1.0 - 2.0 ** -53], dtype=torch.float64)
+                        if k.get("dtype") == torch.float64 else real_rand(*a, **k))
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.1, 0.0]])
+    row = SimpleNamespace(params=SamplingParams(do_sample=True, top_k=2), generator=None)
+    assert sampling._draw(logits.clone(), [row]) == [1]  # the last kept token, not index 4

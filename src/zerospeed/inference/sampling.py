@@ -94,9 +94,12 @@ def _draw(logits: torch.Tensor, seqs: list) -> list[int]:
             logits[r] = _filter(logits[r], replace_temperature(s.params))
     cdf = logits.softmax(-1).cumsum_(-1)
     u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in seqs])
-    target = (u * cdf[:, -1].double()).to(cdf.dtype)[:, None]
-    # the first index whose cumulative mass exceeds the target: a token of zero probability never is
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1).tolist()
+    total = cdf[:, -1:]
+    # strictly below the total: u close to 1 can round up to it in float32, and the search would then run past the
+    # last token of non-zero probability (onto a token top-k / top-p removed)
+    target = torch.minimum((u[:, None] * total.double()).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
+    # the first index whose cumulative mass exceeds the target: cdf[i-1] <= target < cdf[i], so p[i] > 0
+    return torch.searchsorted(cdf, target, right=True)[:, 0].tolist()
 
 
 def replace_temperature(params: SamplingParams) -> SamplingParams:
