@@ -65,6 +65,7 @@ class _Job:
     target: Callable[[], torch.Tensor]
     kind: str
     ops: list[CopyOp]
+    state: tuple[int, str] | None = None  # (id(optimizer tensor), state key) of an optimizer-state target
 
 
 @dataclass
@@ -234,7 +235,7 @@ def plan(engine: Any, index: CheckpointIndex, strict: bool, load_optimizer: bool
                 out.keys_of[id(t)] = bucket_keys
                 for key in bucket_keys:
                     out.jobs.append(_Job(lambda t=t, key=key: engine.optimizer.state[t][key].view(-1), f"optim.{key}",
-                                         optim_ops.get((t_index, key), [])))
+                                         optim_ops.get((t_index, key), []), (id(t), key)))
         elif load_optimizer and not module_only and engine.optimizer is not None:
             out.clear_optim.extend(v.opt_tensors)
     for key, t in extras.items():
@@ -252,6 +253,10 @@ def _make_optimizer_state(engine: Any, p: _Plan, index: CheckpointIndex, source:
         if job.kind.startswith("optim.") and job.ops:
             dtypes.setdefault(job.kind[6:], source.shard(job.ops[0].shard, job.kind).dtype)
     groups_of = {id(t): g for g in opt.param_groups for t in g["params"]}
+    covered: dict[tuple[int, str], list[CopyOp]] = {}
+    for job in p.jobs:
+        if job.state is not None:
+            covered.setdefault(job.state, []).extend(job.ops)
     for t, name in p.optim:
         group = groups_of.get(id(t), {})
         on_device = bool(group.get("capturable") or group.get("fused"))
@@ -263,10 +268,25 @@ def _make_optimizer_state(engine: Any, p: _Plan, index: CheckpointIndex, source:
             else:
                 new[key] = decode(enc["v"])
         for key in p.keys_of.get(id(t), p.state_keys):
-            new[key] = torch.zeros_like(t, dtype=dtypes.get(key, t.dtype), memory_format=torch.contiguous_format)
+            new[key] = _fresh_state(t, dtypes.get(key, t.dtype), covered.get((id(t), key), []))
         opt.state[t] = new
     for t in p.clear_optim:
         opt.state.pop(t, None)
+
+
+def _fresh_state(t: torch.Tensor, dtype: torch.dtype, ops: list[CopyOp]) -> torch.Tensor:
+    """A state tensor like ``t`` whose elements the copies ``ops`` do not write are zero: the copies fill the rest
+    (zero-filling all of it first wrote every moment twice: an extra pass over the optimizer state at each load)."""
+    out = torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
+    flat, cursor = out.view(-1), 0
+    with torch.no_grad():
+        for op in sorted(ops, key=lambda o: o.dst):
+            if op.dst > cursor:
+                flat[cursor:op.dst].zero_()
+            cursor = max(cursor, op.dst + op.numel)
+        if cursor < flat.numel():
+            flat[cursor:].zero_()
+    return out
 
 
 def _restore_param_groups(engine: Any, index: CheckpointIndex) -> None:
