@@ -26,9 +26,10 @@ shared machine); load figures compare the formats' CPU-side costs (parsing, chec
 resharding), not the disk.
 
 ``--migration`` (issue #26, DeepSpeed needed) measures instead a DeepSpeed ZeRO-3 folder of the same model
-saved at 2 ranks and resumed at 4: zerospeed's ``load_checkpoint`` of the folder as it is, against
-DeepSpeed's own resume (at 2 ranks: it cannot change the size) and ``ds_to_universal`` + a universal load
-at 4; wall time and peak RSS per rank; and the peak memory of ``zero_to_fp32`` (both libraries' helpers).
+saved at 2 ranks and resumed at 4 (and, like for like, at 2): zerospeed's ``load_checkpoint`` of the folder as
+it is, against DeepSpeed's own resume (at 2 ranks: it cannot change the size) and ``ds_to_universal`` + a
+universal load at 4; wall time (median of ``--repeats`` loads, slowest rank), CPU seconds and peak RSS per rank;
+and the peak memory of ``zero_to_fp32`` (both libraries' helpers).
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/checkpoint_bench.py [--world 2] [--stage 2]
 [--repeats 3] [--no_deepspeed] [--no_write]``; with DeepSpeed: ``DS_ACCELERATOR=cpu
@@ -39,6 +40,7 @@ bench/checkpoint_bench.py``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -286,39 +288,74 @@ def _optimizer_state_bytes(engine) -> int:
                if torch.is_tensor(t))
 
 
-def _timed_load(engine, root: str, tag: str) -> dict:
-    _barrier()
-    state_before = _optimizer_state_bytes(engine)
-    with _PeakSampler() as mem:
-        t0 = time.perf_counter()
-        path, _ = engine.load_checkpoint(root, tag=tag)
+def _timed_load(make_engine, root: str, tag: str, repeats: int = 1, import_s: float = 0.0) -> dict:
+    """A resume, ``repeats`` times on this rank: each time a freshly initialized engine (``make_engine()``: model
+    built, optimizer made, nothing loaded yet), then ``engine.load_checkpoint(root, tag)`` timed: the call and a
+    barrier after it (so every rank's figure includes waiting for the slowest rank), started after a barrier;
+    wall seconds (perf_counter) and this process's CPU seconds (process_time: every thread, gloo's included).
+    Memory is measured on the first load only."""
+    import gc
+
+    walls, cpus, mem, created = [], [], None, 0
+    for i in range(max(1, repeats)):
+        engine = make_engine()
+        state_before = _optimizer_state_bytes(engine)
         _barrier()
-        seconds = time.perf_counter() - t0
-    if path is None:
-        raise RuntimeError(f"load_checkpoint({root!r}, tag={tag!r}) loaded nothing")
-    # state the run ends with that the load created (zerospeed makes Adam's moments at the load; DeepSpeed's ZeRO
-    # made them at initialize): the memory a load holds beyond its model state is rss added minus this
-    created = _optimizer_state_bytes(engine) - state_before
-    _step(engine, 1)  # the loaded state trains
-    return {"s": seconds, "rss_before": mem.before, "rss_peak": mem.peak, "state_created": created}
+        sampler = _PeakSampler() if i == 0 else contextlib.nullcontext()
+        with sampler:
+            c0, t0 = time.process_time(), time.perf_counter()
+            path, _ = engine.load_checkpoint(root, tag=tag)
+            _barrier()
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+        if path is None:
+            raise RuntimeError(f"load_checkpoint({root!r}, tag={tag!r}) loaded nothing")
+        if i == 0:
+            mem = sampler
+            # state the run ends with that the load created (zerospeed makes Adam's moments at the load;
+            # DeepSpeed's ZeRO made them at initialize): the memory a load holds beyond its model state is rss
+            # added minus this
+            created = _optimizer_state_bytes(engine) - state_before
+        if i == max(1, repeats) - 1:
+            _step(engine, 1)  # the loaded state trains
+        del engine
+        gc.collect()
+    return {"s_all": walls, "cpu_all": cpus, "rss_before": mem.before, "rss_peak": mem.peak,
+            "state_created": created, "import_s": import_s}
 
 
-def worker_zs_load_ds(root: str, tag: str) -> dict:
-    return _timed_load(_engine(3, "fp32"), root, tag)
+def _warm_imports() -> float:
+    """Import zerospeed's checkpoint-loading modules before any timer starts, as ``import deepspeed`` does for
+    DeepSpeed's (``engine.load_checkpoint`` imports them lazily on first use; with ``PYTHONDONTWRITEBYTECODE``
+    set that import compiles them). Returns its seconds (reported in a note, outside the timed call)."""
+    t0 = time.perf_counter()
+    import zerospeed.checkpoint.deepspeed.layout  # noqa: F401
+    import zerospeed.checkpoint.loader  # noqa: F401
+    import zerospeed.runtime.checkpointing  # noqa: F401
+
+    return time.perf_counter() - t0
 
 
-def worker_ds_load(root: str, tag: str, universal: bool) -> dict:
+def worker_zs_load_ds(root: str, tag: str, repeats: int = 1) -> dict:
+    import_s = _warm_imports()
+    return _timed_load(lambda: _engine(3, "fp32"), root, tag, repeats, import_s)
+
+
+def worker_ds_load(root: str, tag: str, universal: bool, repeats: int = 1) -> dict:
     import deepspeed
     from gpt_model import GPT, gpt_bench
 
     deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
-    model = GPT(gpt_bench())
-    cfg = _cfg(3, "fp32")
-    cfg["steps_per_print"] = 10 ** 9
-    cfg["checkpoint"] = {"load_universal": universal}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    return _timed_load(engine, root, tag)
+
+    def make():
+        torch.manual_seed(0)
+        model = GPT(gpt_bench())
+        cfg = _cfg(3, "fp32")
+        cfg["steps_per_print"] = 10 ** 9
+        cfg["checkpoint"] = {"load_universal": universal}
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+    return _timed_load(make, root, tag, repeats)
 
 
 _MEASURE = r"""
@@ -370,13 +407,15 @@ def migration(args) -> None:
         ds_dir = os.path.join(root, "ds")
         run_distributed(worker_ds_save, src_world, ds_dir, "z3", timeout=900)
         nbytes = sum(os.path.getsize(f) for f in _tree_files(os.path.join(ds_dir, "z3")))
-        zs = run_distributed(worker_zs_load_ds, dst_world, ds_dir, "z3", timeout=900)
-        ds_own = run_distributed(worker_ds_load, src_world, ds_dir, "z3", False, timeout=900)
+        reps = args.repeats
+        zs = run_distributed(worker_zs_load_ds, dst_world, ds_dir, "z3", reps, timeout=900)
+        zs_same = run_distributed(worker_zs_load_ds, src_world, ds_dir, "z3", reps, timeout=900)
+        ds_own = run_distributed(worker_ds_load, src_world, ds_dir, "z3", False, reps, timeout=900)
         conv = _measure("from deepspeed.checkpoint import ds_to_universal as m\n"
                         f"sys.argv = ['ds_to_universal', '--input_folder', {os.path.join(ds_dir, 'z3')!r}, "
                         f"'--output_folder', {os.path.join(ds_dir, 'z3_universal')!r}, '--num_extract_workers', '1', "
                         "'--num_merge_workers', '1']", "m.main(m.parse_arguments())")
-        ds_uni = run_distributed(worker_ds_load, dst_world, ds_dir, "z3_universal", True, timeout=900)
+        ds_uni = run_distributed(worker_ds_load, dst_world, ds_dir, "z3_universal", True, reps, timeout=900)
         out_ds, out_zs = os.path.join(root, "fp32_ds"), os.path.join(root, "fp32_zs")
         z2f_ds = _measure("from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as f",
                           f"sd = f({ds_dir!r}, tag='z3')")
@@ -390,40 +429,68 @@ def migration(args) -> None:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
 
+    def wall(res: list[dict]) -> float:
+        """Median over the repeats of the slowest rank's time."""
+        return statistics.median(max(r["s_all"][i] for r in res) for i in range(len(res[0]["s_all"])))
+
+    def cpu(res: list[dict]) -> float:
+        return statistics.median(max(r["cpu_all"][i] for r in res) for i in range(len(res[0]["cpu_all"])))
+
     def ranks(res: list[dict]) -> dict:
-        return {"seconds": round(max(r["s"] for r in res), 3),
+        return {"seconds": round(wall(res), 3), "cpu_seconds_per_rank": round(cpu(res), 3),
+                "loads_s": " / ".join(f"{max(r['s_all'][i] for r in res):.3f}" for i in range(len(res[0]["s_all"]))),
                 "peak_rss_per_rank": format_bytes(max(r["rss_peak"] for r in res)),
                 "rss_added_per_rank": format_bytes(max(r["rss_peak"] - r["rss_before"] for r in res)),
                 "added_beyond_model_state": format_bytes(max(_beyond(r) for r in res))}
 
     def one(r: dict) -> dict:
-        return {"seconds": round(r["s"], 3), "peak_rss_per_rank": format_bytes(r["rss_peak"]),
+        return {"seconds": round(r["s"], 3), "cpu_seconds_per_rank": "", "loads_s": "",
+                "peak_rss_per_rank": format_bytes(r["rss_peak"]),
                 "rss_added_per_rank": format_bytes(r["rss_peak"] - r["rss_before"]),
                 "added_beyond_model_state": format_bytes(_beyond(r))}
 
     folder = f"DeepSpeed ZeRO-3 folder of gpt_bench saved at {src_world} ranks ({format_bytes(nbytes)})"
-    uni_total = conv["s"] + max(r["s"] for r in ds_uni)
+    uni_total = conv["s"] + wall(ds_uni)
     rows = [
         {"what": f"zerospeed load_checkpoint of the folder at {dst_world} ranks, ZeRO 3", **ranks(zs)},
+        {"what": f"zerospeed load_checkpoint of the folder at {src_world} ranks, ZeRO 3 (DeepSpeed's world size)",
+         **ranks(zs_same)},
         {"what": f"DeepSpeed's own resume at {src_world} ranks (it cannot change the size without universal)",
          **ranks(ds_own)},
         {"what": "DeepSpeed ds_to_universal (1 extract / 1 merge worker, one process)", **one(conv)},
         {"what": f"DeepSpeed universal load at {dst_world} ranks", **ranks(ds_uni)},
         {"what": "DeepSpeed ds_to_universal + universal load", "seconds": round(uni_total, 3),
-         "peak_rss_per_rank": "", "rss_added_per_rank": "", "added_beyond_model_state": ""},
+         "cpu_seconds_per_rank": "", "loads_s": "", "peak_rss_per_rank": "", "rss_added_per_rank": "",
+         "added_beyond_model_state": ""},
         {"what": "DeepSpeed get_fp32_state_dict_from_zero_checkpoint", **one(z2f_ds)},
         {"what": "zerospeed get_fp32_state_dict_from_zero_checkpoint", **one(z2f_zs)},
         {"what": "DeepSpeed convert_zero_checkpoint_to_fp32_state_dict (10MB shards, .bin)", **one(cv_ds)},
         {"what": "zerospeed convert_zero_checkpoint_to_fp32_state_dict (10MB shards, .bin)", **one(cv_zs)},
     ]
     for row in rows:
-        print(f"{row['what']:<96} {row['seconds']:>8} s  peak {row['peak_rss_per_rank']:>10}  added "
+        print(f"{row['what']:<96} {row['seconds']:>8} s  cpu {row['cpu_seconds_per_rank']:>6}  "
+              f"peak {row['peak_rss_per_rank']:>10}  added "
               f"{row['rss_added_per_rank']:>10}")
-    t_zs = max(r["s"] for r in zs)
+    t_zs, t_same, t_own = wall(zs), wall(zs_same), wall(ds_own)
     notes = [
         folder,
+        f"time zerospeed {src_world}-rank load / DeepSpeed's {src_world}-rank own resume (same world size): "
+        f"{t_same / t_own:.2f}x wall, {cpu(zs_same) / cpu(ds_own):.2f}x CPU seconds per rank",
         f"time zerospeed {dst_world}-rank load / DeepSpeed's {src_world}-rank own resume: "
-        f"{t_zs / max(r['s'] for r in ds_own):.2f}x; / ds_to_universal + universal load: {t_zs / uni_total:.2f}x",
+        f"{t_zs / t_own:.2f}x wall, {cpu(zs) / cpu(ds_own):.2f}x CPU seconds per rank; / ds_to_universal + "
+        f"universal load: {t_zs / uni_total:.2f}x",
+        f"what a load's seconds cover: engine.load_checkpoint(dir, tag) and a barrier after it, on every rank, "
+        f"started after a barrier, in an engine initialized just before (model built, optimizer made); the row's "
+        f"figure is the slowest rank's, median of {reps} resumes, each into a freshly initialized engine in the same "
+        "processes (loads_s: each of them); the folder was just written, so it is in the page cache for every "
+        "row; the same for zerospeed and DeepSpeed. "
+        "cpu_seconds_per_rank: time.process_time() of the rank's process over the same span (all its threads), "
+        "the largest rank's, median over the loads",
+        f"zerospeed's checkpoint modules are imported before the timer, as `import deepspeed` imports DeepSpeed's "
+        f"(this environment sets PYTHONDONTWRITEBYTECODE, so that first import compiles them: "
+        f"{max(r['import_s'] for r in zs + zs_same):.2f} s on the slowest rank, not in the rows)",
+        f"{dst_world} ranks share {os.cpu_count()} cores here: the {dst_world}-rank rows' wall time includes waiting "
+        "for a core; compare CPU seconds per rank across world sizes",
         f"zero_to_fp32 memory added, zerospeed / DeepSpeed: get_fp32_state_dict {_added_ratio(z2f_zs, z2f_ds):.2f}x, "
         f"convert (10MB shards) {_added_ratio(cv_zs, cv_ds):.2f}x",
         f"memory a load holds beyond the model state it ends with, per rank, zerospeed {dst_world}-rank load / "
@@ -437,7 +504,7 @@ def migration(args) -> None:
         "DeepSpeed files are read memory-mapped by zerospeed (torch.load(mmap=True, weights_only=True)): mapped "
         "pages count in RSS while touched but are file-backed and reclaimable",
     ]
-    for n in notes[1:5]:
+    for n in notes[1:8]:
         print(n)
     if not args.no_write:
         paths = write_results("checkpoint_migration", rows, params=vars(args), notes=notes, command=command_line())
