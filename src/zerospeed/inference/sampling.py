@@ -13,6 +13,7 @@ as HF's ``MinNewTokensLengthLogitsProcessor`` masks EOS.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -91,7 +92,7 @@ def _draw(logits: torch.Tensor, seqs: list) -> list[int]:
     logits = logits / temps[:, None]
     for r, s in enumerate(seqs):
         if s.params.top_k > 0 or s.params.top_p < 1.0:
-            logits[r] = _filter(logits[r], replace_temperature(s.params))
+            logits[r] = _filter(logits[r], dataclasses.replace(s.params, temperature=1.0))  # applied above
     cdf = logits.softmax(-1).cumsum_(-1)
     u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in seqs])
     total = cdf[:, -1:]
@@ -100,12 +101,6 @@ def _draw(logits: torch.Tensor, seqs: list) -> list[int]:
     target = torch.minimum((u[:, None] * total.double()).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
     # the first index whose cumulative mass exceeds the target: cdf[i-1] <= target < cdf[i], so p[i] > 0
     return torch.searchsorted(cdf, target, right=True)[:, 0].tolist()
-
-
-def replace_temperature(params: SamplingParams) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, temperature=1.0)  # already applied
 
 
 def sample(logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float | None], list[dict[int, float] | None]]:
