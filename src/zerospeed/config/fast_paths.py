@@ -13,9 +13,10 @@ the switches a config leaves at ``auto``.
   folder, where the file system refuses O_DIRECT);
 * ``block_quant`` - ``torch`` | ``c``: ZeRO++'s block quantizer (qwZ / qgZ), torch or its bit-identical C twin;
 * ``cpu_kernels`` - ``off`` | ``on``: zerospeed's C decode kernels (inference);
-* ``greedy_head`` - ``float32`` | ``bf16`` | ``int8``: the LM head of greedy decoding (inference).
+* ``greedy_head`` - ``float32`` | ``bf16`` | ``int8``: the LM head of greedy decoding (inference);
+* ``packed_linear`` - ``off`` | ``on``: float32 linears and LM head through oneDNN on weights packed once (inference).
 
-The last two are read by the inference engine when a training config is also used for generation;
+The last three are read by the inference engine when a training config is also used for generation;
 here they are validated only.
 
 The allowed values are the chooser's (:data:`zerospeed.ops.fast_paths.PATHS`; a test keeps the two
@@ -38,6 +39,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "block_quant": ("auto", "torch", "c"),
     "cpu_kernels": ("auto", "off", "on"),
     "greedy_head": ("auto", "float32", "bf16", "int8"),
+    "packed_linear": ("auto", "off", "on"),
 }
 
 
@@ -60,6 +62,7 @@ class FastPathsConfig(Section):
     block_quant: _setting("block_quant") = "auto"  # type: ignore[valid-type]
     cpu_kernels: _setting("cpu_kernels") = "auto"  # type: ignore[valid-type]
     greedy_head: _setting("greedy_head") = "auto"  # type: ignore[valid-type]
+    packed_linear: _setting("packed_linear") = "auto"  # type: ignore[valid-type]
 
     def settings(self) -> dict[str, str]:
         """``{switch: value}`` as written (``auto`` where unset)."""

@@ -44,6 +44,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "adam_kernel": ("auto", "forloop", "foreach", "fused"),  # torch's three Adam implementations
     "direct_io": ("auto", "off", "on"),  # O_DIRECT file I/O (aio engine, NVMe offload)
     "block_quant": ("auto", "torch", "c"),  # ZeRO++ block quantization (ops/block_quant_kernel.py)
+    "packed_linear": ("auto", "off", "on"),  # oneDNN's float32 linear on packed weights (ops/packed_linear.py)
 }
 
 ENV_VAR = "ZEROSPEED_FAST_PATHS"
