@@ -13,7 +13,13 @@ with accounting of live gathered elements); ``GatheredParameters`` pins buckets 
 * in backward a bucket with trainable parameters is released when the gradient reducer reports
   that all of its parameters' gradients were accumulated (after the last use, also for modules
   called twice and tied weights); a bucket without gradients (frozen) is released after the
-  module's backward, detected by an identity autograd function on the module's inputs;
+  module's backward, detected by gradient hooks on the module's inputs (they fire when the input's
+  gradient is complete, i.e. after every consumer of that input, this module included, ran its
+  backward). Hooks, not an identity autograd function: a node inserted on the inputs would change the
+  order in which autograd sums an input's gradient contributions (an activation read by q, k, v and a
+  LoRA branch gets its sum in another order), so a frozen-base LoRA model's gradients would differ
+  from the unsharded model's in the last bits; with hooks the graph, and every gradient, is the plain
+  model's bit for bit;
 * whatever is left is released at the end of backward; an evaluation forward (no gradients)
   releases everything when the root's forward returns.
 
@@ -80,20 +86,6 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     if hasattr(obj, "__dataclass_fields__"):
         return [t for name in obj.__dataclass_fields__ for t in tensors_in(getattr(obj, name, None))]
     return []
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs once the module's backward is done."""
-
-    @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.callback = callback
-        return tensors
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.callback()
-        return (None, *grads)
 
 
 class BucketGatherer:
@@ -239,7 +231,7 @@ class Stage3Runtime(BucketGatherer):
         if self.in_backward and torch.is_grad_enabled():
             self._mark_backward_use(plan)  # a forward re-run inside backward (activation checkpointing)
         if torch.is_grad_enabled() and plan.has_gradless_buckets:
-            return self._wrap_inputs(plan, args, kwargs)
+            self._hook_inputs(plan, args, kwargs)
         return None
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -262,19 +254,12 @@ class Stage3Runtime(BucketGatherer):
             self.release_all()  # no backward follows this forward
         return None
 
-    def _wrap_inputs(self, plan: ModulePlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        flat = [(None, i, a) for i, a in enumerate(args)] + [(k, None, v) for k, v in kwargs.items()]
-        picked = [(k, i, t) for k, i, t in flat if torch.is_tensor(t) and t.requires_grad]
-        if not picked:
-            return None
-        wrapped = _PostBackward.apply(lambda: self._post_backward(plan), *[t for _, _, t in picked])
-        new_args, new_kwargs = list(args), dict(kwargs)
-        for (k, i, _), t in zip(picked, wrapped):
-            if k is None:
-                new_args[i] = t
-            else:
-                new_kwargs[k] = t
-        return tuple(new_args), new_kwargs
+    def _hook_inputs(self, plan: ModulePlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Call ``_post_backward(plan)`` once the gradients of the module's inputs are complete (hooks only: the
+        autograd graph stays the model's own, see the module docstring)."""
+        picked = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        if picked:
+            register_multi_grad_hook(picked, lambda _grads, plan=plan: self._post_backward(plan), mode="all")
 
     # -- backward ---------------------------------------------------------------------------------
     def begin_backward(self) -> None:
