@@ -15,8 +15,9 @@ sequences free their blocks at once.
 Fast paths (issue #25; :mod:`~zerospeed.inference.fast_path_choice`): on CPU in float32, each kernel
 family (decode attention and its glue, RMSNorm, SwiGLU's gate, the skinny GEMM, the greedy head's C
 passes) runs zerospeed's C kernel (:mod:`~zerospeed.inference.cpu_kernel`) or its torch twin, and
-greedy rows take their tokens from a float32, bfloat16 or int8 LM head. ``cpu_kernels`` (auto|on|off)
-and ``greedy_head`` (auto|float32|bf16|int8) choose: ``auto`` times the candidates once per shape class
+greedy rows take their tokens from a float32, bfloat16 or int8 LM head. ``cpu_kernels`` (auto|on|off),
+``packed_linear`` (auto|on|off: float32 linears and LM head through oneDNN on weights packed once,
+:mod:`zerospeed.ops.packed_linear`) and ``greedy_head`` (auto|float32|bf16|int8) choose: ``auto`` times the candidates once per shape class
 (a few eagerly at build, the rest when first served) and keeps the fastest, a forced value is used or
 is an error naming the switch. The choice is logged once at build (logger ``zerospeed``; also
 ``InferenceEngine.fast_path_report``). ``attention_backend`` (auto|torch|cpu_kernel, older) sets the
@@ -56,7 +57,8 @@ import torch
 from zerospeed.inference.api import EngineStats, RequestError, RequestOutput, SamplingParams
 from zerospeed.inference.attention import AttentionMetadata, Workspace
 from zerospeed.inference.constraints import Guides, PendingMasks
-from zerospeed.inference.fast_path_choice import CpuKernels, quiet_choices, set_model_kernels
+from zerospeed.inference.fast_path_choice import (CpuKernels, PackedLinears, quiet_choices, set_model_kernels,
+                                                  set_model_packed)
 from zerospeed.inference.forward_plan import ForwardPlanner
 from zerospeed.inference.kv_cache import BlockAllocator, KVCache, kv_cache_bytes
 from zerospeed.inference.models import CausalLM, ModelSpec, TPInfo, load_model
@@ -142,7 +144,7 @@ class InferenceEngine:
                  tp: TPInfo = TPInfo(), kv_cache_memory: int | None = None,
                  max_prefill_tokens_with_decodes: int | None = None, attention_backend: str = "auto",
                  prefill_first: bool = True, max_decode_kv_bytes: int | str | None = None,
-                 greedy_head: str = "auto", cpu_kernels: str = "auto") -> None:
+                 greedy_head: str = "auto", cpu_kernels: str = "auto", packed_linear: str = "auto") -> None:
         self.model = model
         self.spec = spec
         self.tokenizer = tokenizer
@@ -158,7 +160,8 @@ class InferenceEngine:
         self.kv_cache_memory = kv_cache_memory
         self.workspace = Workspace()  # attention's gather buffers, reused by every forward
         with quiet_choices():  # the start-up line below reports them
-            self._setup_fast_paths(attention_backend, greedy_head, cpu_kernels, max_num_seqs, max_model_len)
+            self._setup_fast_paths(attention_backend, greedy_head, cpu_kernels, max_num_seqs, max_model_len,
+                                   packed_linear)
         self.allocator = BlockAllocator(num_blocks, block_size)
         kv_token_bytes = kv_cache_bytes(spec.num_layers, 1, 1, kv_heads, spec.head_dim, dtype)
         if max_decode_kv_bytes == "auto":
@@ -183,7 +186,7 @@ class InferenceEngine:
         self.spmd = False  # every rank schedules and samples the same (init_inference); no broadcast
 
     def _setup_fast_paths(self, attention_backend: str, greedy_head: str, cpu_kernels: str, max_num_seqs: int,
-                          max_model_len: int) -> None:
+                          max_model_len: int, packed_linear: str = "auto") -> None:
         """Resolve ``cpu_kernels`` / ``greedy_head`` (config value > ``ZEROSPEED_FAST_PATHS`` > auto), measure
         the eager shape classes, log the choice once."""
         start = time.perf_counter()
@@ -192,7 +195,13 @@ class InferenceEngine:
         fits = self.device.type == "cpu" and self.dtype == torch.float32
         kernels = CpuKernels(cpu_kernels, source="cpu_kernels", applies=fits,
                              why_not_applies=f"{str(self.dtype).replace('torch.', '')} on {self.device.type}")
-        self.planner = ForwardPlanner(self.model, self.spec, self.tp.size, kernels, attention_backend, self.block_size)
+        # tensor-parallel ranks would time differently and round differently: auto is off there
+        packed = PackedLinears("off" if self.tp.size > 1 and resolve_setting("packed_linear", packed_linear) == "auto"
+                               else packed_linear, applies=fits,
+                               why_not_applies=f"{str(self.dtype).replace('torch.', '')} on {self.device.type}")
+        set_model_packed(self.model, packed)
+        self.planner = ForwardPlanner(self.model, self.spec, self.tp.size, kernels, attention_backend, self.block_size,
+                                      packed)
         self.attention_backend = "cpu_kernel" if self.planner.live and self.planner.attention_forced is not False \
             else "torch"
         set_model_kernels(self.model, kernels)
@@ -526,10 +535,10 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                  max_prefill_tokens_with_decodes: int | None = DEFAULT_PREFILL_WITH_DECODES,
                  attention_backend: str = "auto", prefill_first: bool = True,
                  max_decode_kv_bytes: int | str | None = "auto", greedy_head: str = "auto",
-                 cpu_kernels: str = "auto") -> InferenceEngine:
+                 cpu_kernels: str = "auto", packed_linear: str = "auto") -> InferenceEngine:
     """Load ``model_dir`` (an HF folder) into an :class:`InferenceEngine`. Errors name the argument.
 
-    ``greedy_head`` (auto|float32|bf16|int8) and ``cpu_kernels`` (auto|on|off): the fast-path switches
+    ``greedy_head`` (auto|float32|bf16|int8), ``cpu_kernels`` and ``packed_linear`` (auto|on|off): the fast-path switches
     (see the module docstring); ``auto`` measures, and ``ZEROSPEED_FAST_PATHS`` may set them per process.
 
     ``max_decode_kv_bytes``: admission bound on the K/V the running sequences hold at their longest
@@ -556,6 +565,7 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
         raise ValueError(f"prefill_first: must be True or False, got {prefill_first!r}")
     resolve_setting("greedy_head", greedy_head, "greedy_head")  # bad values fail before the model loads
     resolve_setting("cpu_kernels", cpu_kernels, "cpu_kernels")
+    resolve_setting("packed_linear", packed_linear, "packed_linear")
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: {attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
@@ -595,7 +605,7 @@ def build_engine(model_dir: str, *, dtype: Any = "fp32", block_size: int = 16, n
                              max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
                              attention_backend=attention_backend, prefill_first=prefill_first,
                              max_decode_kv_bytes=max_decode_kv_bytes, greedy_head=greedy_head,
-                             cpu_kernels=cpu_kernels)
+                             cpu_kernels=cpu_kernels, packed_linear=packed_linear)
     if tp.size > 1 and tp.rank == 0:
         from zerospeed.inference.tp_runtime import attach_rank0
 

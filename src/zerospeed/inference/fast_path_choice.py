@@ -48,6 +48,7 @@ from typing import Any, Callable
 import torch
 
 from zerospeed.inference import cpu_kernel
+from zerospeed.ops import packed_linear
 from zerospeed.ops.fast_paths import Candidate, FastPathError, default_chooser, resolve_setting, thread_cpu_clock
 
 log = logging.getLogger("zerospeed")
@@ -65,7 +66,7 @@ ATTENTION_PROBE_BYTES = 8 << 20
 #: time one candidate may take to be measured (warm-up included; at least one timed run after it): the
 #: float32 head of 16 rows over a 32000 x 256 vocabulary takes ~5 ms a call, a kernel family's
 #: candidates from 0.01 to ~2.5 ms (attention of 16 sequences of 512 tokens in torch)
-BUDGET_S = {"greedy_head": 0.015, "cpu_kernels": 0.005}
+BUDGET_S = {"greedy_head": 0.015, "cpu_kernels": 0.005, "packed_linear": 0.01}
 
 
 #: a candidate whose warm-up took this many times the fastest one's (and more than the budget) is not
@@ -115,14 +116,18 @@ class KernelPlan:
     silu_mul: bool = False
     skinny: frozenset = frozenset()  # weight shapes (N, K) whose linears go through the skinny GEMM
     skinny_all: bool = False  # every linear the skinny GEMM can take (cpu_kernels=on's rule)
+    packed: frozenset = frozenset()  # weight shapes (N, K) whose linears run on oneDNN's packed weight
     any: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "any", bool(self.attention or self.rms_norm or self.silu_mul or self.skinny
-                                             or self.skinny_all))
+                                             or self.skinny_all or self.packed))
 
     def use_skinny(self, weight: torch.Tensor) -> bool:
         return self.skinny_all or weight.shape in self.skinny
+
+    def use_packed(self, weight: torch.Tensor) -> bool:
+        return weight.shape in self.packed
 
     def describe(self) -> str:
         fams = [f"attention {'C' if self.attention else 'torch'}", f"rms_norm {'C' if self.rms_norm else 'torch'}",
@@ -133,6 +138,8 @@ class KernelPlan:
             fams.append("skinny_gemm C for " + ", ".join(f"{n}x{k}" for n, k in sorted(self.skinny)))
         else:
             fams.append("skinny_gemm torch")
+        if self.packed:
+            fams.append("packed_linear for " + ", ".join(f"{n}x{k}" for n, k in sorted(self.packed)))
         return ", ".join(fams)
 
 
@@ -198,6 +205,70 @@ class CpuKernels:
             hit = choose("cpu_kernels", key, candidates(), "auto", self.source) == "on"
             self._cache[key] = hit
         return hit
+
+
+class PackedLinears:
+    """The ``packed_linear`` switch of one model: float32 CPU linears (the decoder blocks' and the LM head's)
+    on weights packed once for oneDNN (:mod:`zerospeed.ops.packed_linear`) or the plain path. ``off``: never;
+    ``on``: every float32 linear it can take (an error naming ``source`` where oneDNN's float32 linear does
+    not run here); ``auto``: per weight shape and rows class where it was timed faster than the path it
+    would replace (:meth:`use`)."""
+
+    def __init__(self, setting: str = "auto", *, source: str = "packed_linear", applies: bool = True,
+                 why_not_applies: str = "") -> None:
+        self.setting = resolve_setting("packed_linear", setting, source)
+        self.source = source
+        self.live, self.why = False, ""
+        self._cache: dict[tuple, bool] = {}
+        if self.setting == "off":
+            self.why = f"{source}=off"
+        elif not applies:
+            if self.setting == "on":
+                raise FastPathError(f"{source}: 'on' needs float32 on CPU ({why_not_applies})")
+            self.why = why_not_applies
+        else:
+            ok, why = packed_linear.available()
+            if not ok and self.setting == "on":
+                raise FastPathError(f"{source}: 'on' but oneDNN's packed float32 linear cannot run here: {why}")
+            self.live, self.why = ok, why
+
+    def describe(self) -> str:
+        state = "oneDNN" if self.live else (f"not used: {self.why}" if self.why else "not used")
+        return f"packed_linear={self.setting} ({state})"
+
+    def use(self, shape_class: tuple, candidates: Callable[[], dict[str, Candidate]]) -> bool:
+        """Whether the linear of ``shape_class`` runs packed: never when not live, always with ``on``, else
+        measured once (``candidates()``: ``{"off": the plain path, "on": packed}``)."""
+        if not self.live:
+            return False
+        if self.setting == "on":
+            return True
+        hit = self._cache.get(shape_class)
+        if hit is None:
+            hit = self._cache[shape_class] = choose("packed_linear", shape_class, candidates(), "auto",
+                                                    self.source) == "on"
+        return hit
+
+
+def model_packed(model: Any) -> PackedLinears:
+    """The model's :class:`PackedLinears` (set by the engine; for a bare model, ``auto`` made on first use)."""
+    p = model.__dict__.get("_packed_linears")
+    if p is None:
+        w = getattr(getattr(model, "lm_head", None), "weight", None)
+        applies = w is not None and w.device.type == "cpu" and w.dtype == torch.float32
+        p = model.__dict__["_packed_linears"] = PackedLinears("auto", applies=applies,
+                                                              why_not_applies="not float32 on CPU")
+    return p
+
+
+def set_model_packed(model: Any, packed: PackedLinears) -> None:
+    model.__dict__["_packed_linears"] = packed
+
+
+def packed_pair(plain: Callable[[], object], packed_fn: Callable[[], object], evict: bool) -> dict[str, Candidate]:
+    """The plain path (the incumbent) and the packed one as the chooser's candidates."""
+    setup = evict_caches if evict else None
+    return {"off": Candidate(plain, setup=setup), "on": Candidate(packed_fn, setup=setup)}
 
 
 def model_kernels(model: Any) -> CpuKernels:

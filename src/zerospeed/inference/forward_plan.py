@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from zerospeed.inference import cpu_kernel
 from zerospeed.inference.fast_path_choice import (ATTENTION_PROBE_BYTES, AUTO_SKINNY_MAX_ROWS, OFF, ON_SKINNY_ROWS,
-                                                  CpuKernels, KernelPlan, _pair)
+                                                  CpuKernels, KernelPlan, PackedLinears, _pair, packed_pair)
 from zerospeed.ops.fast_paths import Candidate, FastPathError, size_class
 
 __all__ = ["ForwardPlanner"]
@@ -31,8 +31,9 @@ class ForwardPlanner:
     or ``cpu_kernels=off``), ``auto`` follows ``cpu_kernels``."""
 
     def __init__(self, model: Any, spec: Any, tp_size: int, kernels: CpuKernels, attention_backend: str,
-                 block_size: int) -> None:
+                 block_size: int, packed: PackedLinears | None = None) -> None:
         self.model, self.spec, self.kernels = model, spec, kernels
+        self.packed = packed if packed is not None else PackedLinears("off")
         self.block_size = block_size
         if attention_backend == "cpu_kernel":
             if kernels.setting == "off":
@@ -48,15 +49,19 @@ class ForwardPlanner:
         self.fused_block = block is not None and hasattr(block, "_forward_cpu")
         self.rot = spec.rotary_dim or spec.head_dim
         self.linears: list[torch.nn.Module] = []
+        self.packed_linears: list[torch.nn.Module] = []  # one linear of each weight shape packed_linear may take
         self.norm = None
         self.inter = None
         from zerospeed.inference.models.layers import RMSNorm, RowLinear
 
         if self.fused_block:
             for lin in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down):
-                if type(lin) in (torch.nn.Linear, RowLinear) and getattr(getattr(lin, "tp", None), "size", 1) == 1 \
-                        and lin.weight.shape[0] % 16 == 0:
-                    self.linears.append(lin)
+                if type(lin) in (torch.nn.Linear, RowLinear) and getattr(getattr(lin, "tp", None), "size", 1) == 1:
+                    if lin.weight.dtype == torch.float32 and lin.weight.device.type == "cpu" and \
+                            all(o.weight.shape != lin.weight.shape for o in self.packed_linears):
+                        self.packed_linears.append(lin)
+                    if lin.weight.shape[0] % 16 == 0:
+                        self.linears.append(lin)
             self.norm = block.input_norm
             if block.mlp.act is F.silu:
                 self.inter = block.mlp.inter
@@ -70,16 +75,17 @@ class ForwardPlanner:
     def plan(self, num_tokens: int, num_decodes: int, max_ctx: int) -> KernelPlan:
         """The plan of a forward of ``num_tokens`` tokens, ``num_decodes`` of them decodes whose longest
         context is ``max_ctx``. A cache hit is a few size classes and a dict lookup."""
-        if not self.live:
+        if not self.live and not (self.packed.live and self.packed_linears):
             return OFF
         threads = torch.get_num_threads()
-        if self.kernels.setting == "on":
+        if self.kernels.setting == "on" and self.live:
             skinny = ON_SKINNY_ROWS[0] <= num_tokens <= ON_SKINNY_ROWS[1] and threads == 1
-            key = (skinny, threads == 1)
+            key = (skinny, threads == 1, size_class(num_tokens))
             hit = self._on_plans.get(key)
             if hit is None:
+                packed = self._packed(size_class(num_tokens), threads, lambda w: skinny and w.shape[0] % 16 == 0)
                 hit = self._on_plans[key] = KernelPlan(attention=self.attention_forced is not False, rms_norm=True,
-                                                       silu_mul=threads == 1, skinny_all=skinny)
+                                                       silu_mul=threads == 1, skinny_all=skinny, packed=packed)
             return hit
         key = (size_class(num_tokens), size_class(num_decodes) if num_decodes else 0,
                size_class(max_ctx) if num_decodes else 0, threads)
@@ -113,7 +119,37 @@ class ForwardPlanner:
                 shape = tuple(lin.weight.shape)
                 if k.use("skinny_gemm", (rows, *shape, threads), lambda lin=lin: self._skinny_candidates(lin, rows)):
                     skinny.add(shape)
-        return KernelPlan(attention=attention, rms_norm=rms, silu_mul=silu, skinny=frozenset(skinny))
+        packed = self._packed(rows, threads, lambda w: w.shape in skinny)
+        return KernelPlan(attention=attention, rms_norm=rms, silu_mul=silu, skinny=frozenset(skinny), packed=packed)
+
+    def _packed(self, rows: int, threads: int, skinny: Any) -> frozenset:
+        """The weight shapes whose linears run packed for oneDNN in a forward of ``rows`` (a class) tokens:
+        each timed against the path it would replace (the skinny GEMM where ``skinny(weight)``, else
+        ``F.linear``), once per shape class; all of them with ``packed_linear=on``."""
+        out = set()
+        for lin in self.packed_linears:
+            shape = tuple(lin.weight.shape)
+            key = ("block", rows, *shape, threads, bool(skinny(lin.weight)))
+            if self.packed.use(key, lambda lin=lin: self._packed_candidates(lin, rows, bool(skinny(lin.weight)))):
+                out.add(shape)
+        return frozenset(out)
+
+    def _packed_candidates(self, lin: torch.nn.Module, rows: int, skinny: bool) -> dict[str, Candidate]:
+        from zerospeed.inference.models.layers import _derived_on
+        from zerospeed.ops import packed_linear
+
+        w, b = lin.weight, lin.bias
+        x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+        if skinny:
+            def plain() -> torch.Tensor:
+                return cpu_kernel.skinny_linear(x, _derived_on(lin, "_packed_weight", w, cpu_kernel.pack_weight), b)
+        else:
+            def plain() -> torch.Tensor:
+                return F.linear(x, w, b)
+
+        def packed() -> torch.Tensor:
+            return packed_linear.linear(x, _derived_on(lin, "_onednn_weight", w, packed_linear.pack), b)
+        return packed_pair(plain, packed, evict=rows <= AUTO_SKINNY_MAX_ROWS)
 
     # -- candidates ----------------------------------------------------------------------------------
     def _norm_candidates(self, rows: int) -> dict[str, Candidate]:
@@ -217,16 +253,16 @@ class ForwardPlanner:
     def prepare(self, rows_classes: tuple[int, ...], ctx: int) -> None:
         """Measure the plans of decode-only forwards of ``rows_classes`` sequences of ``ctx`` tokens now
         (reported at start-up; other classes are measured when first served)."""
-        if not self.live or self.kernels.setting == "on":
+        if not (self.live or (self.packed.live and self.packed_linears)) or (self.live and self.kernels.setting == "on"):
             return
         for rows in rows_classes:
             self.eager.append((f"rows {rows}", self.plan(rows, rows, ctx)))
 
     def report(self) -> str:
-        head = self.kernels.describe()
+        head = self.kernels.describe() + ", " + self.packed.describe()
         if self.attention_forced is not None and self.live:
             head += f", attention_backend={'cpu_kernel' if self.attention_forced else 'torch'}"
-        if not self.live:
+        if not self.eager and not (self.live and self.kernels.setting == "on"):
             return head
         if self.kernels.setting == "on":
             return head + ": every kernel where it applies (skinny GEMM 2-24 rows, one thread)"

@@ -149,7 +149,9 @@ class FastPathChooser:
         self.budget_s = budget_s
         self.margin = margin
         self._cache: dict[tuple, Choice] = {}
-        self._lock = threading.Lock()
+        # reentrant: a candidate may itself run code that makes a choice (the greedy head's float32 candidate
+        # computes logits, whose packed_linear choice is made on first use)
+        self._lock = threading.RLock()
         #: wall seconds spent deciding (measuring) so far: what choosing has cost this process
         self.seconds_deciding = 0.0
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from zerospeed.inference import cpu_kernel, fast_path_choice
 from zerospeed.inference.models import greedy_head as int8_head
 from zerospeed.inference.models.spec import ModelLoadError, ModelSpec
+from zerospeed.ops import packed_linear
 from zerospeed.ops.fast_paths import FastPathError, size_class
 
 
@@ -195,10 +196,35 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w, rows = getattr(self.lm_head, "weight", None), hidden.shape[0]  # None: a QuantizedLinear (quant)
+        if w is not None and hidden.dim() == 2 and hidden.dtype == torch.float32 and self._packed_head(rows):
+            return packed_linear.linear(hidden, self._derived("_lm_head_packed", w, packed_linear.pack),
+                                        self.lm_head.bias)
+        return self._plain_logits(hidden)
+
+    def _plain_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w, rows = getattr(self.lm_head, "weight", None), hidden.shape[0]
         if (w is not None and w.device.type == "cpu" and w.dtype == torch.float32 and hidden.dtype == torch.float32
                 and rows >= LOGITS_TRANSPOSED_MIN_ROWS and self.lm_head.bias is None):
             return torch.mm(hidden, self._lm_head_transposed(w))
         return self.lm_head(hidden).float()
+
+    def _packed_head(self, rows: int) -> bool:
+        """Whether ``rows`` rows of float32 logits come from the LM head packed for oneDNN (``packed_linear``:
+        forced, or timed against :meth:`_plain_logits` once per rows class and thread count)."""
+        packed = fast_path_choice.model_packed(self)
+        w = self.lm_head.weight
+        if not packed.live or type(self.lm_head) is not nn.Linear or w.dtype != torch.float32 \
+                or w.device.type != "cpu":
+            return False
+        rows_class, threads = size_class(rows), torch.get_num_threads()
+
+        def candidates() -> dict:
+            hidden = fast_path_choice.representative_hidden(self, rows_class)
+            return fast_path_choice.packed_pair(
+                lambda: self._plain_logits(hidden),
+                lambda: packed_linear.linear(hidden, self._derived("_lm_head_packed", w, packed_linear.pack),
+                                             self.lm_head.bias), evict=rows_class <= 64)
+        return packed.use(("lm_head", rows_class, *w.shape, threads), candidates)
 
     #: the greedy LM head on CPU in float32 (``greedy_head`` of the engine): "auto" (measured per
     #: shape class, see fast_path_choice), "float32" (logits and argmax), "bf16" or "int8" (an
@@ -365,8 +391,9 @@ def cpu_linear(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None 
     """``residual + layer(x)`` (or ``layer(x)``) for a float32 CPU ``nn.Linear`` / single-rank
     :class:`RowLinear`, through :func:`cpu_kernel.skinny_linear` where ``plan`` (the forward's
     :class:`~zerospeed.inference.fast_path_choice.KernelPlan`; None: ``cpu_kernels=on``'s rules) puts
-    this weight's shape on it, else ``addmm`` (the residual folded in) or the layer itself. Only with
-    the C kernels available."""
+    this weight's shape on it, or through oneDNN on a packed copy of the weight
+    (:func:`zerospeed.ops.packed_linear.linear`, the residual added in the same pass) where the plan puts
+    it there (``packed_linear``), else ``addmm`` (the residual folded in) or the layer itself."""
     if type(layer) not in (nn.Linear, RowLinear):  # e.g. a quantized replacement (compression): its own forward
         y = layer(x)
         return y if residual is None else residual + y
@@ -374,6 +401,9 @@ def cpu_linear(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None 
     plain = not isinstance(layer, RowLinear) or layer.tp.size == 1
     if plan is None:
         plan = fast_path_choice.legacy_plan(True)
+    if plain and plan.use_packed(w):  # oneDNN on the weight packed once (packed_linear)
+        packed = _derived_on(layer, "_onednn_weight", w, packed_linear.pack)
+        return packed_linear.linear(x, packed, bias, None if residual is None else residual.contiguous())
     rows = x.shape[0]
     if (plain and w.shape[0] % 16 == 0 and plan.use_skinny(w)
             and (not plan.skinny_all or SKINNY_ROWS[0] <= rows <= SKINNY_ROWS[1])):
