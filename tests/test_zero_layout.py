@@ -16,6 +16,19 @@ def test_buckets_respect_size_and_groups():
     assert [b.group_index for b in buckets] == [0, 0, 0, 1, 1]
 
 
+def test_interleaved_groups_fill_buckets_of_their_own():
+    # weight / bias alternating between two optimizer groups (decay / no decay, Muon / Adam): each group
+    # fills its own buckets rather than one bucket per run of a group (one collective per parameter)
+    shapes = [(4, 4), (4,), (4, 4), (4,), (4, 4), (4,)]
+    buckets = plan_buckets(_params(*shapes, groups=[0, 1, 0, 1, 0, 1]), 40, 1)
+    assert [[s.name for s in b.slots] for b in buckets] == [["p0", "p2"], ["p4"], ["p1", "p3", "p5"]]
+    assert [b.group_index for b in buckets] == [0, 0, 1]
+    assert [[s.offset for s in b.slots] for b in buckets] == [[0, 16], [0], [0, 4, 8]]
+    # ordered by when the last gradient of each bucket is ready (its last parameter's position)
+    assert [b.slots[-1].index for b in buckets] == sorted(b.slots[-1].index for b in buckets)
+    assert [b.index for b in buckets] == [0, 1, 2]
+
+
 def test_oversized_parameter_gets_its_own_bucket():
     buckets = plan_buckets(_params((3,), (100,), (4,)), 10, 2)
     assert [[s.name for s in b.slots] for b in buckets] == [["p0"], ["p1"], ["p2"]]

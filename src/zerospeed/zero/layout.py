@@ -12,7 +12,8 @@ says which part of which parameter each rank owns, which is how checkpoints addr
 by parameter name and global offset.
 
 Buckets never mix optimizer parameter groups (each group has its own lr / weight decay), and a
-parameter larger than the bucket size gets a bucket of its own.
+parameter larger than the bucket size gets a bucket of its own. A bucket is a run of its *group's*
+parameters in that order, so with interleaved groups its parameters need not be adjacent.
 """
 
 from __future__ import annotations
@@ -78,8 +79,13 @@ def plan_buckets(
 ) -> list[BucketLayout]:
     """Group ``(name, shape, group_index)`` entries, given in gradient-ready order, into buckets.
 
-    A new bucket starts when the optimizer group changes or when adding the next parameter would
-    exceed ``bucket_numel`` elements (a larger parameter gets a bucket of its own).
+    Each optimizer group fills buckets of its own: a parameter joins the open bucket of its group,
+    which closes when adding it would exceed ``bucket_numel`` elements (a larger parameter gets a
+    bucket of its own). Groups that interleave in the order (weight / bias groups with and without
+    weight decay, Muon's matrices and its Adam vectors) therefore still make buckets of
+    ``bucket_numel`` elements instead of one bucket per run of a group, which cost one collective
+    per parameter. The buckets are ordered by their last parameter's position, i.e. by when their
+    last gradient becomes ready, which is the order the reducer launches them in.
     ``group_world`` overrides the sharding world size of some optimizer groups (expert parameters
     of a mixture-of-experts layer are sharded over their expert-data-parallel group).
     """
@@ -87,27 +93,27 @@ def plan_buckets(
         raise ValueError(f"bucket size must be >= 1 element, got {bucket_numel}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    buckets: list[BucketLayout] = []
-    current: list[ParamSlot] = []
-    current_group = -1
-    used = 0
+    closed: list[tuple[int, list[ParamSlot], int, int]] = []  # (last index, slots, used, group)
+    open_: dict[int, tuple[list[ParamSlot], int]] = {}  # group -> (slots, used)
 
-    def close() -> None:
-        nonlocal current, used
-        if current:
-            world = (group_world or {}).get(current_group, world_size)
-            padded = -(-used // world) * world
-            buckets.append(BucketLayout(len(buckets), current_group, tuple(current), used, padded, world))
-        current, used = [], 0
+    def close(group_index: int) -> None:
+        slots, used = open_.pop(group_index)
+        closed.append((slots[-1].index, slots, used, group_index))
 
     for index, (name, shape, group_index) in enumerate(params):
         numel = 1
         for dim in shape:
             numel *= dim
-        if current and (group_index != current_group or used + numel > bucket_numel):
-            close()
-        current_group = group_index
-        current.append(ParamSlot(name, index, used, numel, tuple(shape)))
-        used += numel
-    close()
+        if group_index in open_ and open_[group_index][1] + numel > bucket_numel:
+            close(group_index)
+        slots, used = open_.get(group_index, ([], 0))
+        slots.append(ParamSlot(name, index, used, numel, tuple(shape)))
+        open_[group_index] = (slots, used + numel)
+    for group_index in list(open_):
+        close(group_index)
+    buckets: list[BucketLayout] = []
+    for _, slots, used, group_index in sorted(closed, key=lambda c: c[0]):
+        world = (group_world or {}).get(group_index, world_size)
+        padded = -(-used // world) * world
+        buckets.append(BucketLayout(len(buckets), group_index, tuple(slots), used, padded, world))
     return buckets
