@@ -196,3 +196,16 @@ def test_bf16_model_refuses_on_and_env_sets_auto(llama, monkeypatch):
     engine = build_engine(path, block_size=4, num_blocks=64)
     assert "packed_linear=off (not used: packed_linear=off)" in engine.fast_path_report
     assert not engine.model._packed_head(64) and not engine.planner.plan(16, 0, 0).packed
+
+
+def test_serve_flag(llama):
+    from zerospeed.inference.serving import cli
+    from zerospeed.inference.serving.server import ENGINE_KEYS
+
+    _, path = llama
+    args = cli.build_parser().parse_args([path, "--packed-linear", "off"])
+    assert cli.engine_kwargs(args) == {"packed_linear": "off"}
+    assert "packed_linear" not in cli.engine_kwargs(cli.build_parser().parse_args([path]))
+    with pytest.raises(cli._UsageError, match=r"--packed-linear: invalid choice: 'yes'"):
+        cli.build_parser().parse_args([path, "--packed-linear", "yes"])
+    assert "packed_linear" in ENGINE_KEYS and fast_paths.PATHS["packed_linear"] == ("auto", "off", "on")

@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-kernels", choices=CPU_KERNELS, default=None,
                    help="zerospeed's C kernels on CPU in fp32: on, off (plain torch), or auto (default: each "
                         "kernel where it builds and was timed faster than torch)")
+    p.add_argument("--packed-linear", choices=CPU_KERNELS, default=None,
+                   help="fp32 linears and LM head on CPU through oneDNN on weights packed once: on, off, or auto "
+                        "(default: per shape where it was timed faster than the plain GEMM)")
     p.add_argument("--api-key", default=os.environ.get("ZEROSPEED_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default $ZEROSPEED_API_KEY)")
     p.add_argument("--served-model-name", default=None,
@@ -158,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("dtype", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs",
             "max_model_len", "max_num_batched_tokens", "max_prefill_tokens_with_decodes", "prefill_first",
-            "max_decode_kv_bytes", "greedy_head", "cpu_kernels")
+            "max_decode_kv_bytes", "greedy_head", "cpu_kernels", "packed_linear")
     kwargs = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     for key in ("max_prefill_tokens_with_decodes", "max_decode_kv_bytes"):
         if kwargs.get(key) == "none":

@@ -37,7 +37,7 @@ DEFAULT_MAX_WAITING = 1024
 ENGINE_KEYS = ("dtype", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs",
                "max_model_len", "max_num_batched_tokens", "tensor_parallel",
                "max_prefill_tokens_with_decodes", "prefill_first", "max_decode_kv_bytes", "greedy_head",
-               "cpu_kernels")
+               "cpu_kernels", "packed_linear")
 
 
 class ServeError(ValueError):
@@ -136,7 +136,7 @@ def serve(model_dir: str | os.PathLike | None = None, *, engine: Any = None,
     ``engine_kwargs`` go to ``build_engine`` (``dtype``, ``block_size``, ``num_blocks``,
     ``kv_cache_memory``, ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``,
     ``max_prefill_tokens_with_decodes``, ``prefill_first``, ``max_decode_kv_bytes``, ``greedy_head``,
-    ``cpu_kernels``). An
+    ``cpu_kernels``, ``packed_linear``). An
     already built ``engine`` (an object with the :mod:`zerospeed.inference.api` interface) may be
     given instead; ``model_dir`` then only supplies the chat template.
     """
