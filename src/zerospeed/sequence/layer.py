@@ -16,8 +16,8 @@ line naming the head counts and the degree. The sequence shards must have the sa
 (the all-to-all exchanges equal chunks); :class:`~zerospeed.runtime.sequence_parallel.ulysses_sp.
 UlyssesSPDataLoaderAdapter` refuses a length sp does not divide, as DeepSpeed's does.
 
-Collectives: three all-to-alls forward (q, k, v) and one for the output; backward the same four, through
-:mod:`zerospeed.comm.all_to_all` (counted as ``all_to_all``).
+Collectives: one all-to-all forward for q, k and v packed together and one for the output; backward the same
+two (:mod:`zerospeed.sequence.exchange`, through comm/, counted as ``all_to_all``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from zerospeed.comm import get_world_size, is_initialized
-from zerospeed.comm.all_to_all import seq_all_to_all
+from zerospeed.sequence.exchange import heads_to_seq, seq_to_heads
 
 __all__ = ["DistributedAttention", "SequenceParallelError", "kv_replication", "check_heads"]
 
@@ -54,11 +54,6 @@ def check_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> None:
 def kv_replication(num_kv_heads: int, sp_size: int) -> int:
     """How many times each KV head is repeated before the all-to-all (1 when the KV heads divide by sp)."""
     return 1 if num_kv_heads % sp_size == 0 else sp_size // num_kv_heads
-
-
-def _replicate_kv(x: torch.Tensor, head_dim: int, sp_size: int) -> torch.Tensor:
-    factor = kv_replication(x.shape[head_dim], sp_size)
-    return x if factor == 1 else x.repeat_interleave(factor, dim=head_dim)
 
 
 class DistributedAttention(nn.Module):
@@ -93,7 +88,8 @@ class DistributedAttention(nn.Module):
             raise SequenceParallelError(f"DistributedAttention: key has {key.shape[heads]} heads, value "
                                         f"{value.shape[heads]} (dimension {heads})")
         check_heads(query.shape[heads], key.shape[heads], sp)
-        key, value = _replicate_kv(key, heads, sp), _replicate_kv(value, heads, sp)
-        q, k, v = (seq_all_to_all(t, self.spg, heads, self.gather_idx) for t in (query, key, value))
+        rep = kv_replication(key.shape[heads], sp)
+        q, k, v = heads_to_seq((query, key, value), self.spg, head_dim=heads, seq_dim=self.gather_idx,
+                               reps=(1, rep, rep))
         context = self.local_attn(q, k, v, *args, **kwargs)
-        return seq_all_to_all(context, self.spg, self.gather_idx, heads)
+        return seq_to_heads((context,), self.spg, head_dim=heads, seq_dim=self.gather_idx)[0]

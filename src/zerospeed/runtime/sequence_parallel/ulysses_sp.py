@@ -7,9 +7,10 @@
   name still runs. It returns the mesh, which answers DeepSpeed's mpu methods; pass it to
   ``zerospeed.initialize(..., mpu=mpu)``. :meth:`UlyssesSPAttentionHF.unregister_from_transformers` (a zerospeed
   addition) puts the original back.
-* The wrapper: HF's ``[batch, heads, seq/sp, head_dim]`` q/k/v go through one all-to-all each (head-sharded,
-  whole sequence), the original attention runs, and one all-to-all returns ``[batch, seq/sp, heads, head_dim]``
-  (:mod:`zerospeed.comm.all_to_all`, counted). The local shard's attention mask is discarded (it describes the
+* The wrapper: HF's ``[batch, heads, seq/sp, head_dim]`` q/k/v go through one packed all-to-all (head-sharded,
+  whole sequence; KV heads fewer than sp sent to the ranks that share them, not repeated first), the original
+  attention runs, and one all-to-all returns ``[batch, seq/sp, heads, head_dim]`` (:mod:`zerospeed.sequence.
+  exchange`, counted; two all-to-alls forward and two backward per layer). The local shard's attention mask is discarded (it describes the
   shard, not the sequence; the attention is causal over the gathered sequence, as in DeepSpeed), so padding must
   be at the end of a sample (right padding) with -100 labels.
 * :class:`UlyssesSPDataLoaderAdapter` shards each batch's sequence over the sp group, labels pre-shifted into
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from zerospeed import comm
-from zerospeed.comm.all_to_all import seq_all_to_all
+from zerospeed.sequence.exchange import heads_to_seq, seq_to_heads
 from zerospeed.sequence.layer import SequenceParallelError, check_heads, kv_replication
 from zerospeed.sequence.tiled import SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 
@@ -84,11 +85,8 @@ class UlyssesSPAttentionHF(nn.Module):
         if self.world_size == 1 or (self.disable_in_eval and not module.training):
             return self.attn(module, query, key, value, attention_mask, *args, **kwargs)
         self._check(query, key)
-        if self.kv_replication_factor > 1:
-            key = key.repeat_interleave(self.kv_replication_factor, dim=1)
-            value = value.repeat_interleave(self.kv_replication_factor, dim=1)
-        group = self.process_group
-        q, k, v = (seq_all_to_all(t, group, scatter_dim=1, gather_dim=2) for t in (query, key, value))
+        group, rep = self.process_group, self.kv_replication_factor
+        q, k, v = heads_to_seq((query, key, value), group, head_dim=1, seq_dim=2, reps=(1, rep, rep))
         if "position_ids" in kwargs and self.core_attn_implementation not in (None, "sdpa"):
             # flash-attention varlen detection reads them: the whole sequence's, in order
             kwargs["position_ids"] = _gather_seq(kwargs["position_ids"], group)
@@ -101,7 +99,7 @@ class UlyssesSPAttentionHF(nn.Module):
             if saved is not None:
                 module.num_key_value_groups = saved
         # out: [batch, seq, heads/sp, head_dim] -> [batch, seq/sp, heads, head_dim]
-        return seq_all_to_all(out, group, scatter_dim=1, gather_dim=2), weights
+        return seq_to_heads((out,), group, head_dim=2, seq_dim=1)[0], weights
 
     @classmethod
     def register_with_transformers(cls, model_name_or_path: Any, core_attn_implementation: str,
