@@ -56,6 +56,11 @@ def _heads_to_seq(xs: Sequence[torch.Tensor], reps: Sequence[int], head_dim: int
     rest = [label for label in labels if label != "H"]  # the send buffer: [R, H, *rest], rest at the local length
     widths = [x.shape[head_dim] * r // sp for x, r in zip(xs, reps)]
     shape = [sp, sum(widths)] + [xs[0].shape[labels.index(label)] for label in rest]
+    if len(xs) == 1 and reps[0] == 1:
+        view = xs[0].unflatten(head_dim, (sp, widths[0]))
+        view = view.permute(_perm(labels[:head_dim] + ["R", "H"] + labels[head_dim + 1:], ["R", "H"] + rest))
+        if view.is_contiguous():  # already in the send order: no copy
+            return _unpack_seq(_exchange(view, group), xs, widths, labels, rest, seq_dim, sp)
     send = torch.empty(shape, dtype=xs[0].dtype, device=xs[0].device)
     at = 0
     for x, rep, h in zip(xs, reps, widths):
@@ -68,7 +73,13 @@ def _heads_to_seq(xs: Sequence[torch.Tensor], reps: Sequence[int], head_dim: int
             src = x.permute(_perm(labels, ["H"] + rest)).unsqueeze(1).unsqueeze(2)  # [Hkv, 1, 1, *rest]
             dst.unflatten(0, (x.shape[head_dim], rep)).copy_(src)  # [Hkv, rep, 1, *rest]
         at += h
-    recv = _exchange(send, group)  # [R (the sender: its sequence chunk), H, *rest]
+    return _unpack_seq(_exchange(send, group), xs, widths, labels, rest, seq_dim, sp)
+
+
+def _unpack_seq(recv: torch.Tensor, xs: Sequence[torch.Tensor], widths: Sequence[int], labels: list[str],
+                rest: list[str], seq_dim: int, sp: int) -> list[torch.Tensor]:
+    """``recv`` ``[R (the sender: its sequence chunk), H, *rest]`` -> each tensor's whole sequence, its layout."""
+    head_dim = labels.index("H")
     out, at = [], 0
     recv_labels = ["R", "H"] + rest
     for x, h in zip(xs, widths):
@@ -95,13 +106,16 @@ def _seq_to_heads(ys: Sequence[torch.Tensor], reps: Sequence[int], head_dim: int
     local = ys[0].shape[seq_dim] // sp
     widths = [y.shape[head_dim] for y in ys]
     shape = [sp, sum(widths)] + [local if label == "S" else ys[0].shape[labels.index(label)] for label in rest]
-    send = torch.empty(shape, dtype=ys[0].dtype, device=ys[0].device)
-    at = 0
-    for y, h in zip(ys, widths):  # sequence chunk j goes to rank j
-        src = y.unflatten(seq_dim, (sp, local))
-        src_labels = labels[:seq_dim] + ["R", "S"] + labels[seq_dim + 1:]
-        send.narrow(1, at, h).copy_(src.permute(_perm(src_labels, ["R", "H"] + rest)))
-        at += h
+    src_labels = labels[:seq_dim] + ["R", "S"] + labels[seq_dim + 1:]
+    views = [y.unflatten(seq_dim, (sp, local)).permute(_perm(src_labels, ["R", "H"] + rest)) for y in ys]
+    if len(views) == 1 and views[0].is_contiguous():
+        send = views[0]  # already in the send order (e.g. [batch 1, seq, heads, dim]): no copy
+    else:
+        send = torch.empty(shape, dtype=ys[0].dtype, device=ys[0].device)
+        at = 0
+        for view, h in zip(views, widths):  # sequence chunk j goes to rank j
+            send.narrow(1, at, h).copy_(view)
+            at += h
     recv = _exchange(send, group)  # [R (the sender: its head chunk), H, *rest]
     out, at = [], 0
     for y, rep, h in zip(ys, reps, widths):
