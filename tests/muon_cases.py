@@ -55,8 +55,16 @@ def config(stage: int, params: dict | None = None, bucket: int = 100, **extra) -
     return cfg
 
 
-def reference_run(params: dict | None = None, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single process, plain PyTorch with zerospeed's Muon optimizer built from the same params."""
+def reference_run(params: dict | None = None, steps: int = STEPS,
+                  ranks: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single process, plain PyTorch with zerospeed's Muon optimizer built from the same params.
+
+    ``ranks`` > 1: the same algorithm as data parallelism on that many ranks, in one process: the batch is
+    split as the ranks split it, each part's mean-loss gradient is accumulated by autograd in rank order
+    (((g0 + g1) + g2) + g3, the order of comm's ordered reduce-scatter) and the sum is multiplied by 1/ranks
+    as the engine's step does. With ``ranks`` = 1 the gradient of the whole batch's mean loss is taken at
+    once, which differs from any split in rounding.
+    """
     from zerospeed.ops.optimizers import build_optimizer
 
     model = make_model()
@@ -66,10 +74,22 @@ def reference_run(params: dict | None = None, steps: int = STEPS) -> tuple[list[
     for step in range(steps):
         x, y = global_batch(step)
         opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
+        if ranks == 1:
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.item())
+        else:
+            parts = []
+            for xr, yr in zip(x.chunk(ranks), y.chunk(ranks)):
+                part = model(xr, yr)
+                part.backward()
+                parts.append(part.detach())
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / ranks)
+            losses.append(float(sum(parts)) / ranks)
         opt.step()
-        losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
