@@ -17,8 +17,8 @@ the example GPT names its embeddings ``tok_emb`` / ``pos_emb``, which that rule 
 bench passes them (and the tied head) to Adam with a ``use_muon: False`` parameter group, as a DeepSpeed
 user would have to.
 
-``--tokens_sweep K ...``: the same comparison at ZeRO-2 on 2 ranks with K times the tokens per step (micro
-batch 4*K... as gradient accumulation of K micro-batches of 4), because the ratio the +25% target is about
+``--tokens_sweep K ...``: the same comparison on 2 ranks (at ``--tokens_stages``, default ZeRO-2) with K times
+the tokens per step (micro batch 4*K... as gradient accumulation of K micro-batches of 4), because the ratio the +25% target is about
 depends on it: Newton-Schulz costs about 30*d FLOPs per Muon weight per step (5 iterations of ~3 matmuls on
 the d-wide side; ``ns_flops``), spread over N ranks, while forward+backward costs 6*T FLOPs per weight for T
 tokens per step, also spread over N ranks; so NS / (fwd+bwd) ~ 5*d / T whatever N is. The example GPT
@@ -227,7 +227,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tokens_sweep", type=int, nargs="*", default=[],
-                        help="ZeRO-2, 2 ranks: gradient accumulation K (K x the tokens per step)")
+                        help="2 ranks, each of --tokens_stages: gradient accumulation K (K x the tokens per step)")
+    parser.add_argument("--tokens_stages", type=int, nargs="+", default=[2],
+                        help="the ZeRO stages of the --tokens_sweep rows")
     parser.add_argument("--deepspeed_python", default=None, help="python of a venv with DeepSpeed 0.19.8")
     parser.add_argument("--deepspeed_stages", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--deepspeed_worlds", type=int, nargs="+", default=[2, 4])
@@ -245,7 +247,8 @@ def main() -> None:
         for stage in args.stages:
             _run(args, world, stage, 1, rows)
     for k in args.tokens_sweep:
-        _run(args, 2, 2, k, rows)
+        for stage in args.tokens_stages:
+            _run(args, 2, stage, k, rows)
     if args.onebit:
         _run(args, 2, 0, 1, rows, list(ONEBIT), "1-bit")
     if args.deepspeed_python:
@@ -256,7 +259,7 @@ def main() -> None:
         "this shared machine; gloo's waits block rather than spin); train_step_s: "
         "forward+backward+step; state_vs_adamw: optimizer-state bytes per rank, whole model (Muon's weights hold 1 "
         "buffer, Adam's 2)",
-        "part 'tokens': ZeRO-2, 2 ranks, K micro-batches accumulated per step; NS/(fwd+bwd) FLOPs ~ 5*d/T "
+        "part 'tokens': 2 ranks at each of --tokens_stages, K micro-batches accumulated per step; NS/(fwd+bwd) FLOPs ~ 5*d/T "
         "(d = d_model, T = tokens_per_step), so the train-step ratio falls toward 1 as T grows",
         "part 'vs DeepSpeed': bench/optim_worker.py, same script/model/batches under both libraries, DeepSpeed's "
         "name rule tags tok_emb/pos_emb onto Muon in both; DeepSpeed iterates Newton-Schulz in fp16 for ns_method gram "
