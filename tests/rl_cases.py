@@ -190,10 +190,15 @@ def sync_case(folder: str, address: str, prompt: list[int], max_new_tokens: int,
                 bucket, pos = registry.lookup(p)
                 adapter_bytes += bucket.layout.slots[pos].numel * 4
     model_bytes = sum(b.layout.slots[i].numel * 4 for b in buckets for i in range(len(b.layout.slots)))
+    own = 0  # bytes of the model inside this rank's shards (persistent buckets are whole everywhere)
+    for b in (b for b in buckets if not b.persistent):
+        lo, hi = b.shard_start, b.shard_end
+        own += sum(max(0, min(hi, s.offset + s.numel) - max(lo, s.offset)) * 4 for s in b.layout.slots)
     return {"tokens": tokens, "version": report.version, "payload_bytes": report.payload_bytes,
             "sent_bytes": sent, "num_buckets": report.num_buckets, "bucket_bytes": report.bucket_bytes,
             "peak_gathered_bytes": report.peak_gathered_bytes, "max_bucket_bytes": max(b.full_bytes for b in buckets),
-            "adapter_bytes": adapter_bytes, "model_bytes": model_bytes, "send_buffer_bytes": report.send_buffer_bytes}
+            "adapter_bytes": adapter_bytes, "model_bytes": model_bytes, "send_buffer_bytes": report.send_buffer_bytes,
+            "own_shard_bytes": own, "trainer_send_bytes": sent}
 
 
 def refused_sync_case(folder: str, address: str) -> str:

@@ -64,6 +64,8 @@ def test_sync_weights_to_a_serve_subprocess(folder: Path) -> None:
         assert r["version"] == 1 and lora[1]["version"] == 1
         assert r["payload_bytes"] == r["adapter_bytes"] == r["sent_bytes"]  # only adapter bytes travel
         assert lora[1]["sent_bytes"] == 0  # dp rank 0 alone talks to the server
+        for rank in lora:  # the adapters are gathered from their ZeRO-3 buckets: one bucket at a time
+            assert 0 < rank["peak_gathered_bytes"] <= rank["max_bucket_bytes"]
         text1, fp1 = _complete(url)
         assert fp1 == "weights-v1" and text1 == tok.decode(r["tokens"]) and text1 != text0
 
@@ -87,8 +89,12 @@ def test_sync_weights_to_a_serve_subprocess(folder: Path) -> None:
         assert r["payload_bytes"] == r["model_bytes"] == r["sent_bytes"]
         # two buffers of half a bucket: one on the wire while the other fills
         assert r["num_buckets"] == -(-r["payload_bytes"] // 2048) and r["send_buffer_bytes"] == 4096
-        for rank in full:  # trainer memory during the sync: one ZeRO-3 bucket gathered at a time + the buffer
-            assert 0 < rank["peak_gathered_bytes"] <= rank["max_bucket_bytes"]
+        # trainer memory during a full sync: read from the shards, nothing gathered; rank 0 holds the two
+        # half-bucket message buffers (one bucket), the other rank sends views of its shard
+        for rank in full:
+            assert rank["peak_gathered_bytes"] == 0
+        # the other rank's bytes reach rank 0 once, point to point: its share of the model, no more
+        assert 0 < full[1]["trainer_send_bytes"] == full[1]["own_shard_bytes"] < r["model_bytes"]
         text2, fp2 = _complete(url)
         assert fp2 == "weights-v2" and text2 == tok.decode(r["tokens"])
         by_version = {"weights-v1": text1, "weights-v2": text2}

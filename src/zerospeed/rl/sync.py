@@ -4,12 +4,15 @@ Every data-parallel rank calls it (the ZeRO-3 gathers are collectives); data-par
 generator (``zerospeed serve --weight-update-group HOST:PORT``; the protocol is in
 :mod:`zerospeed.inference.serving.weight_sync`).
 
-Streaming from the shards: the weights are read in one pass over the ZeRO-3 buckets
-(:func:`zerospeed.rl.weights.run_pass`), one HF tensor at a time, each bucket gathered once and released after
-its last tensor; the bytes go into two send buffers of ``bucket_bytes / 2`` (one bucket of memory together):
-while one is on the wire (an asynchronous send), the pass fills the other. So the trainer holds at most the ZeRO-3
-bucket being read plus one sync bucket, never the whole model. A PEFT model is sent merged (base plus
-adapters, computed per tensor) in full mode; ``lora_only=True`` sends the adapters' A and B matrices alone.
+Streaming from the shards: the bytes go into two send buffers of ``bucket_bytes / 2`` (one bucket of memory
+together): while one is on the wire (an asynchronous send), the sync fills the other. A full sync reads the
+ZeRO-3 shards directly (:mod:`zerospeed.rl.shard_stream`): dp rank 0 copies its own shards' bytes into the
+buffer and receives the other ranks' bytes straight into it, point to point; no bucket is ever gathered, so the
+trainer grows by the two buffers (one bucket) on rank 0 and by nothing elsewhere. What that cannot read (a PEFT
+model, sent merged: base plus adapters computed per tensor; ``lora_only=True``, the adapters' A and B alone;
+offloaded parameters) goes through one pass over the ZeRO-3 buckets (:func:`zerospeed.rl.weights.run_pass`),
+one HF tensor at a time, each bucket gathered once and released after its last tensor: at most the ZeRO-3
+bucket being read plus one sync bucket, never the whole model.
 
 Counting: every buffer sent is recorded in :data:`zerospeed.comm.COUNTER` as a ``send`` (the pair group is
 outside the mesh, so comm/'s wrappers cannot carry it); :class:`SyncReport` has the bytes, the time and the peak
@@ -28,6 +31,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.inference.serving import weight_sync as wire
+from zerospeed.rl import shard_stream
 from zerospeed.rl.weights import Job, WeightSource, bucket_of, run_pass
 
 DEFAULT_BUCKET_BYTES = 32 << 20
@@ -46,7 +50,7 @@ class SyncReport:
     send_seconds: float  # rank 0: time spent waiting for sends
     pass_seconds: float  # the pass over the shards: gathers, reads, packing, sends (until the last byte left)
     reply_seconds: float  # rank 0: from the last byte sent to the server's answer (its staging check and swap)
-    peak_gathered_bytes: int  # ZeRO-3 buckets gathered at once during the pass, at most
+    peak_gathered_bytes: int  # ZeRO-3 buckets gathered at once during the pass, at most (0 read from the shards)
     send_buffer_bytes: int
 
 
@@ -108,6 +112,7 @@ class _Sender:
         half = max(1, min(bucket_bytes // 2 if bucket_bytes > 1 else 1, max(total, 1)))
         self.bufs = [torch.empty(half, dtype=torch.uint8) for _ in range(2)]
         self.works: list[Any] = [None, None]
+        self.recvs: list[list[Any]] = [[], []]
         self.cur = 0
         self.fill = 0
         self.sent = 0
@@ -134,6 +139,25 @@ class _Sender:
             self.error = self.error or exc
         self.send_s += time.perf_counter() - start
 
+    def reserve(self, n: int) -> torch.Tensor:
+        """The next ``n`` bytes of the message being filled (``n`` never crosses its end), to be written in place
+        (a copy, or a receive registered with :meth:`pending`) and then :meth:`commit` ted."""
+        if self.fill == 0:
+            self._wait(self.cur)  # this buffer's previous message has left
+        buf = self.bufs[self.cur]
+        if self.fill + n > buf.numel():
+            raise RuntimeError(f"internal: {n} bytes reserved with {buf.numel() - self.fill} left in the message")
+        return buf.narrow(0, self.fill, n)
+
+    def pending(self, work: Any) -> None:
+        """A receive writing into the current message: waited for before the message is sent."""
+        self.recvs[self.cur].append(work)
+
+    def commit(self, n: int) -> None:
+        self.fill += n
+        if self.fill == self.bufs[self.cur].numel():
+            self.flush()
+
     def add(self, t: torch.Tensor) -> None:
         data = t.detach().contiguous().reshape(-1).view(torch.uint8)
         pos = 0
@@ -152,6 +176,12 @@ class _Sender:
         """Send the current buffer's bytes (asynchronously) and switch to the other buffer."""
         if not self.fill:
             return
+        recvs, self.recvs[self.cur] = self.recvs[self.cur], []
+        for work in recvs:  # the other ranks' bytes of this message (collectives: never skipped on error)
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001
+                self.error = self.error or exc
         if self.pg is not None and self.error is None:
             try:
                 self.works[self.cur] = self.pg.send([self.bufs[self.cur].narrow(0, 0, self.fill)], 0, 0)
@@ -181,7 +211,12 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
     start = time.perf_counter()
     rl = engine.__dict__.get("rl")
     source = rl.rollout.source if rl is not None and rl._rollout is not None else WeightSource(engine.module)
-    entries, jobs = _entries(source, lora_only)
+    direct = not lora_only and shard_stream.usable(source, engine.dp_group)
+    if direct:  # straight from the shards, no all-gather (see zerospeed.rl.shard_stream)
+        entries, tasks = shard_stream.entries(source)
+        jobs = []
+    else:
+        entries, jobs = _entries(source, lora_only)
     ordered = []
     for job in jobs:
         params = job.params or [p for n in job.names for p in source.params_of(n)]
@@ -191,9 +226,10 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
             if b is not None and all(b is not c for c in buckets):
                 buckets.append(b)
         ordered.append((job, buckets))
-    order = sorted(range(len(ordered)), key=lambda i: min((b.index for b in ordered[i][1]), default=-1))
-    ordered = [ordered[i] for i in order]
-    entries = [entries[i] for i in order]
+    if not direct:
+        order = sorted(range(len(ordered)), key=lambda i: min((b.index for b in ordered[i][1]), default=-1))
+        ordered = [ordered[i] for i in order]
+        entries = [entries[i] for i in order]
     total = sum(wire.entry_nbytes(e) for e in entries)
     rank0 = comm.get_rank(engine.dp_group) == 0
     client, connect_error = None, None
@@ -209,7 +245,7 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
     sender.error = connect_error
     manifest = json.dumps(entries).encode()
     n_buckets = -(-total // sender.message_bytes) if total else 0
-    owners = {id(b.owner): b.owner for _, bs in ordered for b in bs}
+    owners = {} if direct else {id(b.owner): b.owner for _, bs in ordered for b in bs}
     baseline = sum(o.live_bytes for o in owners.values())
     for o in owners.values():
         o.live_peak_bytes = o.live_bytes
@@ -221,8 +257,10 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
         except Exception as exc:  # noqa: BLE001
             sender.error = exc
     pass_start = time.perf_counter()
-    # every rank runs the pass (its gathers are collectives); dp rank 0 alone reads and packs what it sends
-    run_pass(ordered, consume=(lambda job: sender.add(job.thunk())) if rank0 else (lambda job: None))
+    if direct:
+        shard_stream.stream(source, tasks, sender, engine.dp_group, rank0)
+    else:  # every rank runs the pass (its gathers are collectives); dp rank 0 alone reads and packs what it sends
+        run_pass(ordered, consume=(lambda job: sender.add(job.thunk())) if rank0 else (lambda job: None))
     sender.finish()
     pass_s = time.perf_counter() - pass_start
     peak = sum(o.live_peak_bytes for o in owners.values()) - baseline

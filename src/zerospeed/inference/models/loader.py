@@ -116,16 +116,7 @@ class TensorReader:
 
     def finish(self, model: torch.nn.Module) -> None:
         """Raise naming every problem, or copy every tensor into ``model`` (all its parameters)."""
-        unexpected = sorted(k for k in self._location if k not in self._used and not _IGNORABLE.search(k))
-        problems = []
-        if self._missing:
-            problems.append(f"missing tensors: {_listing(self._missing)}")
-        if self._mismatched:
-            problems.append(f"mismatched tensors: {_listing(self._mismatched)}")
-        if unexpected:
-            problems.append(f"unexpected tensors: {_listing(unexpected)}")
-        if problems:
-            raise ModelLoadError(f"{self.model_dir}: " + "; ".join(problems))
+        self.check()
         filled = set()
         for param, thunk in self._jobs:
             t = thunk()
@@ -138,6 +129,19 @@ class TensorReader:
         if unfilled:
             raise ModelLoadError(f"internal: parameters not loaded: {_listing(unfilled)}")
         self._loaded.clear()
+
+    def check(self) -> None:
+        """Raise naming every missing, mismatched or unexpected tensor of the plan (nothing copied)."""
+        unexpected = sorted(k for k in self._location if k not in self._used and not _IGNORABLE.search(k))
+        problems = []
+        if self._missing:
+            problems.append(f"missing tensors: {_listing(self._missing)}")
+        if self._mismatched:
+            problems.append(f"mismatched tensors: {_listing(self._mismatched)}")
+        if unexpected:
+            problems.append(f"unexpected tensors: {_listing(unexpected)}")
+        if problems:
+            raise ModelLoadError(f"{self.model_dir}: " + "; ".join(problems))
 
 
 def _listing(names: list[str], limit: int = 12) -> str:

@@ -12,11 +12,16 @@ One sync, over that group (all tensors are CPU tensors; ``tag`` 0):
    "dtype", "scaling"}``, A then B in the payload);
 2. trainer -> server: the payload in ``buckets`` messages of ``bucket bytes`` (the last may be shorter): the
    tensors' bytes back to back, a tensor may span buckets;
-3. the server stages the tensors (never touching the served weights), then asks the engine loop to swap them
-   in between two engine steps with no request in the engine
-   (:meth:`~zerospeed.inference.serving.engine_loop.EngineLoop.request_update`): the family's own loader
-   checks every name and shape before it copies anything, the prefix cache is emptied (its K/V came from the
-   old weights), and the version goes up by one;
+3. full sync: the family's own load plan checks every name and shape of the manifest before the payload
+   arrives; the server receives into a ring of ``RING_BUCKETS`` preallocated buckets (kept between syncs) and
+   applies each bucket as it lands: every parameter whose tensors are complete is converted (fused, cast) into
+   a *shadow* copy of the served weights, while later buckets are still on the wire. After the last bucket
+   the engine loop swaps the shadow tensors in between two engine steps with no request in the engine
+   (:meth:`~zerospeed.inference.serving.engine_loop.EngineLoop.request_update`): a pointer swap per parameter,
+   no copy; the old tensors become the next sync's shadow (server memory: one more copy of the weights plus
+   the ring). LoRA delta: the (small) payload is staged whole, and the loader copies it in on the engine
+   thread. Either way the prefix cache is emptied (its K/V came from the old weights), and the version goes
+   up by one;
 4. server -> trainer: ``int64[3]`` = ``status (0 ok), weights version, message bytes`` and the message.
 
 A sync that breaks (the trainer killed, a timeout, a bad manifest) leaves the served weights and version as
@@ -99,6 +104,133 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
+RING_BUCKETS = 4  # receives posted ahead in a full sync (the trainer has two buffers in flight)
+
+
+class _Refused(Exception):
+    """A sync the server read to its end and refuses (``__cause__`` says why); the connection stays good."""
+
+
+def _check_sizes(manifest: list[dict[str, Any]], num_buckets: int, bucket_bytes: int, total: int) -> None:
+    if sum(entry_nbytes(e) for e in manifest) != total:
+        raise WeightSyncError("manifest and payload sizes disagree")
+    if bucket_bytes < 1 or num_buckets != -(-total // bucket_bytes):
+        raise WeightSyncError(f"{num_buckets} buckets of {bucket_bytes} bytes for {total} payload bytes")
+
+
+class _StreamPlan:
+    """One full sync's load plan over the manifest: the family's ``load_weights`` run against the manifest's
+    names and shapes (checked before any byte arrives), then fed the payload bucket by bucket (:meth:`take`);
+    each plan job (one served parameter) runs as soon as every tensor it reads has arrived, into the parameter's
+    shadow tensor. Tensors wholly inside one bucket are read in place when their job can run at once, else copied
+    out (a job waiting for a later bucket, or a tensor spanning buckets)."""
+
+    def __init__(self, engine: Any, manifest: list[dict[str, Any]], shadow: dict[int, torch.Tensor]) -> None:
+        import importlib
+
+        from zerospeed.inference.models.loader import TensorReader
+
+        plan = self
+        meta = {e["name"]: torch.empty(e["shape"], dtype=_DTYPES[e["dtype"]], device="meta") for e in manifest}
+
+        class Reader(TensorReader):
+            def get(self, name: str, shape: tuple[int, ...]) -> Any:
+                plan._pending.append(name)
+                return super().get(name, shape)
+
+            def assign(self, param: torch.nn.Parameter, thunk: Any) -> None:
+                plan._jobs.append((param, tuple(plan._pending), thunk))
+                plan._pending = []
+
+            def _read(self, name: str) -> torch.Tensor:
+                return plan._ready[name].to(device=self.device, dtype=self.dtype)
+
+        self._pending: list[str] = []
+        self._jobs: list[tuple[torch.nn.Parameter, tuple[str, ...], Any]] = []
+        self._ready: dict[str, torch.Tensor] = {}
+        reader = Reader("<weight sync>", engine.dtype, engine.device, state_dict=meta)
+        importlib.import_module(f"zerospeed.inference.models.{engine.spec.family}").load_weights(engine.model, reader)
+        reader.check()  # names and shapes, before any payload byte
+        jobbed = {id(p) for p, _, _ in self._jobs}
+        unfilled = [n for n, p in engine.model.named_parameters() if id(p) not in jobbed]
+        if unfilled:
+            raise WeightSyncError(f"internal: served parameters the sync would not fill: {', '.join(unfilled[:5])}")
+        self.params = list({id(p): p for p, _, _ in self._jobs}.values())
+        for p in self.params:
+            s = shadow.get(id(p))
+            if s is None or s.shape != p.shape or s.stride() != p.stride() or s.dtype != p.dtype:
+                shadow[id(p)] = torch.empty_like(p.data)  # same strides as the served tensor
+        self._shadow = shadow
+        self._entries = []  # (start, end, name, dtype, shape)
+        offset = 0
+        for e in manifest:
+            n = entry_nbytes(e)
+            self._entries.append((offset, offset + n, e["name"], _DTYPES[e["dtype"]], e["shape"]))
+            offset += n
+        self._next_entry = 0
+        self._partial: dict[str, torch.Tensor] = {}
+        self._missing = {i: len(set(names)) for i, (_, names, _) in enumerate(self._jobs)}
+        self._jobs_of: dict[str, list[int]] = {}
+        for i, (_, names, _) in enumerate(self._jobs):
+            for name in set(names):
+                self._jobs_of.setdefault(name, []).append(i)
+        self._uses = {name: len(js) for name, js in self._jobs_of.items()}
+        self.num_done = 0
+
+    def take(self, start: int, data: torch.Tensor) -> None:
+        """The payload bytes ``[start, start + len(data))`` arrived (``data`` is reused after this call)."""
+        end = start + data.numel()
+        in_place: list[str] = []
+        while self._next_entry < len(self._entries):
+            e0, e1, name, dtype, shape = self._entries[self._next_entry]
+            if e0 >= end:
+                break
+            lo, hi = max(e0, start), min(e1, end)
+            if e0 >= start and e1 <= end:  # wholly inside this bucket: a view, for now
+                raw = data.narrow(0, e0 - start, e1 - e0)
+                in_place.append(name)
+            else:
+                raw = self._partial.get(name)
+                if raw is None:
+                    raw = self._partial[name] = torch.empty(e1 - e0, dtype=torch.uint8)
+                raw.narrow(0, lo - e0, hi - lo).copy_(data.narrow(0, lo - start, hi - lo))
+            if e1 > end:
+                break  # continues in the next bucket
+            self._partial.pop(name, None)
+            self._arrived(name, raw.view(dtype).view(shape))
+            self._next_entry += 1
+        for name in in_place:  # still waiting for a job that needs a later bucket: copy out of the bucket
+            if name in self._ready:
+                self._ready[name] = self._ready[name].clone()
+
+    def _arrived(self, name: str, t: torch.Tensor) -> None:
+        if name not in self._jobs_of:
+            return  # ignorable (e.g. a tied lm_head.weight)
+        self._ready[name] = t
+        for i in self._jobs_of[name]:
+            self._missing[i] -= 1
+            if self._missing[i] == 0:
+                self._run(i)
+
+    def _run(self, i: int) -> None:
+        param, names, thunk = self._jobs[i]
+        t = thunk()
+        target = self._shadow[id(param)]
+        if tuple(t.shape) != tuple(target.shape):  # only a bug in a family's plan can get here
+            raise WeightSyncError(f"internal: tensor of shape {tuple(t.shape)} for parameter {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(t)
+        self.num_done += 1
+        for name in set(names):
+            self._uses[name] -= 1
+            if self._uses[name] == 0:
+                self._ready.pop(name, None)
+
+    def finish(self) -> None:
+        if self.num_done != len(self._jobs):
+            raise WeightSyncError(f"internal: {len(self._jobs) - self.num_done} parameters not filled by the sync")
+
+
 class WeightUpdateReceiver:
     """The server's thread that accepts trainers and stages their syncs (see the module docstring)."""
 
@@ -113,6 +245,8 @@ class WeightUpdateReceiver:
         self.store = dist.TCPStore(self.host, self.port, None, True, datetime.timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
         self.generation = 0
+        self._shadow: dict[int, torch.Tensor] = {}  # id(served parameter) -> its next value (full syncs)
+        self._ring: list[torch.Tensor] = []
         self.last_error: str | None = None
         self.num_syncs = 0
         self._stop = threading.Event()
@@ -150,11 +284,14 @@ class WeightUpdateReceiver:
         if magic != MAGIC:
             raise WeightSyncError(f"bad header from the trainer (magic {magic:#x})")
         manifest = json.loads(recv_bytes(pg, manifest_len, 1).decode())
-        staged = self._receive(pg, manifest, num_buckets, bucket_bytes, total)
         status, message = 0, ""
         try:
-            version = self._apply(mode, manifest, staged)
-        except Exception as exc:  # noqa: BLE001 - refused: the trainer hears why, the server keeps its weights
+            if mode == FULL:
+                version = self._apply_streamed(pg, manifest, num_buckets, bucket_bytes, total)
+            else:
+                version = self._apply(mode, manifest, self._receive(pg, manifest, num_buckets, bucket_bytes, total))
+        except _Refused as refused:  # the trainer hears why, the server keeps its weights
+            exc = refused.__cause__
             status, message, version = 1, f"{type(exc).__name__}: {exc}", self.loop.weights_version
             self.last_error = message
         reply = message.encode()
@@ -163,8 +300,7 @@ class WeightUpdateReceiver:
 
     def _receive(self, pg: Any, manifest: list[dict[str, Any]], num_buckets: int, bucket_bytes: int,
                  total: int) -> torch.Tensor:
-        if sum(entry_nbytes(e) for e in manifest) != total:
-            raise WeightSyncError("manifest and payload sizes disagree")
+        _check_sizes(manifest, num_buckets, bucket_bytes, total)
         payload = torch.empty(total, dtype=torch.uint8)  # staging: the served weights are untouched
         offset, works = 0, []
         for _ in range(num_buckets):  # every receive posted at once: the trainer's sends never wait for one
@@ -198,6 +334,12 @@ class WeightUpdateReceiver:
         return out
 
     def _apply(self, mode: int, manifest: list[dict[str, Any]], payload: torch.Tensor) -> int:
+        try:
+            return self._apply_staged(mode, manifest, payload)
+        except Exception as exc:  # noqa: BLE001 - the payload was read whole: the connection is still good
+            raise _Refused() from exc
+
+    def _apply_staged(self, mode: int, manifest: list[dict[str, Any]], payload: torch.Tensor) -> int:
         tensors = self._tensors(manifest, payload)
         if mode == LORA and not self.base_is_folder:
             raise WeightSyncError("a LoRA-delta sync needs the model folder's base weights, and a full sync has "
@@ -217,15 +359,96 @@ class WeightUpdateReceiver:
             finally:
                 done.set()
 
+        self._run_on_engine(apply, done, result)
+        if mode == FULL:
+            self.base_is_folder = False
+        self.num_syncs += 1
+        return int(result["version"])
+
+    def _run_on_engine(self, apply: Any, done: threading.Event, result: dict[str, Any]) -> None:
         self.loop.request_update(apply)
         if not done.wait(self.timeout_s):
             raise WeightSyncError(f"the engine did not reach a point between steps within {self.timeout_s:.0f} s")
         if "error" in result:
             raise result["error"]
-        if mode == FULL:
-            self.base_is_folder = False
+
+    # -- full sync, applied per bucket as it arrives --------------------------------------------------------------
+    def _apply_streamed(self, pg: Any, manifest: list[dict[str, Any]], num_buckets: int, bucket_bytes: int,
+                        total: int) -> int:
+        """Receive a full sync into a ring of preallocated buckets and apply each bucket as it arrives: every
+        tensor it completes is converted by the family's own load plan (fusing, transposing, dtype) into a
+        *shadow* copy of the served parameters (never the served ones), while the next buckets are still on
+        the wire. After the last bucket the engine thread swaps the shadow tensors in (a pointer swap per
+        parameter, no copy); the old ones become the next sync's shadow. A plan that refuses the manifest
+        (names, shapes) still drains the payload, so the trainer hears the reason."""
+        _check_sizes(manifest, num_buckets, bucket_bytes, total)
+        refused: Exception | None = None
+        try:
+            plan = _StreamPlan(self.engine, manifest, self._shadow)
+        except Exception as exc:  # noqa: BLE001
+            refused, plan = exc, None
+        ring = self._ring_buffers(min(num_buckets, RING_BUCKETS), bucket_bytes)
+        works: dict[int, Any] = {}
+
+        def post(k: int) -> None:
+            n = min(bucket_bytes, total - k * bucket_bytes)
+            works[k] = pg.recv([ring[k % len(ring)].narrow(0, 0, n)], 1, 0)
+
+        for k in range(min(len(ring), num_buckets)):
+            post(k)
+        for k in range(num_buckets):
+            works.pop(k).wait()  # a broken connection raises here: the served weights were never touched
+            data = ring[k % len(ring)].narrow(0, 0, min(bucket_bytes, total - k * bucket_bytes))
+            if plan is not None and refused is None:
+                try:
+                    plan.take(k * bucket_bytes, data)
+                except Exception as exc:  # noqa: BLE001 - keep draining the payload, then refuse
+                    refused = exc
+            if k + len(ring) < num_buckets:
+                post(k + len(ring))
+        if refused is not None:
+            raise _Refused() from refused
+        done = threading.Event()
+        result: dict[str, Any] = {}
+
+        def apply() -> int:
+            try:
+                result["version"] = self._swap_in(plan)
+                return result["version"]
+            except BaseException as exc:
+                result["error"] = exc
+                raise
+            finally:
+                done.set()
+
+        try:
+            plan.finish()
+            self._run_on_engine(apply, done, result)
+        except Exception as exc:  # noqa: BLE001
+            raise _Refused() from exc
+        self.base_is_folder = False
         self.num_syncs += 1
         return int(result["version"])
+
+    def _ring_buffers(self, count: int, bucket_bytes: int) -> list[torch.Tensor]:
+        """``count`` receive buffers of ``bucket_bytes``, kept between syncs (no fresh pages per sync)."""
+        if len(self._ring) < count or any(b.numel() < bucket_bytes for b in self._ring[:count]):
+            self._ring = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(count)]
+        return self._ring[:count]
+
+    def _swap_in(self, plan: "_StreamPlan") -> int:
+        """On the engine thread, no request in the engine: the shadow tensors become the served ones."""
+        for p in plan.params:
+            old = p.data
+            p.data = self._shadow[id(p)]
+            self._shadow[id(p)] = old
+            # caches derived from a weight (packed copies, the int8 head) key on its version and address; after
+            # two swaps the address is the old one again, so the version must move
+            torch.autograd.graph.increment_version(p)
+        alloc = self.engine.allocator
+        alloc._hash_of.clear()  # cached prefixes hold K/V of the old weights
+        alloc._block_of.clear()
+        return self.loop.weights_version + 1
 
     def _swap(self, mode: int, tensors: dict[str, Any]) -> int:
         """On the engine thread, no request in the engine: copy the new weights in (all checked first)."""
