@@ -154,6 +154,17 @@ def package_version(name: str) -> str | None:
         return None
 
 
+def _bench_env_version(name: str) -> str | None:
+    """Version of ``name`` in the DeepSpeed bench environment (``make bench-env``: .venv-bench beside this
+    repository's src/), which the side-by-side benches run DeepSpeed from; None if it is not there."""
+    root = REPO / ".venv-bench"
+    for site in sorted(root.glob("lib/python*/site-packages")):
+        for dist in importlib.metadata.distributions(path=[str(site)]):
+            if (dist.metadata["Name"] or "").lower() == name:
+                return f"{dist.version} (.venv-bench)"
+    return None
+
+
 def machine_info() -> dict[str, Any]:
     """The facts a reader needs to compare two result files: CPU, cores, memory, versions, GPU."""
     info: dict[str, Any] = {
@@ -166,7 +177,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": package_version("torch"),
         "zerospeed": package_version("zerospeed"),
-        "deepspeed": package_version("deepspeed"),
+        "deepspeed": package_version("deepspeed") or _bench_env_version("deepspeed"),
     }
     try:
         import torch
@@ -336,7 +347,7 @@ def write_results(
         f"{format_bytes(machine['memory_bytes'] or 0)} RAM"
         + (f", GPUs: {', '.join(machine['gpus'])}" if machine.get("gpus") else ""),
         f"- versions: python {machine['python']}, torch {machine['torch']}, "
-        f"zerospeed {machine['zerospeed']}, deepspeed {machine['deepspeed']}",
+        f"zerospeed {machine['zerospeed']}, deepspeed {machine['deepspeed'] or 'not installed'}",
         "- command:",
         "",
         "```",
