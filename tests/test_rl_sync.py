@@ -11,9 +11,11 @@ import json
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from rl_cases import (SYNC_FAST_PATHS, bad_sync_input_case, killed_sync_case, mismatched_sync_case,
                       refused_sync_case, sync_case)
@@ -177,3 +179,60 @@ def test_streamed_chunks_name_the_weights_version(tmp_path: Path) -> None:
         assert fingerprints() == {"weights-v7"}
     finally:
         handle.stop(5)
+
+
+def test_pair_backend_follows_the_weights_device() -> None:
+    """The pair group's backend is chosen from the device of the weights (NCCL for CUDA tensors, gloo for CPU),
+    and a trainer whose weights are on the other kind of device than the server's is refused naming both."""
+    from zerospeed.inference.serving.weight_sync import WeightSyncError, backend_for
+    from zerospeed.rl.sync import check_backend
+
+    assert backend_for("cpu") == backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for("cuda") == backend_for(torch.device("cuda", 1)) == "nccl"
+    check_backend("gloo", "cpu", "h:1")  # agreeing ends: no error
+    with pytest.raises(WeightSyncError, match=r"syncs over nccl \(its weights on CUDA\) but this trainer's weights "
+                                              r"are on cpu \(gloo\)"):
+        check_backend("nccl", "cpu", "10.0.0.2:29600")
+
+
+def _nccl_pair_end(rank: int, port: int, out: Any) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from zerospeed.inference.serving import weight_sync as wire
+
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, None, rank == 0, datetime.timedelta(seconds=60))
+    pair = wire.pair_group(store, 0, rank, 60.0, torch.device("cuda", rank))
+    payload = torch.arange(1 << 20, dtype=torch.float32, device=f"cuda:{rank}")
+    if rank == 1:  # the trainer's end: a header then a bucket, as sync_weights sends them
+        wire.send(pair, torch.tensor([wire.MAGIC, 7], dtype=torch.int64), 0)
+        pair.isend(payload.view(torch.uint8), 0).wait()
+        out.put((rank, pair.backend, True))
+    else:
+        header = torch.zeros(2, dtype=torch.int64)
+        wire.recv(pair, header, 1)
+        got = pair.empty(payload.numel() * 4)
+        pair.irecv(got, 1).wait()
+        out.put((rank, pair.backend, header.tolist() == [wire.MAGIC, 7] and bool((got.view(torch.float32)
+                                                                                 == payload).all())))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs CUDA (two devices: NCCL runs one rank per GPU) for the NCCL weight-update pair")
+@pytest.mark.timeout(120)
+def test_nccl_pair_moves_cuda_buckets() -> None:
+    """On CUDA the weight-update pair is an NCCL group and the buckets travel as CUDA tensors."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_nccl_pair_end, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=100) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert results == [(0, "nccl", True), (1, "nccl", True)]

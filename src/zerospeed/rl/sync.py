@@ -57,15 +57,33 @@ class SyncReport:
 class WeightSyncClient:
     """dp rank 0's connection to one generator server (kept on the engine between syncs)."""
 
-    def __init__(self, address: str, timeout_s: float = 120.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 120.0, device: Any = "cpu") -> None:
         self.address = address
         host, port = wire.parse_address(address, "sync_weights(address)")
         try:
             self.store = torch.distributed.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
         except Exception as exc:  # noqa: BLE001
             raise wire.WeightSyncError(f"sync_weights: no generator server at {address} ({exc})") from None
+        check_backend(self.store.get("wsync/backend").decode(), device, address)
         generation = int(self.store.get("wsync/generation").decode())
-        self.pg = wire.pair_group(self.store, generation, 1, timeout_s)
+        self.pg = wire.pair_group(self.store, generation, 1, timeout_s, device)
+
+
+def check_backend(server_backend: str, device: Any, address: str) -> None:
+    """Both ends of the pair must pick the same backend (:func:`~zerospeed.inference.serving.weight_sync.
+    backend_for`): NCCL when the weights are on CUDA, gloo on CPU."""
+    mine = wire.backend_for(device)
+    if server_backend != mine:
+        raise wire.WeightSyncError(
+            f"sync_weights: the generator at {address} syncs over {server_backend} (its weights on "
+            f"{'CUDA' if server_backend == 'nccl' else 'CPU'}) but this trainer's weights are on {torch.device(device)} "
+            f"({mine}); put both on CUDA (NCCL) or both on CPU (gloo)")
+
+
+def _device(engine: Any) -> torch.device:
+    """Where the trainer's weights live (the pair's backend follows it)."""
+    device = getattr(engine, "device", None)
+    return torch.device(device) if device is not None else torch.device("cpu")
 
 
 def _shape(p: torch.nn.Parameter) -> list[int]:
@@ -110,7 +128,7 @@ class _Sender:
     def __init__(self, pg: Any, bucket_bytes: int, total: int) -> None:
         self.pg = pg
         half = max(1, min(bucket_bytes // 2 if bucket_bytes > 1 else 1, max(total, 1)))
-        self.bufs = [torch.empty(half, dtype=torch.uint8) for _ in range(2)]
+        self.bufs = [pg.empty(half) if pg is not None else torch.empty(half, dtype=torch.uint8) for _ in range(2)]
         self.works: list[Any] = [None, None]
         self.recvs: list[list[Any]] = [[], []]
         self.cur = 0
@@ -184,7 +202,7 @@ class _Sender:
                 self.error = self.error or exc
         if self.pg is not None and self.error is None:
             try:
-                self.works[self.cur] = self.pg.send([self.bufs[self.cur].narrow(0, 0, self.fill)], 0, 0)
+                self.works[self.cur] = self.pg.isend(self.bufs[self.cur].narrow(0, 0, self.fill), 0)
             except Exception as exc:  # noqa: BLE001
                 self.error = exc
             comm.COUNTER.record("send", self.fill, 1)
@@ -238,7 +256,7 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
         client = clients.get(address)
         if client is None:
             try:
-                client = clients[address] = WeightSyncClient(address, timeout_s)
+                client = clients[address] = WeightSyncClient(address, timeout_s, _device(engine))
             except Exception as exc:  # noqa: BLE001 - the other ranks still run the pass: raise after it
                 connect_error = exc
     sender = _Sender(client.pg if client else None, bucket_bytes, total)

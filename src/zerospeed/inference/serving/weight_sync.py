@@ -1,10 +1,13 @@
 """The generator side of weight sync (issue #32): ``zerospeed serve --weight-update-group HOST:PORT``.
 
-The server hosts a ``torch.distributed`` TCP store at HOST:PORT and, on it, a two-member gloo process group
-(the server is member 0, the trainer's data-parallel rank 0 member 1): a process group of its own, outside any
-training job's world (:func:`pair_group`). The trainer's half is :func:`zerospeed.rl.sync.sync_weights`.
+The server hosts a ``torch.distributed`` TCP store at HOST:PORT and, on it, a two-member process group (the
+server is member 0, the trainer's data-parallel rank 0 member 1): a process group of its own, outside any
+training job's world (:class:`Pair`). Its backend follows the device of the served weights
+(:func:`backend_for`): gloo on CPU, NCCL on CUDA, published in the store as ``wsync/backend``; a trainer whose
+weights are on the other kind of device is refused with both named. The trainer's half is
+:func:`zerospeed.rl.sync.sync_weights`.
 
-One sync, over that group (all tensors are CPU tensors; ``tag`` 0):
+One sync, over that group (every message a tensor on the pair's device; ``tag`` 0):
 
 1. trainer -> server: a header ``int64[6]`` = ``MAGIC, mode (0 full, 1 LoRA delta), manifest bytes, buckets,
    bucket bytes, payload bytes``, then the manifest (UTF-8 JSON as ``uint8``): one entry per tensor in payload
@@ -62,31 +65,67 @@ def parse_address(text: str, what: str = "--weight-update-group") -> tuple[str, 
     return host, int(port)
 
 
-def pair_group(store: Any, generation: int, rank: int, timeout_s: float) -> Any:
-    """The two-member gloo group of one trainer connection (``rank`` 0 the server, 1 the trainer)."""
-    prefixed = dist.PrefixStore(f"wsync{generation}", store)
-    return dist.ProcessGroupGloo(prefixed, rank, 2, datetime.timedelta(seconds=timeout_s))
+def backend_for(device: Any) -> str:
+    """The pair group's backend for weights on ``device``: NCCL for CUDA tensors, gloo otherwise (CPU). Both ends
+    must agree: the server publishes its choice in the store (``wsync/backend``) and a trainer whose weights
+    live elsewhere is refused naming both."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def send(pg: Any, tensor: torch.Tensor, dst: int) -> None:
-    """One message, waited for (counted by the caller)."""
-    pg.send([tensor], dst, 0).wait()
+class Pair:
+    """The two-member process group of one trainer connection (``rank`` 0 the server, 1 the trainer), over the
+    backend :func:`backend_for` picks for ``device``; every message is a tensor on ``device``."""
+
+    def __init__(self, store: Any, generation: int, rank: int, timeout_s: float, device: Any = "cpu") -> None:
+        self.device = torch.device(device)
+        self.backend = backend_for(self.device)
+        prefixed = dist.PrefixStore(f"wsync{generation}", store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self.backend == "nccl":
+            if not dist.is_nccl_available():
+                raise WeightSyncError(f"weight sync: weights on {self.device} need NCCL, and this torch has none")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+
+    def empty(self, n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, device=self.device)
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Any:
+        return self.pg.send([tensor], dst, 0)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Any:
+        return self.pg.recv([tensor], src, 0)
 
 
-def recv(pg: Any, tensor: torch.Tensor, src: int) -> None:
-    pg.recv([tensor], src, 0).wait()
+def pair_group(store: Any, generation: int, rank: int, timeout_s: float, device: Any = "cpu") -> Pair:
+    return Pair(store, generation, rank, timeout_s, device)
 
 
-def send_bytes(pg: Any, data: bytes, dst: int) -> None:
+def send(pair: Pair, tensor: torch.Tensor, dst: int) -> None:
+    """One message, waited for (counted by the caller); moved to the pair's device first."""
+    pair.isend(tensor.to(pair.device), dst).wait()
+
+
+def recv(pair: Pair, tensor: torch.Tensor, src: int) -> None:
+    buf = tensor if tensor.device == pair.device else torch.empty_like(tensor, device=pair.device)
+    pair.irecv(buf, src).wait()
+    if buf is not tensor:
+        tensor.copy_(buf)
+
+
+def send_bytes(pair: Pair, data: bytes, dst: int) -> None:
     if data:
-        send(pg, torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+        send(pair, torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
 
 
-def recv_bytes(pg: Any, n: int, src: int) -> bytes:
+def recv_bytes(pair: Pair, n: int, src: int) -> bytes:
     if n <= 0:
         return b""
     buf = torch.empty(n, dtype=torch.uint8)
-    recv(pg, buf, src)
+    recv(pair, buf, src)
     return bytes(buf.numpy().tobytes())
 
 
@@ -192,7 +231,7 @@ class _StreamPlan:
             else:
                 raw = self._partial.get(name)
                 if raw is None:
-                    raw = self._partial[name] = torch.empty(e1 - e0, dtype=torch.uint8)
+                    raw = self._partial[name] = torch.empty(e1 - e0, dtype=torch.uint8, device=data.device)
                 raw.narrow(0, lo - e0, hi - lo).copy_(data.narrow(0, lo - start, hi - lo))
             if e1 > end:
                 break  # continues in the next bucket
@@ -261,9 +300,10 @@ class WeightUpdateReceiver:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self.store.set("wsync/backend", backend_for(self.engine.device))
             self.store.set("wsync/generation", str(self.generation))
             try:
-                pg = pair_group(self.store, self.generation, 0, self.timeout_s)
+                pg = pair_group(self.store, self.generation, 0, self.timeout_s, self.engine.device)
             except Exception as exc:  # noqa: BLE001 - nobody connected in time: offer the same generation again
                 log.debug("weight sync: no trainer yet (%s)", exc)
                 continue
@@ -277,7 +317,7 @@ class WeightUpdateReceiver:
                             self.last_error)
             self.generation += 1
 
-    def _one_sync(self, pg: Any) -> None:
+    def _one_sync(self, pg: Pair) -> None:
         header = torch.zeros(6, dtype=torch.int64)
         recv(pg, header, 1)
         magic, mode, manifest_len, num_buckets, bucket_bytes, total = (int(x) for x in header)
@@ -301,13 +341,13 @@ class WeightUpdateReceiver:
     def _receive(self, pg: Any, manifest: list[dict[str, Any]], num_buckets: int, bucket_bytes: int,
                  total: int) -> torch.Tensor:
         _check_sizes(manifest, num_buckets, bucket_bytes, total)
-        payload = torch.empty(total, dtype=torch.uint8)  # staging: the served weights are untouched
+        payload = pg.empty(total)  # staging: the served weights are untouched
         offset, works = 0, []
         for _ in range(num_buckets):  # every receive posted at once: the trainer's sends never wait for one
             n = min(bucket_bytes, total - offset)
             if n <= 0:
                 raise WeightSyncError(f"{num_buckets} buckets of {bucket_bytes} bytes for {total} payload bytes")
-            works.append(pg.recv([payload.narrow(0, offset, n)], 1, 0))
+            works.append(pg.irecv(payload.narrow(0, offset, n), 1))
             offset += n
         for work in works:
             work.wait()
@@ -387,12 +427,12 @@ class WeightUpdateReceiver:
             plan = _StreamPlan(self.engine, manifest, self._shadow)
         except Exception as exc:  # noqa: BLE001
             refused, plan = exc, None
-        ring = self._ring_buffers(min(num_buckets, RING_BUCKETS), bucket_bytes)
+        ring = self._ring_buffers(min(num_buckets, RING_BUCKETS), bucket_bytes, pg)
         works: dict[int, Any] = {}
 
         def post(k: int) -> None:
             n = min(bucket_bytes, total - k * bucket_bytes)
-            works[k] = pg.recv([ring[k % len(ring)].narrow(0, 0, n)], 1, 0)
+            works[k] = pg.irecv(ring[k % len(ring)].narrow(0, 0, n), 1)
 
         for k in range(min(len(ring), num_buckets)):
             post(k)
@@ -430,10 +470,12 @@ class WeightUpdateReceiver:
         self.num_syncs += 1
         return int(result["version"])
 
-    def _ring_buffers(self, count: int, bucket_bytes: int) -> list[torch.Tensor]:
-        """``count`` receive buffers of ``bucket_bytes``, kept between syncs (no fresh pages per sync)."""
-        if len(self._ring) < count or any(b.numel() < bucket_bytes for b in self._ring[:count]):
-            self._ring = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(count)]
+    def _ring_buffers(self, count: int, bucket_bytes: int, pair: Pair) -> list[torch.Tensor]:
+        """``count`` receive buffers of ``bucket_bytes`` on the pair's device, kept between syncs (no fresh pages
+        per sync)."""
+        if len(self._ring) < count or any(b.numel() < bucket_bytes or b.device != pair.device
+                                          for b in self._ring[:count]):
+            self._ring = [pair.empty(bucket_bytes) for _ in range(count)]
         return self._ring[:count]
 
     def _swap_in(self, plan: "_StreamPlan") -> int:
