@@ -144,16 +144,17 @@ def _pipe_losses(engine, first: int, num: int, pipeline: bool) -> list[float]:
     return losses
 
 
-def pipe_resume(cfg: dict, load_dir: str, num_stages: int, num_steps: int) -> dict:
+def pipe_resume(cfg: dict, load_dir: str, num_stages: int, num_steps: int, tied: bool = False) -> dict:
     """A zerospeed PipelineModule of ``num_stages`` stages (0: an nn.Sequential of the same layers in the plain
-    engine) loads a DeepSpeed pipeline folder and trains on."""
+    engine) loads a DeepSpeed pipeline folder and trains on; ``tied``: tiny_model.make_tied_pipe_layers."""
     import zerospeed
-    from tiny_model import make_pipe_layers, mse
+    from tiny_model import make_pipe_layers, make_tied_pipe_layers, mse
 
     if num_stages:
-        from zerospeed.pipe import PipelineModule
+        from zerospeed.pipe import PipelineModule, TiedLayerSpec
 
-        model = PipelineModule(make_pipe_layers(99), num_stages=num_stages, loss_fn=mse, partition_method="uniform")
+        layers = make_tied_pipe_layers(TiedLayerSpec, 99) if tied else make_pipe_layers(99)
+        model = PipelineModule(layers, num_stages=num_stages, loss_fn=mse, partition_method="uniform")
     else:
         model = torch.nn.Sequential(*make_pipe_layers(99))
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)

@@ -3,6 +3,9 @@
 The fixtures were written by real DeepSpeed (``tests/fixtures/deepspeed/make_parallel_fixtures.py``, 2 ranks):
 
 * ``pipe2_zero1_fp32``: a ``PipelineModule`` of 2 stages (ZeRO 1, fp32, 2 micro-batches per step);
+* ``pipe2_zero0_fp32``: the same at ZeRO 0 (each stage's optimizer state_dict in its model file, no names);
+* ``pipe2_tied_zero1_fp32``: a ``TiedLayerSpec`` used on both stages (its own forward on stage 0, a
+  ``forward_fn`` on stage 1), ZeRO 1;
 * ``tp2_zero1_fp32``: AutoTP training at ``autotp_size`` 2 (ZeRO 1, fp32), ``up`` column-, ``down`` row-parallel.
 
 Each comes with what DeepSpeed's *own* resume from it gave: the losses of the next steps and the full fp32
@@ -66,17 +69,24 @@ def check_full_state(case: str, full: dict, where: str) -> None:
 # -- pipeline ---------------------------------------------------------------------------------------------------
 #: zerospeed world size -> [(pipeline stages, 0: plain engine on an nn.Sequential; ZeRO stage)]
 PIPE = {1: [(0, 0), (1, 1)], 2: [(2, 1), (0, 3)], 4: [(2, 1)]}
+#: the tied-layer pipeline (no nn.Sequential: a TiedLayerSpec needs a PipelineModule, which takes ZeRO 0 or 1)
+PIPE_TIED = {1: [(1, 0)], 2: [(2, 1), (1, 1)], 4: [(2, 0)]}
+#: pipeline fixtures: ZeRO 1 (optimizer files per stage), ZeRO 0 (the optimizer in each stage's model file),
+#: a tied layer (TiedLayerSpec) on both stages, at ZeRO 1
+PIPE_CASES = {"pipe2_zero1_fp32": PIPE, "pipe2_zero0_fp32": PIPE, "pipe2_tied_zero1_fp32": PIPE_TIED}
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", sorted(PIPE))
-def test_pipeline_folder_resumes_on_other_meshes(world: int) -> None:
-    case = "pipe2_zero1_fp32"
+@pytest.mark.parametrize("case", sorted(PIPE_CASES))
+def test_pipeline_folder_resumes_on_other_meshes(case: str, world: int) -> None:
     load_dir = os.path.join(FIXTURES, case, "ckpt")
-    for stages, zero in PIPE[world]:
+    tied = "tied" in case
+    for stages, zero in PIPE_CASES[case][world]:
         dp = world // max(stages, 1)
-        per_rank = run_distributed(pipe_resume, world, pipe_config(zero, "fp32", dp), load_dir, stages, STEPS,
-                                   timeout=250)
+        cfg = pipe_config(zero, "fp32", dp)
+        cfg["gradient_clipping"] = expected(case)[0]["config"].get("gradient_clipping", 1.0)  # as DeepSpeed trained
+        per_rank = run_distributed(pipe_resume, world, cfg, load_dir, stages, STEPS, tied, timeout=250)
         where = f"{case} -> zerospeed world {world}, {stages or 'no'} pipeline stages, ZeRO {zero}"
         check_common(case, per_rank[0], where)
         check_full_state(case, merge([r["state"] for r in per_rank])["full"], where)
@@ -114,6 +124,47 @@ def test_pipeline_folder_missing_a_stage(tmp_path) -> None:
     os.remove(os.path.join(d, "mp_rank_01_model_states.pt"))
     with pytest.raises(DeepSpeedFileMissingError, match=r"mp_rank_01_model_states.pt is missing: .* model-parallel "
                                                         r"size 2 and rank 1's"):
+        open_folder(d)
+
+
+def test_pipeline_folder_layouts_of_zero0_and_tied_layers() -> None:
+    from zerospeed.checkpoint.deepspeed.layout import DeepSpeedFolder
+
+    zero0 = DeepSpeedFolder(os.path.join(FIXTURES, "pipe2_zero0_fp32", "ckpt", "global_step3")).index()
+    assert sorted(zero0.params) == sorted(f"{i}.{k}" for i in (0, 1, 3, 5) for k in ("weight", "bias"))
+    tied = DeepSpeedFolder(os.path.join(FIXTURES, "pipe2_tied_zero1_fp32", "ckpt", "global_step3")).index()
+    assert sorted(tied.params) == ["1.bias", "1.weight", "3.bias", "3.weight", "tied_modules.proj.weight"]
+    # the tied weight's masters and moments come from stage 0's optimizer shard only
+    assert {s for s, *_ in tied.params["tied_modules.proj.weight"]["pieces"]} == {0}
+
+
+def test_pipeline_zero0_folder_with_a_layer_missing(tmp_path) -> None:
+    """At ZeRO 0 the layers are dealt to the stages by their optimizers' parameter counts: a missing layer file
+    shows as a shape that does not fit the moments, or as counts that do not add up."""
+    from zerospeed.checkpoint.deepspeed import DeepSpeedLayoutError
+
+    d = os.path.join(tmp_path, "pipe0")
+    shutil.copytree(os.path.join(FIXTURES, "pipe2_zero0_fp32", "ckpt", "global_step3"), d)
+    os.remove(os.path.join(d, "layer_03-model_states.pt"))
+    with pytest.raises(DeepSpeedLayoutError) as err:
+        open_folder(d)
+    msg = str(err.value)
+    assert msg.startswith(os.path.join(d, "layer_05-model_states.pt") + ": 5.weight has shape [3, 5] but the "
+                          "optimizer state of parameter 0 of stage 1") and "\n" not in msg
+    shutil.copy(os.path.join(FIXTURES, "pipe2_zero0_fp32", "ckpt", "global_step3", "layer_03-model_states.pt"), d)
+    os.remove(os.path.join(d, "layer_05-model_states.pt"))
+    with pytest.raises(DeepSpeedUnsupportedError) as err:
+        open_folder(d)
+    msg = str(err.value)
+    assert "the stages' optimizers hold [4, 4] parameters" in msg and "give [4, 2]" in msg and "\n" not in msg
+
+
+def test_pipeline_tied_folder_without_the_tied_layer_file(tmp_path) -> None:
+    d = os.path.join(tmp_path, "tied")
+    shutil.copytree(os.path.join(FIXTURES, "pipe2_tied_zero1_fp32", "ckpt", "global_step3"), d)
+    os.remove(os.path.join(d, "layer_00-model_states.pt"))
+    with pytest.raises(DeepSpeedFileMissingError, match="no layer_\\*-model_states.pt file holds tied parameter "
+                                                        "'tied_modules.proj.weight'"):
         open_folder(d)
 
 
@@ -165,7 +216,7 @@ def test_tensor_parallel_folder_needs_its_affine_map(tmp_path) -> None:
     assert msg.startswith(path + ": a tensor-parallel DeepSpeed folder without universal_checkpoint_info.affine_map")
 
 
-@pytest.mark.parametrize("case", ["pipe2_zero1_fp32", "tp2_zero1_fp32"])
+@pytest.mark.parametrize("case", ["pipe2_zero1_fp32", "pipe2_zero0_fp32", "pipe2_tied_zero1_fp32", "tp2_zero1_fp32"])
 def test_zero_to_fp32_and_convert_read_the_parallel_folders(tmp_path, case: str) -> None:
     """DeepSpeed's helper names and zerospeed-convert see the full parameters of both layouts."""
     from zerospeed.checkpoint.convert import main

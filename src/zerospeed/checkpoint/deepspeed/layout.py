@@ -92,10 +92,14 @@ class _Builder:
     #: a tensor-parallel folder's rank being read: name -> (full shape, ``(local_start, full_start, numel)`` runs of
     #: the elements this rank contributes); pieces are then recorded in full coordinates (model_parallel.py)
     to_full: dict[str, tuple[list[int], list[tuple[int, int, int]]]] | None = None
+    #: parameters another pipeline stage provides (a tied layer's copy on a later stage): not added again
+    skip: set[str] = field(default_factory=set)
 
     def add_param(self, name: str, shape: Iterable[int], dtype: torch.dtype, kind: str,
                   group: int | None = None) -> None:
         """``group``: the optimizer group (parameters are added in the group's own order)."""
+        if name in self.skip:
+            return
         if self.to_full is not None and name in self.to_full:
             if name in self.params:
                 return  # another tensor-parallel rank's slice of it
@@ -106,7 +110,7 @@ class _Builder:
                              "group": group, "order": len(self.params)}
 
     def add_piece(self, name: str, shard: int, key_offset: int, param_start: int, numel: int) -> None:
-        if numel <= 0:
+        if numel <= 0 or name in self.skip:
             return
         pieces = self.params[name]["pieces"]
         if self.to_full is None or name not in self.to_full:

@@ -4,15 +4,9 @@ zerospeed's loader addresses every piece by (parameter name, offset in the *full
 whose model is split over model-parallel ranks maps onto any zerospeed mesh once its pieces are named that
 way. :func:`parse_model_parallel` does it for the two layouts DeepSpeed 0.19.8 writes:
 
-* **Pipeline** (``PipelineEngine.save_checkpoint``): every layer's weights in ``layer_XX-model_states.pt``
-  (keys relative to the layer; the parameter is ``XX.<key>`` as ``PipelineModule`` names it), and per
-  stage S (DeepSpeed's model-parallel rank) ``mp_rank_0S_model_states.pt`` (counters, scheduler, client
-  state, ``module`` None) and ``[bf16_]zero_pp_rank_R_mp_rank_0S_optim_states.pt``: a ZeRO-1 (or bf16)
-  optimizer over that stage's parameters, which ``param_shapes`` names. Stages hold disjoint names, so
-  the folder is their union: it loads into zerospeed's ``PipelineModule`` at any number of stages, or into
-  an ordinary module with the same names (``nn.Sequential`` of the layers), at any data-parallel size.
-  Not read (refused by name): stages trained without a ZeRO optimizer (fp32/fp16 at ZeRO 0: their files
-  do not say which layers each stage held), tied layers (``tied_modules.*``), pipeline x tensor parallel.
+* **Pipeline** (``PipelineEngine.save_checkpoint``): layer files ``layer_XX-model_states.pt`` plus each
+  stage's model and optimizer files, read by :mod:`zerospeed.checkpoint.deepspeed.pipeline` (ZeRO 0 and 1,
+  bf16, tied layers). Not read yet (refused by name): pipeline x tensor parallel.
 * **Tensor parallel** (AutoTP training, ``tensor_parallel.autotp_size``): per tensor-parallel rank T,
   ``mp_rank_0T_model_states.pt`` holds that rank's slices and ``..._mp_rank_0T_optim_states.pt`` a ZeRO
   optimizer over them. DeepSpeed records how every parameter is spread in the model file's
@@ -37,6 +31,7 @@ import torch
 from zerospeed.checkpoint.deepspeed.errors import (DeepSpeedFileMissingError, DeepSpeedLayoutError,
                                                    DeepSpeedUnsupportedError)
 from zerospeed.checkpoint.deepspeed.names import _LAYER_FILE_RE, MODEL_FILE, ZERO3_MODEL_FILE, _need
+from zerospeed.checkpoint.deepspeed.pipeline import parse_pipeline
 
 #: where DeepSpeed's model file keeps the affine maps of an AutoTP run (its UNIVERSAL_CHECKPOINT_INFO / AFFINE_MAP)
 UC_INFO, AFFINE_MAP, AFFINE_PARAMS = "universal_checkpoint_info", "affine_map", "params"
@@ -69,7 +64,7 @@ def parse_model_parallel(folder: Any, names: set[str], mp_ranks: list[int]) -> N
                                             "tensor-parallel folders, not both at once yet")
         layers[int(match.group(1))] = n
     if layers:
-        _pipeline(folder, names, mp_world, layers)
+        parse_pipeline(folder, names, [_model_file(names, s) for s in range(mp_world)], layers)
     else:
         _tensor_parallel(folder, names, mp_world)
     # counters, scheduler, client state and the index's file are model-parallel rank 0's (DeepSpeed's too)
@@ -81,41 +76,6 @@ def parse_model_parallel(folder: Any, names: set[str], mp_ranks: list[int]) -> N
 def _model_file(names: set[str], m: int) -> str:
     zero3 = ZERO3_MODEL_FILE.format(rank=0, mp=m)
     return zero3 if zero3 in names and MODEL_FILE.format(mp=m) not in names else MODEL_FILE.format(mp=m)
-
-
-def _pipeline(folder: Any, names: set[str], num_stages: int, layers: dict[int, str]) -> None:
-    module: dict[str, torch.Tensor] = {}
-    for idx, fname in sorted(layers.items()):
-        sd = folder.files.get(fname)
-        for key, t in sd.items():
-            if not torch.is_tensor(t):
-                raise DeepSpeedLayoutError(f"{folder.files.path(fname)}: entry {key!r} is a {type(t).__name__}, not "
-                                           "the tensor a layer's state_dict holds")
-            module[f"{idx}.{key}"] = t
-    buffers: set[str] = set()
-    for s in range(num_stages):
-        fname = _model_file(names, s)
-        meta = folder.files.get(fname)
-        shapes = meta.get("param_shapes")
-        if not isinstance(shapes, list):
-            raise DeepSpeedUnsupportedError(f"{folder.files.path(fname)}: a pipeline stage trained without a ZeRO "
-                                            "optimizer (fp32/fp16 at ZeRO 0) records no parameter names, so which "
-                                            "layers it held is unknown; zerospeed reads pipeline folders of ZeRO 1 "
-                                            "or bf16 runs")
-        for group in shapes:
-            for n in group:
-                if str(n) in module:
-                    continue
-                if str(n).startswith("tied_modules."):
-                    raise DeepSpeedUnsupportedError(f"{folder.files.path(fname)}: parameter {n!r} of a tied layer "
-                                                    "(TiedLayerSpec); pipeline folders with tied layers are not read "
-                                                    "yet")
-                raise DeepSpeedFileMissingError(f"{folder.directory}: no layer_*-model_states.pt file holds {n!r}, a "
-                                                f"parameter of pipeline stage {s} ({fname} lists it)")
-        folder._parse_rank(names, s, module)
-        buffers.update(folder.buffer_names)
-    folder.buffer_names = sorted(buffers)
-    folder._extras(module)
 
 
 def _tensor_parallel(folder: Any, names: set[str], tp_size: int) -> None:
