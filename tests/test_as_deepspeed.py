@@ -34,7 +34,7 @@ LIBRARY_PATHS = [
                    "__version__"]),
     ("deepspeed.zero", ["Init", "GatheredParameters", "register_external_parameter"]),
     ("deepspeed.comm", ["get_rank", "init_distributed", "is_initialized"]),
-    ("deepspeed.utils", ["logger", "groups"]),
+    ("deepspeed.utils", ["logger", "groups", "set_z3_leaf_modules", "safe_get_full_grad"]),
     ("deepspeed.utils.groups", []),
     ("deepspeed.accelerator", ["get_accelerator"]),
     ("deepspeed.runtime.engine", ["DeepSpeedEngine"]),
@@ -52,8 +52,9 @@ LIBRARY_PATHS = [
 
 #: names those libraries import that zerospeed does not build yet: importing them fails with Python's one line naming
 #: the name (``cannot import name ...``); when one is built, move it to LIBRARY_PATHS (this test then says so).
-#: set_z3_leaf_modules: Accelerate, only for MoE models it lists; safe_get_full_grad: PEFT's AdaLoRA at ZeRO-3.
-NOT_BUILT = [("deepspeed.utils", "set_z3_leaf_modules"), ("deepspeed.utils", "safe_get_full_grad")]
+#: None left: set_z3_leaf_modules (Accelerate, for the MoE classes it lists) and safe_get_full_grad (PEFT's AdaLoRA) are
+#: built (zerospeed.utils.z3_leaf_module, zerospeed.utils.tensor_fragment).
+NOT_BUILT: list[tuple[str, str]] = []
 
 
 def _env(**extra):

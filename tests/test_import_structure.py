@@ -36,6 +36,10 @@ LAYERS: list[tuple[int, str, str]] = [
     (2, "zerospeed.utils", "DeepSpeed's logging helpers, which filter by rank (comm)"),
     (3, "zerospeed.zero", "ZeRO stages 1-3, zero.Init, offload tiers: sharding over the mesh's dp group"),
     (4, "zerospeed.checkpoint", "checkpoint formats: written from and read into ZeRO's sharded layout"),
+    (4, "zerospeed.utils.z3_leaf_module", "DeepSpeed's set_z3_leaf_modules names over ZeRO-3's registry of leaf "
+                                         "modules (zero/), so this one module of utils/ sits above zero/"),
+    (5, "zerospeed.utils.tensor_fragment", "DeepSpeed's safe_get_full_grad family over the strategies' shards "
+                                          "(zero/) and the checkpoint's shard addressing (checkpoint/)"),
     (5, "zerospeed.utils.zero_to_fp32", "DeepSpeed's zero_to_fp32 helper names over checkpoint/'s readers (both "
                                        "layouts), so this one module of utils/ sits above checkpoint/"),
     (5, "zerospeed.profiling", "flops profiler and counters (reads ZeRO-3's registry to see whole parameters)"),

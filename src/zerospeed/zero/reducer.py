@@ -59,6 +59,9 @@ class GradientReducer:
         self._in_backward = False
         self._reduce_now = False
         self.stray_backward = False  # a hook fired outside engine.backward (user called loss.backward())
+        #: the gradient buffers hold the reduction over ranks (False between micro-batches at stages 0-1, where
+        #: the persistent buffers hold this rank's local sum until the accumulation boundary's backward)
+        self.reduced = True
         self.peak_comm_buffer_bytes = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -66,6 +69,7 @@ class GradientReducer:
         """Called before a micro-step's backward; ``reduce_now``: reduce during this backward."""
         self._in_backward = True
         self._reduce_now = reduce_now or self.buckets_are_transient
+        self.reduced = self._reduce_now  # what the buffers hold after this backward: reduced, or local sums
         self._ready = [0] * len(self.buckets)
         self._next = 0
 

@@ -11,7 +11,8 @@ bucket's backward use is over, so its gathered parameters can be released.
 The reduced shard is added into ``bucket.grad_shard`` (summed over ranks and micro-batches,
 multiplied by the loss scale: the optimizer step divides). Buckets whose gradients did not all
 arrive (a parameter unused this micro-step) are reduce-scattered by :meth:`finish`, in bucket
-order; every rank thus issues the same collectives. Gradients of parameters that require grad but
+order; every rank thus issues the same collectives. So are the buckets inside a ZeRO-3 leaf module
+(``deferred``), whose gradients complete in a data-dependent order. Gradients of parameters that require grad but
 are not in the optimizer are dropped (they would be full-size, unsharded tensors).
 """
 
@@ -61,6 +62,10 @@ class Stage3GradReducer:
         self._reported: dict[int, int] = {}
         self._launched: set[int] = set()
         self._pending: list[_Pending] = []
+        #: buckets inside a ZeRO-3 leaf module (set by the strategy): their gradients arrive in a data-dependent
+        #: order (mixture-of-experts experts), which may differ between ranks, so their reduce-scatters are not
+        #: started as they complete but in bucket order by finish()
+        self.deferred: set[int] = set()
         self._in_backward = False
         self.stray_backward = False
         self.peak_comm_buffer_bytes = 0
@@ -105,7 +110,9 @@ class Stage3GradReducer:
             slot = b.layout.slots[pos]
             buf.narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
         self._reported[b.index] = self._reported.get(b.index, 0) + 1
-        if self._reported[b.index] == b.num_grad_params:
+        if self._reported[b.index] == b.num_grad_params and b.index in self.deferred:
+            self.on_bucket_done(b)  # its reduction waits for finish(), which launches in bucket order
+        elif self._reported[b.index] == b.num_grad_params:
             self._launched.add(b.index)
             if b.trainable:
                 self._launch(b)

@@ -195,6 +195,7 @@ class Stage3Runtime(BucketGatherer):
         names = {id(m): n for n, m in self.root.named_modules()}
         if id(module) not in names:
             return
+        module = registry.leaf_units(self.root).get(id(module), module)  # inside a z3 leaf: the leaf gathers it
         plan = self.plans.setdefault(id(module), ModulePlan(module, names[id(module)] or "<root>"))
         plan.add(found[0])
         self._install(module)

@@ -9,7 +9,9 @@ optimized (frozen, or left out of the optimizer), dtype, and persistent (numel a
 these stay gathered). A module's plan is its own buckets plus the buckets of parameters it uses
 without owning: tied parameters registered in it too, parameters registered with
 ``zero.register_external_parameter``, and the submodule parameters that torch modules such as
-``nn.MultiheadAttention`` read directly (:mod:`zerospeed.zero.stage3.implicit_params`).
+``nn.MultiheadAttention`` read directly (:mod:`zerospeed.zero.stage3.implicit_params`). A ZeRO-3 leaf module
+(``deepspeed.utils.set_z3_leaf_modules``) takes the buckets of its whole subtree into its own plan, and the modules
+below it get none (no hooks): the leaf's forward gathers everything its subtree uses, in one go.
 
 A bucket is the unit of every collective (one all-gather per bucket per gather, one
 reduce-scatter per bucket per micro-step). Gathering is per module anyway, so a module's
@@ -121,12 +123,23 @@ def build_buckets(root: nn.Module, group_of: dict[int, int], options: PlannerOpt
         adoption.done_with([p for _, p in params])
     adoption.close()
 
+    leaf_of = registry.leaf_units(root)  # DeepSpeed's z3 leaf modules: one plan for the leaf's whole subtree
+    for module in root.modules():
+        leaf = leaf_of.get(id(module))
+        if leaf is not None and leaf is not module:
+            for b in plans[id(module)].buckets:
+                plans[id(leaf)].add(b, fixed=True)
+            plans[id(module)].buckets, plans[id(module)].fixed = [], []
+
+    def unit(module: nn.Module) -> ModulePlan:
+        return plans[id(leaf_of.get(id(module), module))]
+
     for module, p in shared:
-        plans[id(module)].add(where[id(p)], fixed=True)
+        unit(module).add(where[id(p)], fixed=True)
     for module in root.modules():
         for p in registry.externals_of(module) + implicit_externals(module):
             if id(p) in where:
-                plans[id(module)].add(where[id(p)])
+                unit(module).add(where[id(p)])
     for b in buckets:
         registry.add_bucket(b)
     return buckets, plans

@@ -5,6 +5,9 @@
   when it adopts a model that ``zero.Init`` already partitioned.
 * module -> external parameters (``zero.register_external_parameter``): parameters a module's
   forward uses although another module owns them; the runtime gathers them around that forward.
+* leaf modules (DeepSpeed's ``set_z3_leaf_modules``): a leaf's whole subtree is gathered at the leaf's forward and
+  nothing below it is hooked (mixture-of-experts blocks, whose experts run in a data-dependent order). Read when an
+  engine builds its buckets.
 
 Adding a parameter also gives it DeepSpeed's read-only ``ds_*`` attributes, a view that reads this table
 (:mod:`zerospeed.zero.stage3.param_view`), and a ``ds_id``: a number in the order parameters were first
@@ -30,6 +33,7 @@ _params: dict[int, tuple[weakref.ref, Any, int]] = {}
 _external: dict[int, tuple[weakref.ref, list[weakref.ref]]] = {}
 _listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _ds_ids: dict[int, tuple[weakref.ref, int]] = {}
+_leaves: dict[int, tuple[weakref.ref]] = {}
 _next_ds_id = itertools.count()
 
 
@@ -99,6 +103,39 @@ def externals_of(module: nn.Module) -> list[nn.Parameter]:
     if entry is None or entry[0]() is not module:
         return []
     return [p for r in entry[1] if (p := r()) is not None]
+
+
+def set_leaf(module: nn.Module, flag: bool) -> None:
+    """Mark ``module`` as a ZeRO-3 leaf (``flag``) or unmark it."""
+    key = id(module)
+    if flag:
+        _leaves[key] = (weakref.ref(module, _dropper(_leaves, key)),)
+    else:
+        _leaves.pop(key, None)
+
+
+def is_leaf(module: nn.Module) -> bool:
+    entry = _leaves.get(id(module))
+    return entry is not None and entry[0]() is module
+
+
+def leaf_modules() -> list[nn.Module]:
+    """Every live module flagged as a leaf."""
+    return [m for (ref,) in list(_leaves.values()) if (m := ref()) is not None]
+
+
+def leaf_units(root: nn.Module) -> dict[int, nn.Module]:
+    """``id(module) -> the outermost leaf module it is inside`` (a leaf maps to itself) for ``root``'s modules."""
+    out: dict[int, nn.Module] = {}
+    prefixes: list[tuple[str, nn.Module]] = []
+    for name, module in root.named_modules():
+        owner = next((leaf for prefix, leaf in prefixes if prefix == "" or name.startswith(prefix)), None)
+        if owner is None and is_leaf(module):
+            owner = module
+            prefixes.append((name + "." if name else "", module))
+        if owner is not None:
+            out[id(module)] = owner
+    return out
 
 
 def listen(listener: Any) -> None:

@@ -92,6 +92,8 @@ class Stage3Strategy:
             b.quantized_gather = bool(zero_config.zero_quantized_weights
                                       or (zero_config.zero_quantized_nontrainable_weights and not b.trainable))
         self.reducer.quantized_gradients = bool(zero_config.zero_quantized_gradients)
+        leaves = {id(m): m for m in registry.leaf_units(module).values()}  # DeepSpeed's z3 leaf modules
+        self.reducer.deferred = {b.index for key in leaves for b in plans[key].buckets}
         if self.reducer.quantized_gradients or any(b.quantized_gather for b in self.buckets):
             zeropp.kernel_path(getattr(getattr(options, "fast_paths", None), "block_quant", "auto"))
         if zero_config.zero_hpz_partition_size > 1:  # ZeRO++ hpZ: secondary partitions (dp buckets, not experts')

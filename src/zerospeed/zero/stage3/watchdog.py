@@ -126,7 +126,7 @@ class Watchdog:
                     self._fail(f"ZeRO-3 ranks diverged at pass {self.pass_id}, collective #{self.num_collectives}: "
                                f"rank {self.rank} issues {_fmt_coll(entry)}; rank {q} issues {_fmt_coll(theirs)}. "
                                "Every rank must call the same modules in the same order (a rank skipped or added "
-                               "a module: data-dependent control flow?)")
+                               "a module: data-dependent control flow?)" + _LEAF_HINT)
 
     def agree(self, key: str, value: str, what: str) -> dict[int, str]:
         """Publish ``value`` under ``key`` and return every peer's (waiting at most the time limit)."""
@@ -207,7 +207,7 @@ class Watchdog:
         return (f"ZeRO-3 ranks diverged at pass {self.pass_id}, {phase} module event #{event}: rank {self.rank} ran "
                 f"module {got!r} where the order recorded on the first step expects {expected}, and rank {peer} "
                 f"{seen}. Every rank must call the same modules in the same order (a rank skipped or added a "
-                "module: data-dependent control flow?)")
+                "module: data-dependent control flow?)" + _LEAF_HINT)
 
     def _get(self, key: str) -> str | None:
         if self.store is None:
@@ -283,6 +283,11 @@ def _fmt_event(entry: str | None) -> str:
     parts = entry.split("|", 4)
     text = f"pass {parts[0]}, event #{parts[1]}, {parts[2]} of module {parts[3]!r}"
     return text + (f" ({parts[4]})" if len(parts) > 4 else "")
+
+
+#: the fix for a block whose submodules run in a data-dependent order (mixture-of-experts experts)
+_LEAF_HINT = ("; a block whose submodules run in a data-dependent order (a mixture-of-experts layer) must be gathered "
+              "whole: flag it before the engine is built with deepspeed.utils.set_z3_leaf_modules(model, [BlockClass])")
 
 
 def _fmt_coll(entry: str | None) -> str:
