@@ -3,8 +3,11 @@
 Without DeepSpeed: a DeepSpeed fixture rewritten by ``--to deepspeed`` at its own size and stage holds the
 same tensors as the files DeepSpeed wrote (every fp32 partition, padded moment, module weight and
 counter), and ``--from deepspeed`` gives a zerospeed checkpoint that resumes as the folder itself does.
-With the bench venv's DeepSpeed 0.19.8 (.venv-bench): zerospeed trains on, saves, converts, and
-DeepSpeed resumes from the converted folder with the losses of zerospeed's own resume (fp32, 1e-6).
+The round trip (zerospeed saves, converts, DeepSpeed resumes, losses equal zerospeed's own resume, fp32 1e-6)
+runs two ways: everywhere against ``fixtures/deepspeed/round_trip`` (made by ``make_round_trip.py``: a zerospeed
+checkpoint, its converted folders and the losses DeepSpeed 0.19.8 recorded resuming them), where converting the
+committed checkpoint again must give those folders tensor for tensor and zerospeed's own resume DeepSpeed's
+recorded losses; and live with the bench venv's DeepSpeed (.venv-bench) from a fresh save.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 
 import pytest
 import torch
@@ -24,9 +26,10 @@ from zerospeed.checkpoint.convert import main
 from zerospeed.checkpoint.deepspeed import load_pickle
 from zerospeed.checkpoint.deepspeed.writer import write_deepspeed
 from zerospeed.testing import run_distributed
+from make_round_trip import FOLDERS, convert  # noqa: E402 (tests/fixtures/deepspeed, on the path via ds_checkpoint_cases)
+from make_round_trip import deepspeed_resume as _deepspeed_resume  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH_PYTHON = os.path.join(ROOT, ".venv-bench", "bin", "python")
 HAS_DEEPSPEED = os.path.isfile(os.path.join(ROOT, ".venv-bench", ".installed"))
 #: entries DeepSpeed falls back to its own configuration for when a file lacks them (not written)
 NOT_WRITTEN = {"loss_scaler", "dynamic_loss_scale", "clip_grad", "param_slice_mappings", "ds_config", "zero_stage"}
@@ -205,17 +208,60 @@ def _two(cfg: dict, zs: str, from_dcp: str) -> list[dict]:
     return [resume_case(cfg, zs, 4), resume_case(cfg, from_dcp, 0)]
 
 
-def _deepspeed_resume(folder: str, stage: int, world: int, steps: int, universal: bool = False) -> dict:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               TORCH_EXTENSIONS_DIR=os.path.join(ROOT, ".venv-bench", "torch_extensions"))
-    proc = subprocess.run([BENCH_PYTHON, os.path.join(FIXTURES, "ds_resume.py"), folder, str(stage), "fp32",
-                           str(world), str(steps)] + (["universal"] if universal else []), capture_output=True,
-                          text=True, timeout=240, env=env)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("DS_RESULT ")), None)
-    assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    return json.loads(line[len("DS_RESULT "):])
+# -- the round trip against the committed fixture (no DeepSpeed needed) -----------------------------------------
+ROUND_TRIP = os.path.join(FIXTURES, "round_trip")
 
 
+def _files(d: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(r, f), d) for r, _, fs in os.walk(d) for f in fs)
+
+
+def _identical(a, b, where: str) -> None:
+    """Equal as DeepSpeed reads them: same keys, same tensors (dtype, shape, bits), same values."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} vs {list(b)}"
+        for k in a:
+            _identical(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _identical(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        assert type(a) is type(b), where
+        _identical(vars(a), vars(b), f"{where}({type(a).__name__})")
+    else:
+        assert a == b and type(a) is type(b), f"{where}: {a!r} vs {b!r}"
+
+
+@pytest.mark.parametrize("name", sorted(FOLDERS))
+def test_round_trip_conversion_equals_the_folder_deepspeed_resumed(tmp_path, name: str) -> None:
+    """Converting the committed zerospeed checkpoint again gives, file for file and tensor for tensor, the folder
+    DeepSpeed 0.19.8 resumed when the fixture was made (with the losses of the test below)."""
+    want = os.path.join(ROUND_TRIP, name)
+    got = convert(os.path.join(ROUND_TRIP, "zs"), str(tmp_path), name)
+    assert _files(got) == _files(want), name
+    for rel in _files(want):
+        if rel.endswith(".pt"):
+            _identical(load_pickle(os.path.join(got, rel)), load_pickle(os.path.join(want, rel)), f"{name}/{rel}")
+        else:
+            with open(os.path.join(got, rel), "rb") as f, open(os.path.join(want, rel), "rb") as g:
+                assert f.read() == g.read(), f"{name}/{rel}"
+
+
+@pytest.mark.timeout(300)
+def test_round_trip_zerospeed_resume_equals_deepspeeds_recorded_resumes() -> None:
+    with open(os.path.join(ROUND_TRIP, "expected.json")) as f:
+        exp = json.load(f)
+    own = run_distributed(_own_resume, 2, os.path.join(ROUND_TRIP, "zs"), timeout=200)[0]
+    assert exp["deepspeed_version"] == "0.19.8" and sorted(exp["resumes"]) == sorted(FOLDERS)
+    for name, rec in exp["resumes"].items():
+        assert rec["losses"] == pytest.approx(own, rel=1e-6), (name, rec["losses"], own)
+        assert rec["global_steps"] == 5 + exp["steps"] and "epoch" in rec["client_keys"], name
+
+
+# -- the round trip with DeepSpeed itself (.venv-bench) ------------------------------------------------------------
 @pytest.mark.timeout(900)  # four DeepSpeed launches: 346 s at load ~18 on 2 cores
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs DeepSpeed 0.19.8 in .venv-bench (make bench-env); the "
                     "fixture comparisons above run without it")
