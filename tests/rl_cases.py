@@ -239,18 +239,71 @@ def grpo_case(steps: int, lr: float) -> dict:
     return grpo_toy.train(steps=steps, prompts_per_rank=8, group=8, lr=lr, seed=0, log=None)
 
 
-def tp_refused_case() -> str:
-    """hybrid_engine on a tensor-parallel (AutoTP) engine: refused at initialize in one line."""
+def tp_refused_case(hybrid: dict, family: str = "llama") -> str:
+    """hybrid_engine on a tensor-parallel (AutoTP) engine with what TP rollouts do not build: one clear line."""
     from zerospeed.config import ConfigError
 
-    cfg = rl_config(1)
+    cfg = rl_config(1, **hybrid)
     cfg["tensor_parallel"] = {"autotp_size": 2}
     cfg["zero_optimization"] = {"stage": 1}
     try:
-        zerospeed.initialize(model=make_model("llama", seed=3), config=cfg)
+        zerospeed.initialize(model=make_model(family, seed=3), config=cfg)
     except ConfigError as exc:
         return str(exc)
     return "no error"
+
+
+def tp_rollout_case(stage: int, max_new_tokens: int = 10) -> dict:
+    """engine.generate on an AutoTP (tp 2) training engine, after a training step: each TP rank runs the inference
+    engine on its own training pieces; the reference is HF generate on the gathered (TP-merged) model."""
+    from zerospeed.module_inject.gather import gather_tp_state_dict
+
+    world = comm.get_world_size()
+    base = make_model("llama", seed=3)
+    model = copy.deepcopy(base)
+    cfg = rl_config(world // 2, inference_tp_size=2)
+    cfg["tensor_parallel"] = {"autotp_size": 2}
+    cfg["zero_optimization"]["stage"] = stage
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    mesh = comm.get_mesh()
+    _train_step(engine, mesh.dp_rank)  # the TP ranks of a dp rank share its micro-batch
+    ps = prompts([5 + mesh.dp_rank, 9, 3], seed=10 + mesh.dp_rank)
+    before = comm.COUNTER.snapshot().get("all_reduce", {"count": 0})["count"]
+    out = engine.generate(ps, max_new_tokens=max_new_tokens, ignore_eos=True)
+    all_reduces = comm.COUNTER.snapshot().get("all_reduce", {"count": 0})["count"] - before
+    stats = engine.rl.rollout.stats
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        local = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    full = gather_tp_state_dict(local, engine.module, mesh)
+    ref = copy.deepcopy(base)
+    ref.load_state_dict(full)
+    ref.eval()
+    rollout = engine.rl.rollout
+    qkv = rollout.model.layers[0].attn.qkv.weight
+    return {"tokens": out, "hf": [hf_greedy_decided(ref, p, max_new_tokens) for p in ps],
+            "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank, "num_forwards": stats.num_forwards,
+            "all_reduces": all_reduces, "num_layers": len(rollout.model.layers),
+            "qkv_rows": qkv.shape[0], "full_qkv_rows": sum(full[f"model.layers.0.self_attn.{x}_proj.weight"].shape[0]
+                                                          for x in "qkv"),
+            "again": engine.generate(ps, max_new_tokens=max_new_tokens, ignore_eos=True)}
+
+
+def tp_mismatched_prompts_case() -> list[str]:
+    """TP ranks of one group asking for different rollouts: one error, on every rank; sync_weights under TP:
+    refused in one line."""
+    cfg = rl_config(1, inference_tp_size=2)
+    cfg["tensor_parallel"] = {"autotp_size": 2}
+    cfg["zero_optimization"]["stage"] = 0
+    engine, *_ = zerospeed.initialize(model=make_model("llama", seed=3), config=cfg)
+    errors = []
+    for call in (lambda: engine.generate([[5, 6, 7 + comm.get_rank()]], max_new_tokens=2),
+                 lambda: engine.sync_weights("127.0.0.1:29999")):
+        try:
+            call()
+            errors.append("no error")
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
 
 
 def hybrid_off_case() -> dict:

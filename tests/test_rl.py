@@ -84,11 +84,48 @@ def test_hybrid_engine_config_errors(hybrid: dict, key: str) -> None:
     assert message.startswith(f"zerospeed config: {key}:"), message
 
 
-def test_tensor_parallel_engine_refused() -> None:
+@pytest.mark.parametrize("stage,world", [(0, 2), (3, 2), (3, 4)])
+def test_generate_on_the_training_tp_layout(stage: int, world: int) -> None:
+    """AutoTP tp 2 (x ZeRO-3 dp 2 at world 4): each TP rank's rollout copy holds its own training pieces (half the
+    q/k/v rows), the TP ranks run one generation together (row-parallel all-reduces in every forward) and every
+    rank gets HF's greedy tokens on the TP-merged model, to the tokens the arithmetic decides."""
+    from rl_cases import tp_rollout_case
+
+    results = run_distributed(tp_rollout_case, world, stage, timeout=600)
+    for r in results:
+        assert r["qkv_rows"] * 2 == r["full_qkv_rows"]  # this rank's share, not a resharded whole
+        assert r["all_reduces"] >= 2 * r["num_layers"] * r["num_forwards"] > 0  # o and down in every forward
+        for tokens, (hf, decided) in zip(r["tokens"], r["hf"]):
+            assert decided >= 1 and tokens[:decided] == hf[:decided], (tokens, hf, decided)
+        assert r["again"] == r["tokens"]
+    by_dp = {}
+    for r in results:  # the TP ranks of a dp rank return the same rollout
+        by_dp.setdefault(r["dp_rank"], []).append(r["tokens"])
+    assert all(len(v) == 2 and v[0] == v[1] for v in by_dp.values())
+
+
+@pytest.mark.parametrize("hybrid,family,key", [
+    ({"inference_tp_size": 1}, "llama", "hybrid_engine.inference_tp_size: 1: rollouts run on the training"),
+    ({"inference_tp_size": 2, "max_resident_layers": 1}, "llama", "hybrid_engine.max_resident_layers: 1: streamed"),
+    ({"inference_tp_size": 2}, "gpt2", "hybrid_engine.inference_tp_size: rollouts under tensor parallelism are built "
+                                       "for the llama family"),
+])
+def test_tensor_parallel_rollouts_refused(hybrid: dict, family: str, key: str) -> None:
     from rl_cases import tp_refused_case
 
-    message = run_distributed(tp_refused_case, 2, timeout=180)[0]
-    assert message.startswith("zerospeed config: hybrid_engine.enabled:") and "tensor-parallel" in message, message
+    message = run_distributed(tp_refused_case, 2, hybrid, family, timeout=180)[0]
+    assert message.startswith("zerospeed config: " + key) and "\n" not in message, message
+
+
+def test_tensor_parallel_ranks_must_ask_for_one_rollout() -> None:
+    from rl_cases import tp_mismatched_prompts_case
+
+    errors = run_distributed(tp_mismatched_prompts_case, 2, timeout=180)
+    assert errors[0] == errors[1], errors
+    generate, sync = errors[0]
+    assert "tensor-parallel ranks [1] asked for another rollout" in generate, generate
+    assert sync.startswith("ValueError: sync_weights: weights split by tensor parallelism "
+                           "(tensor_parallel.autotp_size > 1)"), sync
 
 
 def test_hybrid_engine_off_keeps_hf_generate() -> None:

@@ -22,6 +22,9 @@ once per forward, so all ranks step in lock-step (a rank with nothing left runs 
 rank is done, agreed by a 1-element all-reduce per step). The C kernels (which keep packed weight copies) are
 off in this mode.
 
+Tensor parallelism (``tensor_parallel.autotp_size: T`` with ``inference_tp_size: T``): each TP rank's copy holds
+its own training pieces, the TP ranks run one generation together (:mod:`zerospeed.rl.tp_layout`).
+
 Greedy tokens equal HF ``generate`` on the gathered model: the rollout copy is the inference engine's own
 family implementation, whose parity with HF is the inference tests' subject.
 
@@ -47,6 +50,7 @@ from zerospeed.inference.engine import InferenceEngine
 from zerospeed.inference.models import build_model, spec_from_config
 from zerospeed.inference.models.layers import CausalLM
 from zerospeed.inference.models import prefer_cpu_matmul_layout
+from zerospeed.rl import tp_layout
 from zerospeed.rl.weights import PlanReader, WeightSource, order_jobs, run_pass
 
 SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "stop_token_ids",
@@ -103,18 +107,12 @@ def _hf_config(module: nn.Module) -> dict[str, Any]:
 class RolloutEngine:
     def __init__(self, train_engine: Any, cfg: HybridEngineConfig, cpu_kernels: str = "auto",
                  greedy_head: str = "auto") -> None:
-        if cfg.inference_tp_size != 1:
-            raise ConfigError("hybrid_engine.inference_tp_size",
-                              f"{cfg.inference_tp_size}: rollouts under tensor parallelism are not built yet; use 1")
-        tp_group = getattr(getattr(train_engine, "checkpoint_layout", None), "tp_group", None)
-        if train_engine.checkpoint_layout is not None or tp_group is not None:
-            raise ConfigError("hybrid_engine.enabled", "rollouts of a tensor-parallel training engine are not built "
-                              "yet (tensor_parallel.autotp_size > 1); train without TP or turn hybrid_engine off")
         self.cfg = cfg
         self.train_engine = train_engine
         module = train_engine.module
         spec = spec_from_config(_hf_config(module), f"{type(module).__name__}.config")
         self.spec = spec
+        self.tp = tp_layout.training_tp(train_engine, cfg, spec)  # TPInfo(): no tensor parallelism
         max_len = cfg.max_out_tokens
         if spec.rotary_dim == 0 and max_len > spec.max_position_embeddings:
             raise ConfigError("hybrid_engine.max_out_tokens", f"{max_len} exceeds the model's "
@@ -128,10 +126,12 @@ class RolloutEngine:
         first = next(module.parameters())
         self.device = first.device
         self.source = WeightSource(module)
-        self.model: CausalLM = build_model(spec, max_len, self.dtype, self.device)
+        self.model: CausalLM = build_model(spec, max_len, self.dtype, self.device, self.tp)
         reader = PlanReader(self.source, self.dtype, self.device)
         importlib.import_module(f"zerospeed.inference.models.{spec.family}").load_weights(self.model, reader)
         reader.finish(self.model)
+        if self.tp.size > 1:  # each job reads pieces split the way the inference layer is split
+            tp_layout.check_jobs(reader, self.model, self.source, spec, max_len, self.dtype, self.tp.group)
         prefer_cpu_matmul_layout(self.model)
         self._cpu_kernels = "off" if self.streamed else cpu_kernels
         self._greedy_head = greedy_head
@@ -234,6 +234,7 @@ class RolloutEngine:
             from zerospeed.inference.kv_cache import kv_cache_bytes
 
             block_size = 16
+            kv_heads //= self.tp.size  # this TP rank's heads
             block_bytes = kv_cache_bytes(spec.num_layers, 1, block_size, kv_heads, spec.head_dim, self.dtype)
             memory = cfg.kv_cache_memory or cfg.max_num_seqs * -(-self.max_len // block_size) * block_bytes
             num_blocks = max(1, memory // block_bytes)
@@ -246,7 +247,11 @@ class RolloutEngine:
                 max_num_batched_tokens=max(512, self.max_len), model_name="rollout",
                 enable_prefix_caching=False,  # cached K/V would outlive the weights that computed it
                 max_prefill_tokens_with_decodes=None, max_decode_kv_bytes=None,
-                greedy_head=self._greedy_head, cpu_kernels=self._cpu_kernels)
+                greedy_head=self._greedy_head, cpu_kernels=self._cpu_kernels, tp=self.tp)
+            if self.tp.size > 1 and self.tp.rank == 0:
+                from zerospeed.inference.tp_runtime import attach_rank0
+
+                attach_rank0(self.engine)  # each forward's batch goes to the other TP ranks first
             if self.streamed:
                 self.model.register_forward_pre_hook(lambda m, a: self._begin_forward())
         elif self.engine.kv.data.untyped_storage().nbytes() != self.engine.kv.nbytes:
@@ -283,8 +288,11 @@ class RolloutEngine:
             self.stats.fill_s = time.perf_counter() - t0
             engine = self._engine()
             forwards0, gen0 = engine._num_forwards, engine._num_generated
-            ids = self._add(engine, prompts, params, n, seeds)
-            out = self._run(engine, ids)
+            if self.tp.size > 1:  # TP rank 0 schedules and samples, the others follow its forwards
+                out = tp_layout.run_tp_group(self, engine, prompts, params, n, seeds)
+            else:
+                ids = self._add(engine, prompts, params, n, seeds)
+                out = self._run(engine, ids)
             self.version += 1
             self.stats.num_forwards = engine._num_forwards - forwards0
             self.stats.num_generated_tokens = engine._num_generated - gen0

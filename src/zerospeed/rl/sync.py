@@ -226,6 +226,11 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"sync_weights(bucket_bytes=...): must be a positive number of bytes, got {bucket_bytes!r}")
     wire.parse_address(address, "sync_weights(address)")  # every rank refuses a bad address alike, at once
+    from zerospeed.module_inject import tp_param_splits
+
+    if tp_param_splits(engine.module):
+        raise ValueError("sync_weights: weights split by tensor parallelism (tensor_parallel.autotp_size > 1) are "
+                         "not synced yet; sync from a training engine without TP")
     start = time.perf_counter()
     rl = engine.__dict__.get("rl")
     source = rl.rollout.source if rl is not None and rl._rollout is not None else WeightSource(engine.module)

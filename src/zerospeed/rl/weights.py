@@ -123,6 +123,12 @@ class PlanReader:
         self._pending: list[str] = []
         self.jobs: list[Job] = []
         self._missing: list[str] = []
+        self.whole: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # name -> piece to whole tensor (TP)
+
+    def _value(self, name: str) -> torch.Tensor:
+        t = self.source.read(name)
+        fn = self.whole.get(name)
+        return t if fn is None else fn(t)
 
     def has(self, name: str) -> bool:
         return name in self._names
@@ -134,7 +140,7 @@ class PlanReader:
         if name not in self._names:
             self._missing.append(name)
         self._pending.append(name)
-        return lambda: self.source.read(name).to(device=self.device, dtype=self.dtype)
+        return lambda: self._value(name).to(device=self.device, dtype=self.dtype)
 
     def assign(self, param: nn.Parameter, thunk: Callable[[], torch.Tensor]) -> None:
         self.jobs.append(Job(param, tuple(self._pending), thunk))
@@ -199,8 +205,12 @@ def run_pass(ordered: Iterable[tuple[Job, list[Any]]], consume: Callable[[Job], 
             if consume is not None:
                 consume(job)
             else:
+                value = job.thunk()
+                if value.shape != job.target.shape:  # a layout the plan did not expect: never broadcast
+                    raise ValueError(f"hybrid_engine: a rollout weight of shape {tuple(value.shape)} for a "
+                                     f"parameter of shape {tuple(job.target.shape)} ({job.names})")
                 with torch.no_grad():
-                    job.target.copy_(job.thunk())
+                    job.target.copy_(value)
             done = [pinned.pop(id(b)) for b in buckets if last[id(b)] == i]
             for b in done:
                 b.owner.unpin([b])
