@@ -9,8 +9,9 @@ What zerospeed does with them (:mod:`zerospeed.rl`):
 * ``enabled`` - ``engine.generate(...)`` runs zerospeed's inference engine (paged KV, ragged batching) over
   the live training weights instead of handing the call to the module's own ``generate``;
 * ``max_out_tokens`` - the longest prompt + completion a rollout may ask for (the KV cache's context);
-* ``inference_tp_size`` - only 1 (or the training TP degree when that is 1) is built: another value is an
-  error naming the key;
+* ``inference_tp_size`` - the training TP degree (``tensor_parallel.autotp_size``; 1 without TP): rollouts run
+  on the training TP layout without resharding (:mod:`zerospeed.rl.tp_layout`); another value is an error
+  naming the key when the engine is built;
 * ``release_inference_cache`` - true frees the KV cache after every ``generate`` call, false keeps it for the
   next one (DeepSpeed's meaning);
 * ``pin_parameters`` - true keeps the rollout copy's weight buffers allocated between calls (refilled from the
