@@ -4,8 +4,14 @@ tiled+checkpointed; and the step time at a fixed per-rank length: wall time, and
 of its process, so an oversubscribed machine, where 4 ranks share 2 cores, does not count the waits for a core).
 
 Each trial is one launch of ``bench/sp_worker.py`` (``sp`` processes, gloo, one thread each) training a random-init
-Llama (GQA) for one step at one sequence length; a length "fits" when every rank's peak resident memory during the
-step, minus its resident memory just before, stays within ``--budget_mib``. The search probes two lengths,
+Llama (GQA) for one step at one sequence length; a length "fits" when every rank's activation memory during the step
+stays within ``--budget_mib``: the peak resident size during the step (the kernel's high-water mark, reset just
+before it) minus the resident size before it, with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``) so
+that a freed block leaves the resident set. Runs before 11-28 04:00 left the threshold dynamic and took the
+process's lifetime peak: glibc's caching then moved a trial by tens of MiB (one bisection step) between runs; now
+a trial repeats to ~0.1 MiB. ``--memory allocated`` (a diagnostic) counts tensor bytes from torch's profiler
+instead: it misses frees made on gloo's threads and counts reserved but untouched buffers (DeepSpeed's
+5e8-element reduce bucket), so it is not the bench's measure. The search probes two lengths,
 extrapolates the (nearly linear: sdpa on CPU keeps attention O(seq)) growth to the budget, and bisects around the
 guess until the bracket is within ``--granularity`` tokens. DeepSpeed runs with ``.venv-bench/bin/python`` and
 ``DS_ACCELERATOR=cpu``; a configuration that fails is reported with its error line. Every configuration runs in
@@ -36,22 +42,27 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "sp_worker.py"
 BENCH_PY = Path(os.environ.get("BENCH_PYTHON", ROOT / ".venv-bench" / "bin" / "python"))
 MIB = 1 << 20
-#: trials read back from an earlier run's log (--reuse_log): (impl, sp, mode, seq) -> {"ok", "activation_mib"}
-REUSED: dict[tuple[str, int, str, int], dict] = {}
-_LOG_LINE = re.compile(r"^\[sp_bench\] (\w+) sp=(\d+) (\S+) seq=(\d+): ([\d.]+) MiB$")
+#: trials read back from an earlier run's log (--reuse_log): (impl, sp, mode, seq, memory) -> {"ok", "activation_mib"}
+REUSED: dict[tuple[str, int, str, int, str], dict] = {}
+_LOG_LINE = re.compile(r"^\[sp_bench\] (\w+) sp=(\d+) (\S+) seq=(\d+)(?: \((\w+)\))?: ([\d.]+) MiB$")
 
 
 def read_log(path: str) -> None:
+    """Trials of an earlier run; lines without a memory measure are from the RSS-only runs (before 11-28 04:00)."""
     for line in Path(path).read_text(errors="replace").splitlines():
         m = _LOG_LINE.match(line.strip())
         if m:
-            impl, sp, mode, seq, mib = m.groups()
-            REUSED[(impl, int(sp), mode, int(seq))] = {"ok": True, "activation_mib": float(mib), "reused": True}
+            impl, sp, mode, seq, memory, mib = m.groups()
+            REUSED[(impl, int(sp), mode, int(seq), memory or "rss")] = {"ok": True, "activation_mib": float(mib),
+                                                                         "reused": True}
 
 
 def trial(impl: str, sp: int, seq: int, mode: str, steps: int = 1, timeout_s: float = 600,
-          shape: tuple[int, int, int] | None = None) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+          shape: tuple[int, int, int] | None = None, memory: str = "rss") -> dict:
+    # glibc's dynamic mmap threshold lets freed blocks stay in the heap, so the resident size moved with the
+    # allocation history (tens of MiB between runs); a fixed threshold maps every block >= 64 KiB on its own and
+    # unmaps it on free, so the resident size follows the live memory (repeatable to ~0.1 MiB).
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(64 * 1024))
     python = sys.executable
     if impl == "deepspeed":
         env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(ROOT / ".venv-bench" / "torch_extensions"))
@@ -59,7 +70,8 @@ def trial(impl: str, sp: int, seq: int, mode: str, steps: int = 1, timeout_s: fl
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         run = launch_workers(WORKER, ["--impl", impl, "--sp", str(sp), "--seq", str(seq), "--mode", mode,
-                                      "--steps", str(steps), "--out", str(out), *_shape_args(shape)],
+                                      "--steps", str(steps), "--memory", memory, "--out", str(out),
+                                      *_shape_args(shape)],
                              num_procs=sp, python=python, env=env,
                              timeout_s=timeout_s, tail_lines=60)
         if run.returncode != 0 or not out.exists():
@@ -126,16 +138,18 @@ def step_notes(rows: list[dict], impl: str, sps: list[int], per_rank: int) -> li
     return notes
 
 
-def longest(impl: str, sp: int, mode: str, budget_mib: float, granularity: int, probe: int) -> dict:
+def longest(impl: str, sp: int, mode: str, budget_mib: float, granularity: int, probe: int,
+            memory: str = "allocated") -> dict:
     """Bisection for the longest multiple of ``granularity * sp`` tokens whose step fits the budget."""
     unit = granularity * sp
     tried: dict[int, dict] = {}
 
     def fits(seq: int) -> bool:
         if seq not in tried:
-            tried[seq] = REUSED.get((impl, sp, mode, seq)) or trial(impl, sp, seq, mode, timeout_s=420)
+            tried[seq] = REUSED.get((impl, sp, mode, seq, memory)) or trial(impl, sp, seq, mode, timeout_s=420,
+                                                                            memory=memory)
             r = tried[seq]
-            print(f"[sp_bench] {impl} sp={sp} {mode} seq={seq}: "
+            print(f"[sp_bench] {impl} sp={sp} {mode} seq={seq} ({memory}): "
                   f"{'%.0f MiB' % r['activation_mib'] if r['ok'] else r['error']}", flush=True)
         r = tried[seq]
         if not r["ok"]:
@@ -180,6 +194,8 @@ def longest(impl: str, sp: int, mode: str, budget_mib: float, granularity: int, 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget_mib", type=float, default=256.0)
+    p.add_argument("--memory", choices=["rss", "allocated"], default="rss",
+                   help="the longest-sequence measure: peak resident size (default) or profiler-counted tensor bytes")
     p.add_argument("--granularity", type=int, default=128, help="tokens per rank the search resolves")
     p.add_argument("--probe", type=int, default=512, help="first probe, tokens per rank (plain; x3 when tiled)")
     p.add_argument("--fixed_per_rank", type=int, default=1024, help="per-rank length of the step-time rows")
@@ -208,7 +224,7 @@ def main() -> None:
         for impl in impls:
             for sp in sps:
                 probe = args.probe if mode == "plain" else 3 * args.probe
-                r = longest(impl, sp, mode, args.budget_mib, args.granularity, probe)
+                r = longest(impl, sp, mode, args.budget_mib, args.granularity, probe, args.memory)
                 rows.append({"table": "longest", "impl": impl, "mode": mode, "sp": sp, **r})
     shapes = parse_shapes(args.step_shapes)
     for shape in (shapes if "step_time" in tables else []):
@@ -236,8 +252,14 @@ def main() -> None:
         errors = {r["error"] for r in rows if r["impl"] == impl and r.get("error")}
         for err in sorted(errors):
             notes.append(f"{impl} fails on this machine: {err}")
-    notes.append("activation memory = peak RSS during the step minus RSS before it, max over ranks (fp32, ZeRO-2, "
-                 "Adam); tiled = TiledMLP (ceil(seq/hidden) tiles) + tiled fused logits+loss; +ckpt = every decoder "
+    measure = ("peak bytes of the tensors allocated during the step and not yet freed, by torch profiler's "
+               "allocation events (a diagnostic: frees made on gloo's threads are not seen, reserved but untouched "
+               "buffers count)" if args.memory == "allocated" else
+               "peak resident size during the step (the kernel's high-water mark, reset just before it) minus the "
+               "resident size before it, with glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_) so "
+               "that freed blocks leave the resident set: repeatable to ~0.1 MiB")
+    notes.append(f"activation memory = {measure}, max over ranks (fp32, ZeRO-2, Adam); tiled = TiledMLP "
+                 "(ceil(seq/hidden) tiles) + tiled fused logits+loss; +ckpt = every decoder "
                  "layer checkpointed with the library's checkpoint function, cpu_checkpointing on (on CPU the "
                  "checkpoints are in host memory already); +ckpt_no_offload = the same with cpu_checkpointing off")
     load_after = os.getloadavg()
@@ -246,7 +268,12 @@ def main() -> None:
     params = {k: v for k, v in vars(args).items()}
     params["load_avg_before"] = [round(x, 2) for x in load_before]
     params["load_avg_after"] = [round(x, 2) for x in load_after]
-    params["model"] = "Llama hidden 128, 2 layers, 4 heads / 2 KV heads, intermediate 512, vocab 16000"
+    longest_shape = "hidden 128, 4 heads / 2 KV heads, intermediate 512"
+    params["model"] = ("Llama, 2 layers, vocab 16000, intermediate 4 x hidden; "
+                       + (f"longest-sequence table: {longest_shape}" if "longest" in tables else "")
+                       + ("; " if "longest" in tables and "step_time" in tables else "")
+                       + (f"step-time table: {', '.join(f'hidden {h}, {a} heads / {k} KV heads' for h, a, k in shapes)}"
+                          if "step_time" in tables else ""))
     for path in write_results("sp_bench", rows, params=params, notes=notes, command=command_line()):
         print(path)
 

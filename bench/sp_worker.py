@@ -4,8 +4,13 @@ recipe), or with PyTorch's context parallel (``torch_cp``: ring attention over D
 write each rank's peak activation memory, step wall times and step CPU times (this process, all its threads, user +
 system: the compute and the gloo transfers, without the time spent waiting for a core or a peer).
 
-Memory: the peak resident set size during the training steps minus the resident size just before them (the model,
-optimizer and imports are excluded, so the two libraries' import sizes do not count). Modes: "plain" (HF's
+Memory (``--memory``): "rss" (what the longest-sequence search uses) is the peak resident set size during the steps
+(the kernel's high-water mark, reset just before them through ``/proc/self/clear_refs``) minus the resident size
+just before them; the model, optimizer and imports are excluded, so the two libraries' import sizes do not count.
+sp_bench runs it with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``) so freed blocks leave the resident
+set. "allocated" (a diagnostic) is the peak of the tensor bytes allocated during the steps and not yet freed, from
+torch's profiler's allocation events: frees made on threads the profiler does not follow (gloo's workers release
+the all-to-all buffers) are missed, and reserved but untouched buffers count. Modes: "plain" (HF's
 graph), "tiled" (TiledMLP on every MLP, ceil(seq/hidden) tiles as DeepSpeed's example, and the tiled fused
 logits+loss), "tiled+ckpt" (plus activation checkpointing of every decoder layer with CPU offload of the
 checkpoints, ``checkpoint_in_cpu``; on CPU they are in host memory already), "tiled+ckpt_no_offload" (the same
@@ -36,7 +41,45 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
+    """The resident high-water mark since :func:`reset_peak_rss` (or the process start where it cannot be reset)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+class AllocatedPeak:
+    """The peak of the tensor bytes allocated inside the context and not yet freed (torch profiler's memory events
+    on the threads it follows)."""
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.prof.__exit__(*exc)
+        events = [e for e in self.prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        live = peak = 0
+        for e in sorted(events, key=lambda e: e.start_ns()):
+            live += e.nbytes()
+            peak = max(peak, live)
+        self.peak_bytes = peak
+        return False
 
 
 def build_model(args):
@@ -62,6 +105,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv_heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=16000)
+    p.add_argument("--memory", choices=["rss", "allocated"], default="rss",
+                   help="rss: peak resident size; allocated: profiler-counted tensor bytes (slows the steps)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -160,28 +205,28 @@ def main() -> None:
         return float(loss)
 
     dist.barrier()
-    before = rss_bytes()
-    peak_before = peak_rss_bytes()
-    times, cpu, losses = [], [], []
     profiler = None
     if os.environ.get("SP_BENCH_PROFILE"):  # a directory: each rank's CPU-time profile of the steps after the first
         import cProfile
 
         profiler = cProfile.Profile(time.process_time)
-    for i, b in enumerate(micro):
-        if profiler is not None and i == 1:
-            profiler.enable()
-        t0, c0 = time.perf_counter(), time.process_time()
-        losses.append(step(b))
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+
+    times, cpu, losses = [], [], []
+
+    def run_steps():
+        for i, b in enumerate(micro):
+            if profiler is not None and i == 1:
+                profiler.enable()
+            t0, c0 = time.perf_counter(), time.process_time()
+            losses.append(step(b))
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+
+    record = measured(args, run_steps, times, cpu, losses)
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(os.path.join(os.environ["SP_BENCH_PROFILE"], f"sp{args.sp}-rank{rank}.prof"))
-    peak = peak_rss_bytes()
-    record = {"rank": rank, "activation_bytes": max(0, peak - before), "peak_rss_bytes": peak,
-              "peak_before_bytes": peak_before, "rss_before_bytes": before, "step_s": times, "cpu_s": cpu,
-              "losses": losses}
+    record["rank"] = rank
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, record)
     if rank == 0:
@@ -193,6 +238,23 @@ def main() -> None:
         if UlyssesSPAttentionHF_unregister is not None:
             UlyssesSPAttentionHF_unregister()
     sys.stdout.flush()
+
+
+def measured(args, run_steps, times: list, cpu: list, losses: list) -> dict:
+    """Run the steps and return this rank's record: activation bytes by ``args.memory``, times, losses."""
+    before = rss_bytes()
+    reset_peak_rss()
+    if args.memory == "allocated":
+        with AllocatedPeak() as counted:
+            run_steps()
+        activation = counted.peak_bytes
+    else:
+        run_steps()
+    peak = peak_rss_bytes()
+    if args.memory == "rss":
+        activation = max(0, peak - before)
+    return {"activation_bytes": activation, "memory": args.memory, "peak_rss_bytes": peak, "rss_before_bytes": before,
+            "step_s": times, "cpu_s": cpu, "losses": losses}
 
 
 def torch_cp(args) -> None:
@@ -237,17 +299,17 @@ def torch_cp(args) -> None:
         return float(loss / goods.clamp_min(1))
 
     dist.barrier()
-    before, peak_before = rss_bytes(), peak_rss_bytes()
     times, cpu, losses = [], [], []
-    for b in batches:
-        t0, c0 = time.perf_counter(), time.process_time()
-        losses.append(step(*b))
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    peak = peak_rss_bytes()
-    record = {"rank": rank, "activation_bytes": max(0, peak - before), "peak_rss_bytes": peak,
-              "peak_before_bytes": peak_before, "rss_before_bytes": before, "step_s": times, "cpu_s": cpu,
-              "losses": losses}
+
+    def run_steps():
+        for b in batches:
+            t0, c0 = time.perf_counter(), time.process_time()
+            losses.append(step(*b))
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+
+    record = measured(args, run_steps, times, cpu, losses)
+    record["rank"] = rank
     gathered = [None] * world
     dist.all_gather_object(gathered, record)
     if rank == 0:

@@ -7,7 +7,8 @@ autograd function whose backward is the adjoint collective:
 
 * :func:`seq_all_to_all` splits a tensor along ``scatter_dim`` into ``world`` equal chunks, sends chunk ``j``
   to rank ``j`` and concatenates what it receives along ``gather_dim`` in rank order. Its adjoint is the same
-  exchange with the two dimensions swapped (one all-to-all in backward too).
+  exchange with the two dimensions swapped (one all-to-all in backward too). (The Ulysses layers use the packed
+  form in :mod:`zerospeed.sequence.exchange`: q, k and v in one all-to-all.)
 * :func:`all_gather_with_grad` returns every rank's tensor (a list in rank order). Its backward follows
   ``torch.distributed.nn.functional.all_gather``: the gradient of rank ``r``'s slot is *summed over the ranks*
   (each rank back-propagates its own copy of whatever was computed from the list), so when every rank of a
