@@ -58,11 +58,15 @@ def read_log(path: str) -> None:
 
 
 def trial(impl: str, sp: int, seq: int, mode: str, steps: int = 1, timeout_s: float = 600,
-          shape: tuple[int, int, int] | None = None, memory: str = "rss") -> dict:
-    # glibc's dynamic mmap threshold lets freed blocks stay in the heap, so the resident size moved with the
-    # allocation history (tens of MiB between runs); a fixed threshold maps every block >= 64 KiB on its own and
-    # unmaps it on free, so the resident size follows the live memory (repeatable to ~0.1 MiB).
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(64 * 1024))
+          shape: tuple[int, int, int] | None = None, memory: str = "rss", memory_trial: bool = False) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if memory_trial and memory == "rss":
+        # a memory trial: glibc's dynamic mmap threshold lets freed blocks stay in the heap, so the resident size
+        # moved with the allocation history (tens of MiB between runs); a fixed threshold maps every block >= 64 KiB
+        # on its own and unmaps it on free, so the resident size follows the live memory (repeatable to ~0.1 MiB).
+        # Not for the timed trials: a page fault per large allocation would cost CPU time the default allocator
+        # does not pay.
+        env["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
     python = sys.executable
     if impl == "deepspeed":
         env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(ROOT / ".venv-bench" / "torch_extensions"))
@@ -147,7 +151,7 @@ def longest(impl: str, sp: int, mode: str, budget_mib: float, granularity: int, 
     def fits(seq: int) -> bool:
         if seq not in tried:
             tried[seq] = REUSED.get((impl, sp, mode, seq, memory)) or trial(impl, sp, seq, mode, timeout_s=420,
-                                                                            memory=memory)
+                                                                            memory=memory, memory_trial=True)
             r = tried[seq]
             print(f"[sp_bench] {impl} sp={sp} {mode} seq={seq} ({memory}): "
                   f"{'%.0f MiB' % r['activation_mib'] if r['ok'] else r['error']}", flush=True)
