@@ -248,3 +248,37 @@ def leaf_body(leaf: bool) -> dict:
     utils.unset_z3_leaf_modules(engine.module, [MoE])
     out["leaves_after_unset"] = len(utils.get_z3_leaf_modules(engine.module))
     return out
+
+
+def generation_hooks_body() -> dict:
+    """TRL's generation path at ZeRO-3: gather everything, remove the hooks (through DeepSpeed's
+    ``optimizer.parameter_offload``), run a rank-dependent number of forwards, add the hooks back; training then goes
+    on exactly as without the interlude."""
+    from trl.models.utils import add_hooks, remove_hooks
+
+    from zerospeed import zero
+
+    rank = dist.get_rank()
+    runs = {}
+    for interlude in (False, True):
+        engine = _engine("net", config(3, stage3_param_persistence_threshold=0))
+        losses = []
+        for step in range(3):
+            if interlude and step == 1:
+                with zero.GatheredParameters(list(engine.parameters())):
+                    remove_hooks(engine)
+                    runs["removed"] = not engine.strategy.runtime.hooks_installed
+                    with torch.no_grad():
+                        for _ in range(rank + 2):  # ranks generate different lengths
+                            engine.module(*batch(rank + 10))
+                    add_hooks(engine)
+                runs["reinstalled"] = engine.strategy.runtime.hooks_installed
+            loss = engine(*batch(rank + step))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        runs[interlude] = (losses, {n: t for n, t in _gathered(engine).items()})
+    runs["same"] = runs[False][0] == runs[True][0] and all(torch.equal(runs[False][1][n], runs[True][1][n])
+                                                          for n in runs[False][1])
+    runs["optimizer_class"] = type(engine.optimizer).__name__
+    return {k: v for k, v in runs.items() if isinstance(k, str)}

@@ -16,7 +16,8 @@ since their gradients complete in a rank-dependent order); without the flag the 
 import pytest
 import torch
 
-from fragment_cases import Net, MoE, Routed, fragments_body, leaf_body, not_at_boundary_body
+from fragment_cases import (MoE, Net, Routed, fragments_body, generation_hooks_body, leaf_body,
+                            not_at_boundary_body)
 from zerospeed.testing import DistributedTestError, run_distributed
 
 
@@ -97,3 +98,10 @@ def test_unmanaged_parameters_read_as_deepspeed_does():
     assert safe_get_full_grad(p) is p.grad
     with pytest.raises(AssertionError, match="only defined for ZeRO-3"):
         safe_get_local_grad(p)
+
+
+@pytest.mark.timeout(120)
+def test_trl_generation_removes_and_restores_the_zero3_hooks():
+    """trl.models.utils.remove_hooks / add_hooks (GRPO's and GKD's generation) on a zerospeed ZeRO-3 engine."""
+    for r in run_distributed(generation_hooks_body, 2, timeout=100):
+        assert r == {"removed": True, "reinstalled": True, "same": True, "optimizer_class": "AdamW"}, r

@@ -188,6 +188,17 @@ class Stage3Runtime(BucketGatherer):
                 h.remove()
         self._handles.clear()
 
+    def install_hooks(self) -> None:
+        """Install the module hooks again after :meth:`remove_hooks` (TRL removes them around generation)."""
+        for plan in list(self.plans.values()):
+            if plan.buckets:
+                self._install(plan.module)
+        self._install(self.root)
+
+    @property
+    def hooks_installed(self) -> bool:
+        return bool(self._handles)
+
     def on_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         found = registry.lookup(param)
         if found is None or getattr(found[0], "owner", None) is not self:

@@ -85,6 +85,13 @@ class ZeroParameterView:
         return ZeroParamStatus.NOT_AVAILABLE
 
     @property
+    def ds_active_sub_modules(self) -> set[Any]:
+        """DeepSpeed's set of the submodules using the parameter now. zerospeed counts users per bucket (the
+        runtime's ``fwd_refs``), so this is a new empty set: TRL only clears it before removing the hooks."""
+        self._zs_found("ds_active_sub_modules")
+        return set()
+
+    @property
     def ds_tensor(self) -> torch.Tensor:
         bucket, slot = self._zs_found("ds_tensor")
         start = max(slot.offset, bucket.shard_start)

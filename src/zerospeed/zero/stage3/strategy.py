@@ -48,7 +48,7 @@ from torch import nn
 from zerospeed.comm import hierarchical
 from zerospeed.zero import zeropp
 from zerospeed.zero.partitioned_optimizer import ShardView, StepResult, optimizer_group_of
-from zerospeed.zero.stage3 import registry
+from zerospeed.zero.stage3 import offload_view, registry
 from zerospeed.zero.stage3.bucket import BucketState, Stage3Bucket
 from zerospeed.zero.stage3.grads import Stage3GradReducer
 from zerospeed.zero.stage3.hooks import BucketGatherer, Stage3Knobs, Stage3Runtime
@@ -85,6 +85,7 @@ class Stage3Strategy:
                             max_live_numel=int(zero_config.stage3_max_live_parameters),
                             max_reuse_distance=int(zero_config.stage3_max_reuse_distance))
         self.runtime = Stage3Runtime(module, plans, self.buckets, knobs, self.watchdog)
+        offload_view.adopt(optimizer, self.runtime)  # DeepSpeed's optimizer.parameter_offload (TRL's generation)
         self.reducer = Stage3GradReducer(self.buckets, dp_group, self.watchdog, self.runtime.on_grads_done,
                                          comm_dtype=options.comm_dtype, overlap=options.overlap_comm,
                                          prescale=options.prescale)
