@@ -144,19 +144,22 @@ def _pipe_losses(engine, first: int, num: int, pipeline: bool) -> list[float]:
     return losses
 
 
-def pipe_resume(cfg: dict, load_dir: str, num_stages: int, num_steps: int, tied: bool = False) -> dict:
+def pipe_resume(cfg: dict, load_dir: str, num_stages: int, num_steps: int, kind: str = "plain") -> dict:
     """A zerospeed PipelineModule of ``num_stages`` stages (0: an nn.Sequential of the same layers in the plain
-    engine) loads a DeepSpeed pipeline folder and trains on; ``tied``: tiny_model.make_tied_pipe_layers."""
+    engine) loads a DeepSpeed pipeline folder and trains on. ``kind``: the layers, tiny_model's
+    make_pipe_layers ("plain"), make_tied_pipe_layers ("tied") or make_pipe_tp_layers ("tp": the full layers a
+    pipeline x tensor-parallel run trained slices of)."""
     import zerospeed
-    from tiny_model import make_pipe_layers, make_tied_pipe_layers, mse
+    from tiny_model import make_pipe_layers, make_pipe_tp_layers, make_tied_pipe_layers, mse
 
+    plain = make_pipe_tp_layers if kind == "tp" else make_pipe_layers
     if num_stages:
         from zerospeed.pipe import PipelineModule, TiedLayerSpec
 
-        layers = make_tied_pipe_layers(TiedLayerSpec, 99) if tied else make_pipe_layers(99)
+        layers = make_tied_pipe_layers(TiedLayerSpec, 99) if kind == "tied" else plain(99)
         model = PipelineModule(layers, num_stages=num_stages, loss_fn=mse, partition_method="uniform")
     else:
-        model = torch.nn.Sequential(*make_pipe_layers(99))
+        model = torch.nn.Sequential(*plain(99))
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     path, client = engine.load_checkpoint(load_dir)
     out = {"path": path, "client": {k: client[k] for k in ("epoch", "note", "best")},

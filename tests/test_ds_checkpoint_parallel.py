@@ -6,6 +6,8 @@ The fixtures were written by real DeepSpeed (``tests/fixtures/deepspeed/make_par
 * ``pipe2_zero0_fp32``: the same at ZeRO 0 (each stage's optimizer state_dict in its model file, no names);
 * ``pipe2_tied_zero1_fp32``: a ``TiedLayerSpec`` used on both stages (its own forward on stage 0, a
   ``forward_fn`` on stage 1), ZeRO 1;
+* ``pipe2_tp2_zero1_fp32``: 2 stages x 2 tensor-parallel ranks (Megatron-style column/row layers, 4 DeepSpeed
+  ranks, ``make_pipe_tp_fixture.py``), ZeRO 1, with ``universal_checkpoint_info``'s split patterns;
 * ``tp2_zero1_fp32``: AutoTP training at ``autotp_size`` 2 (ZeRO 1, fp32), ``up`` column-, ``down`` row-parallel.
 
 Each comes with what DeepSpeed's *own* resume from it gave: the losses of the next steps and the full fp32
@@ -72,8 +74,9 @@ PIPE = {1: [(0, 0), (1, 1)], 2: [(2, 1), (0, 3)], 4: [(2, 1)]}
 #: the tied-layer pipeline (no nn.Sequential: a TiedLayerSpec needs a PipelineModule, which takes ZeRO 0 or 1)
 PIPE_TIED = {1: [(1, 0)], 2: [(2, 1), (1, 1)], 4: [(2, 0)]}
 #: pipeline fixtures: ZeRO 1 (optimizer files per stage), ZeRO 0 (the optimizer in each stage's model file),
-#: a tied layer (TiedLayerSpec) on both stages, at ZeRO 1
-PIPE_CASES = {"pipe2_zero1_fp32": PIPE, "pipe2_zero0_fp32": PIPE, "pipe2_tied_zero1_fp32": PIPE_TIED}
+#: a tied layer (TiedLayerSpec) on both stages, at ZeRO 1, and 2 stages x tensor-parallel 2 at ZeRO 1
+PIPE_CASES = {"pipe2_zero1_fp32": PIPE, "pipe2_zero0_fp32": PIPE, "pipe2_tied_zero1_fp32": PIPE_TIED,
+              "pipe2_tp2_zero1_fp32": PIPE}
 
 
 @pytest.mark.timeout(300)
@@ -81,12 +84,12 @@ PIPE_CASES = {"pipe2_zero1_fp32": PIPE, "pipe2_zero0_fp32": PIPE, "pipe2_tied_ze
 @pytest.mark.parametrize("case", sorted(PIPE_CASES))
 def test_pipeline_folder_resumes_on_other_meshes(case: str, world: int) -> None:
     load_dir = os.path.join(FIXTURES, case, "ckpt")
-    tied = "tied" in case
+    kind = "tied" if "tied" in case else "tp" if "tp2" in case else "plain"
     for stages, zero in PIPE_CASES[case][world]:
         dp = world // max(stages, 1)
         cfg = pipe_config(zero, "fp32", dp)
         cfg["gradient_clipping"] = expected(case)[0]["config"].get("gradient_clipping", 1.0)  # as DeepSpeed trained
-        per_rank = run_distributed(pipe_resume, world, cfg, load_dir, stages, STEPS, tied, timeout=250)
+        per_rank = run_distributed(pipe_resume, world, cfg, load_dir, stages, STEPS, kind, timeout=250)
         where = f"{case} -> zerospeed world {world}, {stages or 'no'} pipeline stages, ZeRO {zero}"
         check_common(case, per_rank[0], where)
         check_full_state(case, merge([r["state"] for r in per_rank])["full"], where)
@@ -168,6 +171,29 @@ def test_pipeline_tied_folder_without_the_tied_layer_file(tmp_path) -> None:
         open_folder(d)
 
 
+def test_pipeline_tp_folder_errors(tmp_path) -> None:
+    """A pipeline x tensor-parallel folder needs every rank's layer files and the client's split patterns."""
+    src = os.path.join(FIXTURES, "pipe2_tp2_zero1_fp32", "ckpt", "global_step3")
+    d = os.path.join(tmp_path, "missing")
+    shutil.copytree(src, d)
+    os.remove(os.path.join(d, "layer_03-model_01-model_states.pt"))
+    with pytest.raises(DeepSpeedFileMissingError, match=r"layer_03-model_01-model_states.pt is missing: the folder's "
+                                                        r"layer files are split over 2 tensor-parallel ranks"):
+        open_folder(d)
+    d = os.path.join(tmp_path, "no_info")
+    shutil.copytree(src, d)
+    for m in range(4):
+        path = os.path.join(d, f"mp_rank_0{m}_model_states.pt")
+        state = torch.load(path, weights_only=False)
+        del state["universal_checkpoint_info"]
+        torch.save(state, path)
+    with pytest.raises(DeepSpeedUnsupportedError) as err:
+        open_folder(d)
+    msg = str(err.value)
+    assert msg.startswith(os.path.join(d, "mp_rank_00_model_states.pt") + ": a pipeline x tensor-parallel DeepSpeed "
+                          "folder without universal_checkpoint_info") and "\n" not in msg
+
+
 # -- tensor parallel --------------------------------------------------------------------------------------------
 def _tp_slice(t: torch.Tensor, name: str, rank: int, tp: int) -> torch.Tensor:
     dim = TP_DIMS.get(name)
@@ -216,7 +242,8 @@ def test_tensor_parallel_folder_needs_its_affine_map(tmp_path) -> None:
     assert msg.startswith(path + ": a tensor-parallel DeepSpeed folder without universal_checkpoint_info.affine_map")
 
 
-@pytest.mark.parametrize("case", ["pipe2_zero1_fp32", "pipe2_zero0_fp32", "pipe2_tied_zero1_fp32", "tp2_zero1_fp32"])
+@pytest.mark.parametrize("case", ["pipe2_zero1_fp32", "pipe2_zero0_fp32", "pipe2_tied_zero1_fp32",
+                                  "pipe2_tp2_zero1_fp32", "tp2_zero1_fp32"])
 def test_zero_to_fp32_and_convert_read_the_parallel_folders(tmp_path, case: str) -> None:
     """DeepSpeed's helper names and zerospeed-convert see the full parameters of both layouts."""
     from zerospeed.checkpoint.convert import main

@@ -35,41 +35,57 @@ import torch
 
 from zerospeed.checkpoint.deepspeed.errors import DeepSpeedFileMissingError, DeepSpeedLayoutError, \
     DeepSpeedUnsupportedError
+from zerospeed.checkpoint.deepspeed.tp_maps import pattern_maps
 
 TIED_PREFIX = "tied_modules."
 #: the model-states entry holding a ZeRO-0 optimizer's state_dict (DeepSpeed's OPTIMIZER constant)
 OPTIMIZER = "optimizer"
 
 
-def parse_pipeline(folder: Any, names: set[str], model_files: list[str], layers: dict[int, str]) -> None:
+def parse_pipeline(folder: Any, names: set[str], model_files: list[str], layers: dict[int, dict[int, str]],
+                   tp_size: int = 1) -> None:
     """Fill ``folder`` (a :class:`~zerospeed.checkpoint.deepspeed.layout.DeepSpeedFolder`) from a pipeline
-    folder whose files are ``names``: ``model_files[s]`` is stage s's model file, ``layers`` the layer files
-    by index."""
-    files = {idx: _layer_state(folder, fname) for idx, fname in sorted(layers.items())}
+    folder whose files are ``names``: ``model_files[m]`` is model-parallel rank m's model file (m = stage *
+    ``tp_size`` + tensor-parallel rank), ``layers`` the layer files by index and tensor-parallel rank."""
     metas = [folder.files.get(f) for f in model_files]
     buffers = {str(b) for meta in metas for b in (meta.get("buffer_names") or [])}
     shapes = [meta.get("param_shapes") for meta in metas]
     if all(isinstance(s, list) for s in shapes):
-        stage_names = [[str(n) for group in s for n in group] for s in shapes]
-        module = _named_layers(folder, files, layers, stage_names, buffers, model_files)
-        stage_modules = [module] * len(metas)
+        stage_shapes = [{str(n): v for group in s for n, v in group.items()} for s in shapes]
+        modules = []
+        for t in range(tp_size):
+            files = {idx: _layer_state(folder, per[t]) for idx, per in sorted(layers.items())}
+            mine = list(range(t, len(metas), tp_size))  # the model-parallel ranks of tensor-parallel rank t
+            modules.append(_named_layers(folder, files, {i: per[t] for i, per in layers.items()},
+                                         [stage_shapes[m] for m in mine], buffers, [model_files[m] for m in mine]))
+        rank_modules = [modules[m % tp_size] for m in range(len(metas))]
     elif all(s is None for s in shapes):
-        stage_modules = _zero0_stages(folder, files, layers, metas, model_files, buffers)
-        module = {k: v for m in stage_modules for k, v in m.items()}
+        if tp_size > 1:
+            raise DeepSpeedUnsupportedError(f"{folder.directory}: a pipeline x tensor-parallel folder trained "
+                                            "without a ZeRO optimizer (no param_shapes): not read")
+        files = {idx: _layer_state(folder, per[0]) for idx, per in sorted(layers.items())}
+        rank_modules = _zero0_stages(folder, files, {i: per[0] for i, per in layers.items()}, metas, model_files,
+                                     buffers)
+        stage_shapes = [{}] * len(metas)
     else:
         raise DeepSpeedLayoutError(f"{folder.directory}: some stages' model files record param_shapes (a ZeRO "
                                    "optimizer) and others do not: files of two saves mixed")
     found: set[str] = set()
-    for s, stage_module in enumerate(stage_modules):
-        # a tied parameter another stage listed first: its masters and moments are that stage's (equal copies)
-        folder._b.skip = {n for n in folder._b.params if n.startswith(TIED_PREFIX)}
+    for m, module in enumerate(rank_modules):
+        if m % tp_size == 0:
+            # a tied parameter an earlier stage listed: its masters and moments are that stage's (equal copies)
+            skip = {n for n in folder._b.params if n.startswith(TIED_PREFIX)}
+        folder._b.skip = skip
+        if tp_size > 1:
+            folder._b.to_full = pattern_maps(folder.files.path(model_files[m]), metas[m], stage_shapes[m],
+                                             m % tp_size, tp_size)
         try:
-            folder._parse_rank(names, s, stage_module)
+            folder._parse_rank(names, m, module)
         finally:
-            folder._b.skip = set()
+            folder._b.skip, folder._b.to_full = set(), None
         found.update(folder.buffer_names)
     folder.buffer_names = sorted(found | buffers)
-    folder._extras(module)
+    folder._extras(rank_modules[0])  # buffers: whole on every rank; tensor-parallel rank 0's
 
 
 def _layer_state(folder: Any, fname: str) -> dict[str, torch.Tensor]:
@@ -82,8 +98,11 @@ def _layer_state(folder: Any, fname: str) -> dict[str, torch.Tensor]:
 
 
 def _named_layers(folder: Any, files: dict[int, dict[str, torch.Tensor]], layers: dict[int, str],
-                  stage_names: list[list[str]], buffers: set[str], model_files: list[str]) -> dict[str, torch.Tensor]:
-    """Every layer file's tensors under the parameter names the stages' ``param_shapes`` list."""
+                  stage_shapes: list[dict[str, Any]], buffers: set[str],
+                  model_files: list[str]) -> dict[str, torch.Tensor]:
+    """Every layer file's tensors under the parameter names the stages' ``param_shapes`` list (one
+    tensor-parallel rank's files and stages), shapes checked."""
+    stage_names = [list(shapes) for shapes in stage_shapes]
     listed = {n for names in stage_names for n in names}
     tied: dict[str, set[str]] = {}
     for n in sorted(listed | buffers):
@@ -105,6 +124,10 @@ def _named_layers(folder: Any, files: dict[int, dict[str, torch.Tensor]], layers
     for s, names in enumerate(stage_names):
         for n in names:
             if n in module:
+                if list(module[n].shape) != [int(d) for d in stage_shapes[s][n]]:
+                    raise DeepSpeedLayoutError(f"{folder.directory}: {n!r} has shape {list(module[n].shape)} in its "
+                                               f"layer file but {list(stage_shapes[s][n])} in {model_files[s]}'s "
+                                               "param_shapes: files of two saves mixed")
                 continue
             if n.startswith(TIED_PREFIX):
                 raise DeepSpeedFileMissingError(f"{folder.directory}: no layer_*-model_states.pt file holds tied "
