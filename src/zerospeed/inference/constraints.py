@@ -105,6 +105,22 @@ class Guides:
             raise RequestError("guide", f"invalid grammar: {m.get_error()}")
         return m
 
+    #: jump-forward: tokens the grammar forces after a sampled token are appended without a forward of their own
+    #: (:meth:`forced_tokens`); False computes a mask and samples each of them, as every other token
+    jump_forward: bool = True
+
+    def forced_tokens(self, matcher: Any, limit: int) -> list[int]:
+        """At most ``limit`` tokens the grammar of ``matcher`` forces next (llguidance's fast-forward tokens),
+        or none. A forced token is the only one the matcher's mask allows at its position (llguidance forces
+        its canonical tokenization of the forced bytes), so appending it gives the tokens masked sampling
+        would give, greedy or sampled, without the forward that would compute its logits, the mask and the
+        sampling: its K/V is computed with the next sampled token's, in one chunk. JSON's keys, quotes,
+        separators and closing brackets are forced: three quarters of the tokens of bench/serve_structured.py's
+        replies. The matcher has not consumed them (the caller does, token by token, checking its stops)."""
+        if not self.jump_forward or limit <= 0 or matcher.is_stopped():
+            return []
+        return list(matcher.compute_ff_tokens()[:limit])
+
     def mask(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
         """Set ``logits[rows[i], t] = -inf`` for every token ``t`` that ``matchers[i]`` refuses:
         one parallel mask computation, then one table lookup and one batched add for all guided rows.

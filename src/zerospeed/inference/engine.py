@@ -335,7 +335,10 @@ class InferenceEngine:
             seq.tokens.append(tok)
             self._num_generated += 1
             self._check_stop(seq, tok)
-            out = RequestOutput(seq.request_id, [tok], finished=seq.is_finished, finish_reason=seq.finish_reason,
+            new = [tok]
+            if seq.matcher is not None and not seq.is_finished and seq.params.logprobs is None:
+                new += self._jump_forward(seq)  # tokens the grammar forces: no forward of their own
+            out = RequestOutput(seq.request_id, new, finished=seq.is_finished, finish_reason=seq.finish_reason,
                                 num_prompt_tokens=seq.prompt_len, num_generated_tokens=seq.num_generated,
                                 new_logprobs=None if lp is None else [lp],
                                 new_top_logprobs=None if top is None else [top], stop_reason=seq.stop_reason)
@@ -351,6 +354,23 @@ class InferenceEngine:
             seq.prompt_sent = True
             out.prompt_logprobs = list(seq.prompt_lps)
             out.prompt_top_logprobs = list(seq.prompt_tops)
+        return out
+
+    def _jump_forward(self, seq: Sequence) -> list[int]:
+        """Append the tokens ``seq``'s grammar forces next (:meth:`Guides.forced_tokens`), each checked for
+        stops as a sampled one; a stop token is left to be sampled. Their K/V is computed in the next forward."""
+        out: list[int] = []
+        for t in self.guides.forced_tokens(seq.matcher, seq.params.max_new_tokens - seq.num_generated):
+            if t in seq.stop_set:
+                break
+            seq.tokens.append(t)
+            self._num_generated += 1
+            out.append(t)
+            if seq.generator is not None:  # the draw sampling it would have taken: later draws stay the same
+                torch.rand(1, generator=seq.generator, dtype=torch.float64)
+            self._check_stop(seq, t)
+            if seq.is_finished:
+                break
         return out
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
@@ -431,6 +451,9 @@ class InferenceEngine:
                                          and not (s.stop_set and s.num_generated < s.params.min_new_tokens)
                                          for s in sampling)
         refuse = None if self._guided is None else self._guided.apply
+        # run_forward counts every chunk's tokens as prompt tokens: not the generated ones jump-forward left to compute
+        self._num_prompt -= sum(max(0, seq.num_computed + n - max(seq.num_computed, seq.prompt_len))
+                                for seq, n in batch.items[nd:] if seq.matcher is not None)
         return self.run_forward(ids, items, batch.num_decodes, batch.copies, rows, greedy=greedy, refuse=refuse)
 
     @torch.inference_mode()
