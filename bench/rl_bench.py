@@ -22,6 +22,10 @@ Each system: one warm-up call, then ``--repeats`` timed calls; per rank the medi
 gather/fill included) and its CPU time; tokens/s = new tokens of the rank / wall seconds, averaged over ranks.
 The tokens are compared with ``hf_unsharded``'s (fraction of equal rows).
 
+Part ``profile`` (``--part profile``): one process, ``engine.generate`` on unsharded weights with the same workload;
+the CPU seconds of a call split into the layers' forward, the LM head, the sampler, the scheduler, the attention
+metadata and the rest (each wrapped with a ``process_time`` accumulator).
+
 Part ``sync`` (``--part sync``, root): two network namespaces on a veth pair whose both ends are capped with
 ``tc`` (a token-bucket filter at ``--rate-mbit``); ``zerospeed serve --weight-update-group`` runs in namespace A,
 the trainer (``--world`` ZeRO-3 ranks) in namespace B calls ``engine.sync_weights`` ``--repeats`` times; the
@@ -199,6 +203,74 @@ def run_rollouts(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+# -- profile ----------------------------------------------------------------------------------------------------
+
+
+def profile_worker(n: int, prompt_len: int, new_tokens: int, repeats: int, samples: int, temperature: float) -> dict:
+    """Where a zerospeed rollout call's CPU time goes: each part wrapped with a process_time accumulator."""
+    import torch  # noqa: F401
+
+    import zerospeed
+    import zerospeed.inference.attention as attention
+    import zerospeed.inference.engine as engine_mod
+
+    model = _model("small")
+    prompts = _prompts(0, n, prompt_len, model.config.vocab_size)
+    engine, *_ = zerospeed.initialize(model=model, config=_config(1, 0, True, n * samples, prompt_len + new_tokens))
+    kw = dict(max_new_tokens=new_tokens, ignore_eos=True)
+    if temperature > 0:
+        kw.update(do_sample=True, temperature=temperature, seed=0)
+    engine.generate(prompts, n=samples, **kw)  # builds the engine, measures its fast paths
+    ie = engine.rl.rollout.engine
+    parts: dict[str, float] = {}
+
+    def timed(owner, name: str, key: str) -> None:
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[key] = parts.get(key, 0.0) + time.process_time() - t
+        setattr(owner, name, wrapper)
+
+    timed(ie.model, "forward", "model_forward (layers: attention, linears, norms)")
+    timed(ie.model, "compute_logits", "lm_head (compute_logits)")
+    timed(engine_mod, "sample", "sampler")
+    timed(ie.scheduler, "schedule", "scheduler")
+    timed(attention.AttentionMetadata, "build", "attention metadata")
+    import zerospeed.inference.cpu_kernel as cpu_kernel
+    import zerospeed.inference.models.llama as llama
+
+    timed(cpu_kernel, "attention_layer", "of which: attention (C kernel, RoPE + KV write + decode attention)")
+    timed(llama, "cpu_linear", "of which: block linears (qkv, o, gate_up, down)")
+    calls = []
+    for _ in range(repeats):
+        c0 = time.process_time()
+        engine.generate(prompts, n=samples, **kw)
+        calls.append(time.process_time() - c0)
+    total = statistics.median(calls)
+    out = {k: v / repeats for k, v in parts.items()}
+    out["rest (engine step, rollout loop)"] = sum(calls) / repeats - sum(v for k, v in out.items()
+                                                                       if not k.startswith("of which"))
+    return {"cpu_s_per_call": total, "parts": out, "tokens_per_cpu_s": n * samples * new_tokens / total}
+
+
+def run_profile(args: argparse.Namespace) -> list[dict]:
+    from zerospeed.testing import run_distributed
+
+    r = run_distributed(profile_worker, 1, args.prompts, args.prompt_len, args.new_tokens, args.repeats,
+                        args.samples, args.temperature, timeout=1800)[0]
+    mean = sum(v for k, v in r["parts"].items() if not k.startswith("of which"))
+    return [{"part": "profile", "workload": args.workload, "system": "zerospeed_unsharded", "world": 1,
+             "component": k, "cpu_s_per_call": round(v, 4), "share": round(v / mean, 3)}
+            for k, v in sorted(r["parts"].items(), key=lambda kv: -kv[1])] + \
+        [{"part": "profile", "workload": args.workload, "system": "zerospeed_unsharded", "world": 1,
+          "component": "total (median call)", "cpu_s_per_call": round(r["cpu_s_per_call"], 4), "share": 1.0,
+          "tokens_per_cpu_s": round(r["tokens_per_cpu_s"], 1)}]
+
+
 # -- sync -------------------------------------------------------------------------------------------------------
 
 
@@ -297,7 +369,8 @@ def main() -> None:
         sync_trainer_main(sys.argv[2:])
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("rollout", "sync", "all"), default="all")
+    p.add_argument("--part", choices=("rollout", "sync", "profile", "all"), default="all",
+                   help="profile: one process, zerospeed's engine.generate on unsharded weights, CPU time per part")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--prompts", type=int, default=16, help="prompts per rank")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -321,6 +394,8 @@ def main() -> None:
         rows += run_rollouts(args)
     if args.part in ("sync", "all"):
         rows += run_sync(args)
+    if args.part == "profile":
+        rows += run_profile(args)
     load1 = os.getloadavg()
     notes = [f"load average (1, 5, 15 min) at start {tuple(round(x, 2) for x in load0)}, at end "
              f"{tuple(round(x, 2) for x in load1)} on a shared 2-core machine: wall-clock figures are noisy, "

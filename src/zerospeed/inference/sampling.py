@@ -88,8 +88,12 @@ def _draw(logits: torch.Tensor, seqs: list) -> list[int]:
     draw comes from its own generator, so its token depends only on its logits and seed. Temperature, softmax,
     cumsum and the search run once over all rows (a per-row ``multinomial`` cost 0.3 ms a row at V=4096: a
     64-sequence GRPO rollout spent a third of its decode there); top-k / top-p rows are filtered one by one."""
-    temps = torch.tensor([float(s.params.temperature) for s in seqs], dtype=logits.dtype)
-    logits = logits / temps[:, None]
+    temps = [float(s.params.temperature) for s in seqs]
+    filtered = any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs)
+    if any(t != 1.0 for t in temps):  # x / 1.0 is x: the common T = 1 skips a pass over [R, V]
+        logits = logits / torch.tensor(temps, dtype=logits.dtype)[:, None]
+    elif filtered:
+        logits = logits.clone()  # the filters below write rows: never into the caller's logits
     for r, s in enumerate(seqs):
         if s.params.top_k > 0 or s.params.top_p < 1.0:
             logits[r] = _filter(logits[r], dataclasses.replace(s.params, temperature=1.0))  # applied above
@@ -109,11 +113,14 @@ def sample(logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float | No
     for i, seq in enumerate(seqs):
         if seq.num_generated < seq.params.min_new_tokens and seq.stop_set:
             logits[i, list(seq.stop_set)] = float("-inf")
-    tokens = logits.max(-1).indices.tolist()  # first maximum, as argmax; 3x faster on CPU here
     rows = [i for i, s in enumerate(seqs) if not is_greedy(s.params)]
-    if rows:
-        for i, t in zip(rows, _draw(logits[rows].cpu(), [seqs[i] for i in rows])):
-            tokens[i] = t
+    if len(rows) == len(seqs):  # all sampled (a GRPO rollout): no argmax, no gather of the rows
+        tokens = _draw(logits.cpu(), seqs)
+    else:
+        tokens = logits.max(-1).indices.tolist()  # first maximum, as argmax; 3x faster on CPU here
+        if rows:
+            for i, t in zip(rows, _draw(logits[rows].cpu(), [seqs[i] for i in rows])):
+                tokens[i] = t
     chosen: list[float | None] = [None] * len(seqs)
     tops: list[dict[int, float] | None] = [None] * len(seqs)
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
