@@ -75,6 +75,13 @@ class Stage3Knobs:
     max_reuse_distance: int
 
 
+def _functorch_transforming() -> bool:
+    """True under a torch.func transform (its backward runs inside the transform's interpreter)."""
+    functorch = getattr(torch._C, "_functorch", None)
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
 def tensors_in(obj: Any) -> list[torch.Tensor]:
     """Tensors inside nested tuples / lists / dicts / dataclasses (module outputs)."""
     if torch.is_tensor(obj):
@@ -160,6 +167,7 @@ class Stage3Runtime(BucketGatherer):
         self.in_backward = False
         self.in_root_forward = False  # between the root's forward pre-hook and its forward hook
         self.stray_backward = False
+        self._transform_pass = False  # a torch.func transform's backward is running (see _transform_backward)
         self._grads_done: set[int] = set()
         self._handles: dict[int, list[Any]] = {}
         self.on_begin_pass: Callable[[], None] | None = None  # the strategy's hook at each root forward
@@ -247,6 +255,12 @@ class Stage3Runtime(BucketGatherer):
         return None
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if _functorch_transforming():  # releasing resizes buffers: outside the transform, as the gather
+            with torch._C._DisableFuncTorch():
+                return self._post_forward_now(module, output)
+        return self._post_forward_now(module, output)
+
+    def _post_forward_now(self, module: nn.Module, output: Any) -> None:
         plan = self.plans.get(id(module))
         grad_on = torch.is_grad_enabled()
         if plan is not None and plan.buckets:
@@ -279,10 +293,30 @@ class Stage3Runtime(BucketGatherer):
         self._grads_done.clear()
 
     def _pre_backward(self, plan: ModulePlan) -> None:
+        if not self.in_backward and _functorch_transforming():
+            self._transform_backward(plan)
+            return
         if not self.in_backward:
             self.stray_backward = True
         self._fetch(plan, "backward")
         self._mark_backward_use(plan)
+
+    def _transform_backward(self, plan: ModulePlan) -> None:
+        """A torch.func transform (``grad``, ``vjp``, ``jacrev``, ``vmap(grad(...))``) differentiates a function of the
+        engine: not a training step (no gradient reaches the parameters' ``.grad``, none is reduced), as in DeepSpeed.
+        The module's parameters are gathered for its backward and released when that autograd pass ends."""
+        if not self._transform_pass:
+            self._transform_pass = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_transform_backward)
+        self._fetch(plan, "backward")
+        for b in plan.buckets:
+            b.bwd_calls += 1
+
+    def _end_transform_backward(self) -> None:
+        self._transform_pass = False
+        for b in self.buckets:
+            b.bwd_calls = 0
+            self.maybe_release(b)
 
     def _mark_backward_use(self, plan: ModulePlan) -> None:
         """Keep the plan's buckets until their gradients are in (or the module's backward is done)."""
@@ -326,6 +360,12 @@ class Stage3Runtime(BucketGatherer):
             b.fwd_refs = 0
 
     def _fetch(self, plan: ModulePlan, phase: str) -> None:
+        if _functorch_transforming():  # the gather writes buffers torch.func must not see as captured mutations
+            with torch._C._DisableFuncTorch():
+                return self._fetch_now(plan, phase)
+        return self._fetch_now(plan, phase)
+
+    def _fetch_now(self, plan: ModulePlan, phase: str) -> None:
         event = TraceEvent(id(plan), phase, plan.name, tuple(b.index for b in plan.buckets))
         expected = self.trace.expected()
         if self.trace.observe(event) == "mismatch":
