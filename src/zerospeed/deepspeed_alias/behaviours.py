@@ -156,6 +156,26 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               '`zerospeed-as-deepspeed COMMAND` or `import zerospeed.as_deepspeed`: `deepspeed.a.b` is '
               '`zerospeed.a.b`, never active unless asked, refused when a real DeepSpeed is importable (unless '
               '`--force`), a path or name zerospeed lacks refused naming it'),
+    Behaviour('tensor_fragment_api',
+              '`deepspeed.utils.safe_get_full_grad` / `_fp32_param` / `_optimizer_state`, their setters, the '
+              'ZeRO-3 `safe_get_local_*` / `safe_set_local_*`',
+              'read through state set on each parameter (`_hp_mapping`, `_z3_optimizer`); at ZeRO-0 without bf16 '
+              'the fp32 parameter and optimizer state read as `None` (`utils/tensor_fragment.py`)',
+              "read from the strategies' shards at every stage (a weak parameter -> strategy map, nothing on the "
+              'parameter); at ZeRO-0 the values are returned too; `safe_get_full_grad` between micro-batches at '
+              'stages 0-1, where nothing is reduced yet, raises one line (was missing)'),
+    Behaviour('z3_leaf_modules',
+              '`deepspeed.utils.set_z3_leaf_modules` (MoE blocks)',
+              "sets `module._z3_leaf`; read when the hooks are installed (`utils/z3_leaf_module.py`)",
+              "kept in zerospeed's ZeRO-3 registry (no attribute on the module), read when the engine is built; a "
+              "leaf's subtree is gathered at once, no hooks below it, its gradients reduced in bucket order after "
+              'backward; set after the engine exists it warns (was missing)'),
+    Behaviour('trl_generation_hooks',
+              "`engine.optimizer.parameter_offload` (TRL's `remove_hooks` / `add_hooks` around generation)",
+              "the ZeRO-3 optimizer's `DeepSpeedZeRoOffload`",
+              "a view over zerospeed's hooks on a subclass of the optimizer's own class (its state unchanged): "
+              'removing its handle removes every module hook, `_register_deepspeed_module` re-installs them and '
+              "the prefetch trace is recorded again (was: `GRPOTrainer` at ZeRO-3 failed in generation)"),
 )
 
 
