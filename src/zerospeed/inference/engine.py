@@ -220,6 +220,8 @@ class InferenceEngine:
             for name, attr in (("bf16", "_lm_head_bf16_t"), ("int8", "_lm_head_int8")):
                 if name not in chosen:  # a copy made only to be measured: freed (remade if a class needs it)
                     model.__dict__.pop(attr, None)
+            if not packed.packed_head_used():
+                model.__dict__.pop("_lm_head_packed", None)
         self.planner.prepare(tuple(1 << i for i in range(top.bit_length())), min(max_model_len, EAGER_CONTEXT))
         self.fast_path_setup_s = time.perf_counter() - start
         if heads:

@@ -250,6 +250,11 @@ class PackedLinears:
         return hit
 
 
+    def packed_head_used(self) -> bool:
+        """Whether some rows class chose the packed LM head so far (else its copy, made to be measured, may go)."""
+        return self.setting == "on" or any(v for k, v in self._cache.items() if k[0] == "lm_head")
+
+
 def model_packed(model: Any) -> PackedLinears:
     """The model's :class:`PackedLinears` (set by the engine; for a bare model, ``auto`` made on first use)."""
     p = model.__dict__.get("_packed_linears")
