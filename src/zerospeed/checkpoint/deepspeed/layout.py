@@ -45,6 +45,7 @@ from zerospeed.checkpoint.deepspeed.errors import (DeepSpeedFileMissingError, De
 from zerospeed.checkpoint.deepspeed.model_parallel import parse_model_parallel
 from zerospeed.checkpoint.deepspeed.names import (_DS_FILE, _LAYER_FILE_RE, _MODEL_FILE_RE, MODEL_FILE,  # noqa: F401
                                                   OPTIM_FILE, ZERO3_MODEL_FILE, _need)
+from zerospeed.checkpoint.deepspeed.remap import rebuild, skeleton
 from zerospeed.checkpoint.deepspeed.safe_load import load_pickle
 from zerospeed.checkpoint.deepspeed.source import DeepSpeedSource
 from zerospeed.checkpoint.deepspeed.universal import UNIVERSAL_DIR, parse_universal
@@ -123,11 +124,13 @@ class _Builder:
 
 
 class _Files:
-    """DeepSpeed's files of one folder, each unpickled (memory-mapped) at most once, on first use."""
+    """DeepSpeed's files of one folder, each unpickled (memory-mapped) once, on first use; a file forgotten
+    (its mapping dropped) is mapped again from its skeleton (:mod:`.remap`), not unpickled again."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._loaded: dict[str, Any] = {}
+        self._skeletons: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def path(self, name: str) -> str:
@@ -142,6 +145,11 @@ class _Files:
 
     def get(self, name: str, kind: type | None = dict) -> Any:
         with self._lock:
+            if name not in self._loaded and name in self._skeletons:
+                stamp, skel = self._skeletons.pop(name)
+                if stamp == _stamp(self.path(name)):  # else the file changed since: unpickled again below
+                    self._loaded[name] = rebuild(self.path(name), skel)
+                    self._skeletons[name] = (stamp, skel)
             if name not in self._loaded:
                 obj = load_pickle(self.path(name))
                 if kind is not None and not isinstance(obj, kind):
@@ -152,10 +160,21 @@ class _Files:
 
     def forget(self, name: str) -> None:
         with self._lock:
-            self._loaded.pop(name, None)
+            obj = self._loaded.pop(name, None)
+            if obj is not None and name not in self._skeletons:
+                stamp = _stamp(self.path(name))
+                skel = skeleton(self.path(name), obj)
+                if skel is not None:
+                    self._skeletons[name] = (stamp, skel)
 
     def close(self) -> None:
         self._loaded.clear()
+        self._skeletons.clear()
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
 
 
 class DeepSpeedFolder:
@@ -344,23 +363,23 @@ class DeepSpeedFolder:
         per_rank = sum(math.ceil(_numel(s) / world) for _, s in ordered)
         for n, s in ordered:
             self._b.add_param(n, s, torch.float32, "param", group_of[n])
+        # Every rank's file holds the same layout (ceil(numel / world) elements of each parameter, the same
+        # optimizer state keys), so only rank 0's is read here; the others are unpickled when a copy needs them
+        # (a reader of 2 of 4 source ranks never opens the other two) and checked then (``flat``).
+        state = _need(first, "optimizer_state_dict", where0, dict).get("state") or {}
+        sub_groups = sorted(state)
+        keys = _moment_keys(state[sub_groups[0]]) if sub_groups else []
+        self.state_keys.update(keys)
+        if sub_groups:
+            self.scalars[0] = _step_scalar(state[sub_groups[0]])
+        checked: set[str] = set()
         for r, f in enumerate(files):
-            where = self.files.path(f)
-            osd = self._osd(f)
-            flats = _need(osd, "fp32_flat_groups", where, list)
-            have = sum(t.numel() for t in flats if torch.is_tensor(t))
-            if have < per_rank:
-                raise DeepSpeedLayoutError(f"{where}: fp32_flat_groups hold {have} elements, the parameters in "
-                                           f"param_shapes need {per_rank} per rank at data-parallel size {world}")
-            state = _need(osd, "optimizer_state_dict", where, dict).get("state") or {}
-            sub_groups = sorted(state)
-            keys = _moment_keys(state[sub_groups[0]]) if sub_groups else []
-            self.state_keys.update(keys)
-            if sub_groups and 0 not in self.scalars:
-                self.scalars[0] = _step_scalar(state[sub_groups[0]])
 
             def flat(kind: str, f: str = f) -> torch.Tensor:
                 o = self._osd(f)
+                if f not in checked:
+                    self._check_zero3_file(f, o, per_rank, keys)
+                    checked.add(f)
                 if kind == "master":
                     parts = o["fp32_flat_groups"]
                 else:
@@ -382,6 +401,21 @@ class DeepSpeedFolder:
                 self._b.add_piece(n, shard, offset, start, max(0, min(part, numel - start)))
                 offset += part
                 self.scalar_group[n] = 0
+
+    def _check_zero3_file(self, f: str, osd: dict[str, Any], per_rank: int, keys: list[str]) -> None:
+        where = self.files.path(f)
+        flats = _need(osd, "fp32_flat_groups", where, list)
+        have = sum(t.numel() for t in flats if torch.is_tensor(t))
+        if have < per_rank:
+            raise DeepSpeedLayoutError(f"{where}: fp32_flat_groups hold {have} elements, the parameters in "
+                                       f"param_shapes need {per_rank} per rank at data-parallel size "
+                                       f"{self.dp_world_size}")
+        state = _need(osd, "optimizer_state_dict", where, dict).get("state") or {}
+        for i in sorted(state):
+            missing = [k for k in keys if k not in state[i]]
+            if missing:
+                raise DeepSpeedLayoutError(f"{where}: optimizer state of sub-group {i} lacks {missing}, which rank 0's "
+                                           "file holds: files of two saves mixed")
 
     def _fp16_optimizer(self, module: dict[str, Any]) -> None:
         where = self.files.path(self.model_file)
