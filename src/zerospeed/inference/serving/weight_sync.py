@@ -146,6 +146,11 @@ def _numel(shape: list[int]) -> int:
 RING_BUCKETS = 4  # receives posted ahead in a full sync (the trainer has two buffers in flight)
 
 
+def _aligned(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``raw`` bytes at an address ``dtype`` can be viewed at (a copy when the payload put them elsewhere)."""
+    return raw.clone() if raw.storage_offset() % dtype.itemsize else raw
+
+
 class _Refused(Exception):
     """A sync the server read to its end and refuses (``__cause__`` says why); the connection stays good."""
 
@@ -227,7 +232,10 @@ class _StreamPlan:
             lo, hi = max(e0, start), min(e1, end)
             if e0 >= start and e1 <= end:  # wholly inside this bucket: a view, for now
                 raw = data.narrow(0, e0 - start, e1 - e0)
-                in_place.append(name)
+                if raw.storage_offset() % dtype.itemsize:  # a message size that is no multiple of the element
+                    raw = raw.clone()
+                else:
+                    in_place.append(name)
             else:
                 raw = self._partial.get(name)
                 if raw is None:
@@ -364,12 +372,12 @@ class WeightUpdateReceiver:
                 parts = []
                 for key in ("a_shape", "b_shape"):
                     n = _numel(e[key]) * dtype.itemsize
-                    parts.append(payload.narrow(0, offset, n).view(dtype).view(e[key]))
+                    parts.append(_aligned(payload.narrow(0, offset, n), dtype).view(dtype).view(e[key]))
                     offset += n
                 out[e["name"]] = (parts[0], parts[1], float(e["scaling"]))
             else:
                 n = _numel(e["shape"]) * dtype.itemsize
-                out[e["name"]] = payload.narrow(0, offset, n).view(dtype).view(e["shape"])
+                out[e["name"]] = _aligned(payload.narrow(0, offset, n), dtype).view(dtype).view(e["shape"])
                 offset += n
         return out
 
