@@ -282,3 +282,19 @@ def generation_hooks_body() -> dict:
                                                           for n in runs[False][1])
     runs["optimizer_class"] = type(engine.optimizer).__name__
     return {k: v for k, v in runs.items() if isinstance(k, str)}
+
+
+def nested_init_body() -> list:
+    """Nested ``zero.Init``: what was built inside the inner context is partitioned when it exits, while the outer is
+    still active (DeepSpeed's tests/unit/runtime/zero/test_zero_nesting_init.py::TestShutdownInNestingInit)."""
+    from zerospeed import zero
+
+    cfg = {"train_batch_size": dist.get_world_size(), "zero_optimization": {"stage": 3}}
+    with zero.Init(config_dict_or_path=cfg):
+        with zero.Init(config_dict_or_path=cfg):
+            first = nn.Linear(4, 4)
+        seen = [hasattr(first.weight, "ds_id")]
+        with zero.Init(config_dict_or_path=cfg):
+            second = nn.Linear(4, 4)
+        seen.append(hasattr(second.weight, "ds_id"))
+    return seen + [hasattr(second.weight, "ds_id")]

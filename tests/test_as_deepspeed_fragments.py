@@ -16,7 +16,7 @@ since their gradients complete in a rank-dependent order); without the flag the 
 import pytest
 import torch
 
-from fragment_cases import (MoE, Net, Routed, fragments_body, generation_hooks_body, leaf_body,
+from fragment_cases import (MoE, Net, Routed, fragments_body, generation_hooks_body, leaf_body, nested_init_body,
                             not_at_boundary_body)
 from zerospeed.testing import DistributedTestError, run_distributed
 
@@ -105,3 +105,8 @@ def test_trl_generation_removes_and_restores_the_zero3_hooks():
     """trl.models.utils.remove_hooks / add_hooks (GRPO's and GKD's generation) on a zerospeed ZeRO-3 engine."""
     for r in run_distributed(generation_hooks_body, 2, timeout=100):
         assert r == {"removed": True, "reinstalled": True, "same": True, "optimizer_class": "AdamW"}, r
+
+
+@pytest.mark.timeout(60)
+def test_nested_zero_init_partitions_at_the_inner_exit():
+    assert run_distributed(nested_init_body, 1, timeout=50) == [[True, True, True]]

@@ -1,14 +1,13 @@
 """A plain TRL script: SFTTrainer with a PEFT LoRA config, DPOTrainer with its own reference model, or GRPOTrainer
-(a toy reward, no vLLM) on the full model or with a PEFT LoRA config. The trainer's config is parsed from the command
-line, so ``--deepspeed ds.json`` switches DeepSpeed on; nothing in it knows about zerospeed.
+(a toy reward, no vLLM) on the full model or with a PEFT LoRA config. The trainer's config is parsed from the
+command line, so ``--deepspeed ds.json`` switches DeepSpeed on; nothing in it knows about zerospeed.
 
 argv: MODE (sft | dpo | grpo | grpo_lora) MODEL_DIR OUT then SFTConfig / DPOConfig / GRPOConfig flags. GRPO records
-every logged metric (loss, reward, kl, entropy, completion lengths...) of every step. MODEL_DIR holds a saved causal LM and a
-tokenizer. Every rank writes OUT.rank<N> (JSON): the loss of every logged step, the wrapped model's class, whether the
-model (and the DPO reference model) were partitioned, and, for SFT, the logits of the LoRA-merged model
+every logged metric (loss, reward, kl, entropy, completion lengths...) of every step. MODEL_DIR holds a saved causal
+LM and a tokenizer. Every rank writes OUT.rank<N> (JSON): the loss of every logged step, the wrapped model's class,
+whether the model (and the DPO reference model) were partitioned, and, for SFT, the logits of the LoRA-merged model
 (``merge_and_unload`` on the live model, under ``deepspeed.zero.GatheredParameters`` when ZeRO-3 partitioned it, as
-PEFT's documentation says) on a fixed batch. The adapter is saved with ``trainer.save_model(OUT_adapter)``.
-"""
+PEFT's documentation says) on a fixed batch. The adapter is saved with ``trainer.save_model(OUT_adapter)``."""
 
 import contextlib
 import json

@@ -5,11 +5,12 @@ per-bucket shards spread over the data-parallel ranks. These functions read or w
 0.19.8's ``deepspeed/utils/tensor_fragment.py`` defines them:
 
 * ``safe_get_full_grad(p)`` / ``safe_set_full_grad(p, value)``: the whole gradient the next ``engine.step()`` applies,
-  averaged over the data-parallel ranks (still multiplied by the fp16 loss scale, as DeepSpeed's), as fp32 (exact:
-  the ranks' sum divided by their number, a power of two for 1, 2, 4...); the setter takes the same convention. At stages 0-1 gradients are reduced at the accumulation
-  boundary, so between micro-batches there is no reduced gradient yet: the getter then refuses in one line.
-* ``safe_get_full_fp32_param(p)`` / ``safe_set_full_fp32_param(p, value)``: the fp32 master (the parameter itself
-  when training in fp32). As in DeepSpeed, setting the master changes the 16-bit copy at the next step.
+  averaged over the data-parallel ranks (still multiplied by the fp16 loss scale, as DeepSpeed's), as fp32 (exact: the
+  ranks' sum divided by their number, a power of two for 1, 2, 4...); the setter takes the same convention. At stages
+  0-1 gradients are reduced at the accumulation boundary, so between micro-batches there is no reduced gradient yet:
+  the getter then refuses in one line.
+* ``safe_get_full_fp32_param(p)`` / ``safe_set_full_fp32_param(p, value)``: the fp32 master (the parameter itself when
+  training in fp32). As in DeepSpeed, setting the master changes the 16-bit copy at the next step.
 * ``safe_get_full_optimizer_state(p, key)`` / ``safe_set_full_optimizer_state(p, value, key)``: an element-wise
   optimizer state (``exp_avg``, ``exp_avg_sq``...); a key the optimizer does not hold is a ``ValueError`` naming the
   keys it holds.
@@ -26,8 +27,7 @@ as in DeepSpeed. Setters take the full value on every rank and keep this rank's 
 A parameter no engine manages, or one the optimizer does not update (frozen), reads as None (the full gradient of an
 unmanaged parameter is its ``.grad``, as DeepSpeed's), and setters leave it alone, as DeepSpeed's do. One difference,
 deliberate: at ZeRO stage 0 without bf16 DeepSpeed keeps no fp32 master mapping, so its ``safe_get_full_fp32_param``
-and ``safe_get_full_optimizer_state`` return None there; zerospeed returns the values at every stage.
-"""
+and ``safe_get_full_optimizer_state`` return None there; zerospeed returns the values at every stage."""
 
 from __future__ import annotations
 

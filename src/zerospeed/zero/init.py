@@ -125,6 +125,9 @@ class Init:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self.enabled and self._partitioner is None and _active:
+            _active[-1].flush()  # nested: what was built inside it is partitioned now, as DeepSpeed's exit does
+            return
         if not self.enabled or self._partitioner is None:
             return
         self._capture.stop()

@@ -3,9 +3,10 @@
 TRL generates with a ZeRO-3 model by gathering every parameter (``GatheredParameters(model.parameters())``) and, for
 the length of the generation, removing DeepSpeed's module hooks, which would otherwise run on every decoding step
 (``trl.models.utils.remove_hooks`` / ``add_hooks``). It reaches them through DeepSpeed's internals:
-``engine.optimizer.parameter_offload`` with ``module`` (whose ``ds_external_parameters()`` it reads), ``forward_hooks`` / ``backward_hooks`` (handles it removes, then
-lists it empties), ``_register_deepspeed_module(module)`` (re-installs) and ``param_coordinator``
-(``is_invalid_trace()`` / ``_invalidate_trace()``), plus ``param.ds_active_sub_modules.clear()``.
+``engine.optimizer.parameter_offload`` with ``module`` (whose ``ds_external_parameters()`` it reads),
+``forward_hooks`` / ``backward_hooks`` (handles it removes, then lists it empties),
+``_register_deepspeed_module(module)`` (re-installs) and ``param_coordinator`` (``is_invalid_trace()`` /
+``_invalidate_trace()``), plus ``param.ds_active_sub_modules.clear()``.
 
 zerospeed's hooks belong to :class:`~zerospeed.zero.stage3.hooks.Stage3Runtime`. As for parameters
 (:mod:`zerospeed.zero.stage3.param_view`), the stage-3 strategy gives the optimizer object a subclass of its own class
@@ -13,8 +14,7 @@ zerospeed's hooks belong to :class:`~zerospeed.zero.stage3.hooks.Stage3Runtime`.
 ``parameter_offload``, a :class:`ParameterOffloadView` over the runtime. Removing its one forward-hook handle removes
 every hook of the runtime; ``_register_deepspeed_module(root)`` installs them again; the trace of the first step
 (prefetch order) is invalidated, so the next training pass records it again. Backward hooks are attached per forward,
-so there are none to list.
-"""
+so there are none to list."""
 
 from __future__ import annotations
 
