@@ -397,3 +397,14 @@ def test_git_version_info_as_deepspeeds():
     assert g.torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
     assert g.installed_ops and not any(g.installed_ops.values())
     assert g.accelerator_name == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# -- engine.backward's return value -----------------------------------------------------------------------------
+def test_backward_returns_the_loss_divided_by_the_accumulation_steps():
+    """DeepSpeed 0.19.8's engine.backward returns ``loss / gradient_accumulation_steps`` (``scale_wrt_gas=True``) or the
+    loss itself (DeepSpeed's tests/unit/runtime/test_multi_output_model.py checks it); zerospeed returned the loss."""
+    engine, *_ = zerospeed.initialize(model=make_model(), config=config(0, 4))
+    x, y = global_batch(0)
+    loss = engine(x, y)
+    assert torch.equal(engine.backward(loss, retain_graph=True), loss / 4)  # division by 4: exact
+    assert engine.backward(loss, scale_wrt_gas=False) is loss

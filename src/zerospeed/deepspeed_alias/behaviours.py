@@ -156,6 +156,10 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               '`zerospeed-as-deepspeed COMMAND` or `import zerospeed.as_deepspeed`: `deepspeed.a.b` is '
               '`zerospeed.a.b`, never active unless asked, refused when a real DeepSpeed is importable (unless '
               '`--force`), a path or name zerospeed lacks refused naming it'),
+    Behaviour('backward_return_value',
+              '`engine.backward(loss)` return value',
+              '`loss / gradient_accumulation_steps` (`scale_wrt_gas=True`), else `loss` (`runtime/engine.py`)',
+              'the same (was `loss` in both cases)'),
     Behaviour('tensor_fragment_api',
               '`deepspeed.utils.safe_get_full_grad` / `_fp32_param` / `_optimizer_state`, their setters, the '
               'ZeRO-3 `safe_get_local_*` / `safe_set_local_*`',

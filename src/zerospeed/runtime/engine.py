@@ -257,7 +257,8 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
             self._torch_backward.engine_backward_active = False
             self.strategy.end_backward()
         self._timers["backward"] += time.perf_counter() - t0
-        return loss
+        # DeepSpeed 0.19.8 returns the loss divided by gradient_accumulation_steps (when scale_wrt_gas)
+        return loss / self.config.gradient_accumulation_steps if scale_wrt_gas else loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         if isinstance(self.optimizer, NoOptimizer):
