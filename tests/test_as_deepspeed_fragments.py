@@ -110,3 +110,20 @@ def test_trl_generation_removes_and_restores_the_zero3_hooks():
 @pytest.mark.timeout(60)
 def test_nested_zero_init_partitions_at_the_inner_exit():
     assert run_distributed(nested_init_body, 1, timeout=50) == [[True, True, True]]
+
+
+def test_on_device_builds_on_the_device_and_dtype_and_restores():
+    """DeepSpeed's OnDevice (its tests/unit/utils/test_init_on_device.py): parameters on 'meta' / cpu in fp16."""
+    import zerospeed
+    from zerospeed.utils import OnDevice
+
+    assert zerospeed.OnDevice is OnDevice
+    for device in ("meta", "cpu"):
+        with OnDevice(dtype=torch.half, device=device):
+            model = Net()
+        assert all(p.device == torch.device(device) and p.dtype == torch.half for p in model.parameters())
+    assert torch.get_default_dtype() == torch.float32 and torch.empty(1).device == torch.device("cpu")
+    with OnDevice(dtype=torch.half, enabled=False):
+        assert torch.empty(1).dtype == torch.float32
+    with pytest.raises(ValueError, match="floating torch.dtype"):
+        OnDevice(dtype=torch.int8)

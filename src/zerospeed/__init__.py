@@ -31,9 +31,10 @@ _LAZY = {
     "log_dist": ("zerospeed.utils", "log_dist"),
     "logger": ("zerospeed.utils", "logger"),
     "get_accelerator": ("zerospeed.accelerator", "get_accelerator"),
+    "OnDevice": ("zerospeed.utils.init_on_device", "OnDevice"),  # issue #27
 }
 
-__all__ = ["ConfigError", "DeepSpeedConfigError", "DeepSpeedEngine", "PipelineModule", "ZeroSpeedEngine", "__version__", "add_config_arguments",
+__all__ = ["ConfigError", "DeepSpeedConfigError", "DeepSpeedEngine", "OnDevice", "PipelineModule", "ZeroSpeedEngine", "__version__", "add_config_arguments",
            "get_accelerator", "init_distributed", "init_inference", "initialize", "load_config", "log_dist", "logger", "shutdown",
            "tp_model_init"]
 

@@ -10,10 +10,11 @@ handler is configured for it anywhere (an application's own logging setup is lef
 
 from __future__ import annotations
 
+from zerospeed.utils.init_on_device import OnDevice
 from zerospeed.utils.logging import log_dist, logger
 from zerospeed.utils.repeating_loader import RepeatingLoader
 
-__all__ = ["RepeatingLoader", "log_dist", "logger"]
+__all__ = ["OnDevice", "RepeatingLoader", "log_dist", "logger"]
 
 
 import importlib as _importlib
