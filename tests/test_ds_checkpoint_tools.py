@@ -109,7 +109,8 @@ def test_missing_folder_names_it(tmp_path) -> None:
 def _same_object(a, b, where: str) -> None:
     if torch.is_tensor(a):
         assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() \
-            and a.storage_offset() == b.storage_offset() and torch.equal(a, b), where
+            and a.storage_offset() == b.storage_offset() and type(a) is type(b) \
+            and a.requires_grad == b.requires_grad and torch.equal(a, b), where
     elif isinstance(a, dict):
         assert type(a) is type(b) and list(a) == list(b), where
         for k in a:
@@ -154,3 +155,32 @@ def test_no_skeleton_for_a_tensor_inside_an_object(tmp_path) -> None:
     assert skeleton(path, obj) is not None
     obj["h"] = Holder()
     assert skeleton(path, obj) is None
+
+
+def test_a_rebuilt_file_is_unmapped_when_dropped(tmp_path) -> None:
+    """The loader's memory bound rests on a dropped file giving its touched pages back at once: a rebuilt
+    object's mapping must go with its last tensor, without waiting for the cyclic garbage collector."""
+    import gc
+
+    from zerospeed.checkpoint.deepspeed import load_pickle
+    from zerospeed.checkpoint.deepspeed.remap import rebuild, skeleton
+
+    def rss_file_mib() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssFile:")) / 1024
+
+    path = str(tmp_path / "big.pt")
+    torch.save({"flat": [torch.ones(16 * 2**20)]}, path)  # 64 MiB
+    skel = skeleton(path, load_pickle(path))
+    gc.disable()
+    try:
+        before = rss_file_mib()
+        obj = rebuild(path, skel)
+        assert float(obj["flat"][0].sum()) == 16 * 2**20  # every page touched
+        touched = rss_file_mib()
+        del obj
+        after = rss_file_mib()
+    finally:
+        gc.enable()
+    assert touched - before > 48, (before, touched)
+    assert after - before < 8, f"the mapping outlived the object: {before:.0f} -> {touched:.0f} -> {after:.0f} MiB"

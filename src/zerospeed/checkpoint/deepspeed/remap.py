@@ -32,6 +32,8 @@ class _Recipe:
     storage_offset: int  # in elements, as Tensor.storage_offset()
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    parameter: bool  # saved as an nn.Parameter
+    requires_grad: bool
 
 
 class _NoSkeleton(Exception):
@@ -79,7 +81,7 @@ def skeleton(path: str, obj: Any) -> Any | None:
         if torch.is_tensor(x):
             st = x.untyped_storage()
             return _Recipe(st.data_ptr() - base if st.nbytes() else -1, st.nbytes(), x.dtype, x.storage_offset(),
-                           tuple(x.shape), tuple(x.stride()))
+                           tuple(x.shape), tuple(x.stride()), isinstance(x, torch.nn.Parameter), x.requires_grad)
         if isinstance(x, dict):
             return type(x)((k, convert(v)) for k, v in x.items())
         if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
@@ -94,20 +96,22 @@ def skeleton(path: str, obj: Any) -> Any | None:
 
 def rebuild(path: str, skel: Any) -> Any:
     """The object :func:`skeleton` described, its tensors views of a fresh private mapping of ``path``."""
-    whole = torch.UntypedStorage.from_file(os.fspath(path), False, os.path.getsize(path))
+    # module-level recursion (a nested closure calling itself is a reference cycle: the mapping would stay
+    # until the cyclic garbage collector ran, not be unmapped when the loader drops the file)
+    return _build(skel, torch.UntypedStorage.from_file(os.fspath(path), False, os.path.getsize(path)))
 
-    def build(x: Any) -> Any:
-        if isinstance(x, _Recipe):
-            t = torch.empty(0, dtype=x.dtype)
-            if x.nbytes:
-                t.set_(whole[x.offset:x.offset + x.nbytes], x.storage_offset, x.size, x.stride)
-            else:
-                t = torch.empty_strided(x.size, x.stride, dtype=x.dtype)
-            return t
-        if isinstance(x, dict):
-            return type(x)((k, build(v)) for k, v in x.items())
-        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-            return type(x)(build(v) for v in x)
-        return x
 
-    return build(skel)
+def _build(x: Any, whole: torch.UntypedStorage) -> Any:
+    if isinstance(x, _Recipe):
+        if x.nbytes:
+            t = torch.empty(0, dtype=x.dtype).set_(whole[x.offset:x.offset + x.nbytes], x.storage_offset, x.size,
+                                                   x.stride)
+        else:
+            t = torch.empty_strided(x.size, x.stride, dtype=x.dtype)
+        return torch.nn.Parameter(t, requires_grad=x.requires_grad) if x.parameter else \
+            t.requires_grad_(x.requires_grad)
+    if isinstance(x, dict):
+        return type(x)((k, _build(v, whole)) for k, v in x.items())
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(_build(v, whole) for v in x)
+    return x
