@@ -26,7 +26,8 @@ from zerospeed.checkpoint.convert import main
 from zerospeed.checkpoint.deepspeed import load_pickle
 from zerospeed.checkpoint.deepspeed.writer import write_deepspeed
 from zerospeed.testing import run_distributed
-from make_round_trip import FOLDERS, convert  # noqa: E402 (tests/fixtures/deepspeed, on the path via ds_checkpoint_cases)
+# tests/fixtures/deepspeed is on the path through ds_checkpoint_cases
+from make_round_trip import FOLDERS, convert  # noqa: E402
 from make_round_trip import deepspeed_resume as _deepspeed_resume  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,6 +22,12 @@ relative to the tied module (a use through ``forward_fn`` is not saved). A layer
 from the first stage listing the key (the copies are equal). Tied layers are named only where a ZeRO
 optimizer recorded ``param_shapes``: at ZeRO 0 they are refused.
 
+**Pipeline x tensor parallel** (a topology with a ``model`` axis, Megatron-style layers): layer files
+``layer_XX-model_0T-model_states.pt`` per tensor-parallel rank T, and model / optimizer files per
+model-parallel rank M = stage * tp + T (DeepSpeed's model-parallel group spans the pipe and model axes, in
+that order). Each rank's slices are named as above and mapped to full-tensor offsets by the client's
+``universal_checkpoint_info`` patterns (:func:`~zerospeed.checkpoint.deepspeed.tp_maps.pattern_maps`).
+
 Stages hold disjoint names otherwise, so the folder is their union: it loads into zerospeed's
 ``PipelineModule`` at any number of stages, or into an ordinary module with the same names, at any
 data-parallel size and ZeRO stage.
