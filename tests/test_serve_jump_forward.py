@@ -120,3 +120,21 @@ def test_max_new_tokens_cuts_a_forced_run_and_logprobs_turn_it_off(model_dir):
     lp_tokens = [t for o in outs["lp"] for t in o.new_token_ids]
     assert lp_tokens[:3] == cut
     assert torch.tensor([o.new_logprobs[0] for o in outs["lp"]]).isfinite().all()
+
+
+def test_forced_tokens_are_not_held_behind_a_burst_of_prompts(model_dir):
+    """Prefill-first holds the last token of prompts while a burst is prefilled; a guided sequence whose forced
+    tokens await their K/V is decoding, not a prompt: its next forward computes them and samples."""
+    engine = build_engine(str(model_dir), num_blocks=96, block_size=8, max_model_len=128, max_num_batched_tokens=16)
+    tok = engine.tokenizer
+    grammar = grammar_for("json_schema", SCHEMA)
+    engine.add_request("g", tok.encode("a short request"), SamplingParams(max_new_tokens=40, temperature=0,
+                                                                         guide=grammar))
+    for _ in range(20):
+        if any(len(o.new_token_ids) > 1 for o in engine.step()):
+            break
+    assert engine._seqs["g"].num_remaining > 1  # forced tokens appended, their K/V not computed yet
+    long_prompt = (tok.encode("request number 7 asks for something") * 4)[:30]
+    for i in range(3):
+        engine.add_request(f"p{i}", long_prompt, SamplingParams(max_new_tokens=2))
+    assert any(o.request_id == "g" for o in engine.step())

@@ -234,8 +234,9 @@ class Scheduler:
 
     # -- the step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        # "decoding": some running sequence has produced tokens and awaits its next one
-        decoding = any(s.num_generated and s.num_remaining == 1 for s in self.running)
+        # "decoding": some running sequence has produced tokens and awaits its next one (with one token to compute,
+        # or several: the tokens a grammar forced, appended by jump-forward, are never held as a prompt's)
+        decoding = any(s.num_generated and s.num_computed >= s.prompt_len for s in self.running)
         hold = False
         if self.prefill_first and not decoding:
             # hold last tokens only when the prompts in sight do not all fit in this one forward
