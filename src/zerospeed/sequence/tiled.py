@@ -53,10 +53,22 @@ def _bounds(length: int, shards: int) -> list[tuple[int, int]]:
     return [(start, min(step, length - start)) for start in range(0, length, step)]
 
 
-def _add(sums: list[Any], grads: tuple[Any, ...]) -> None:
+def _add(sums: list[Any], grads: tuple[Any, ...], *not_ours: Any) -> None:
+    """Add one tile's parameter gradients into ``sums``, in place from the second tile on, so that a sum and one
+    tile's gradient are all that exist (not a third tensor per ``+``). The first tile's gradient becomes the sum
+    when autograd made it fresh; one that is a view of, or shares storage with, ``not_ours`` (the incoming
+    gradient, the input) is copied first. The values are those of ``sum + g``, bit for bit."""
     for i, g in enumerate(grads):
-        if g is not None:
-            sums[i] = g if sums[i] is None else sums[i] + g
+        if g is None:
+            continue
+        if sums[i] is not None:
+            sums[i].add_(g)
+        elif g._base is not None or any(t is not None and torch.is_tensor(t) and
+                                         t.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()
+                                         for t in not_ours):
+            sums[i] = g.clone()
+        else:
+            sums[i] = g
 
 
 class _TiledMLP(torch.autograd.Function):
@@ -83,7 +95,8 @@ class _TiledMLP(torch.autograd.Function):
             if x_grad is not None:
                 x_grad.narrow(-2, start, n).copy_(got[0])
                 got = got[1:]
-            _add(sums, got)
+            _add(sums, got, grad, x)
+            del got, out  # this tile's gradients and output: gone before the next tile is recomputed
         return (None, None, None, x_grad, *sums)
 
 
@@ -151,7 +164,8 @@ class SequenceTiledCompute(torch.autograd.Function):
             got = torch.autograd.grad(out, [tile] + ctx.params, g, allow_unused=True)
             if got[0] is not None:
                 x_grad.narrow(1, start, n).copy_(got[0])
-            _add(sums, got[1:])
+            _add(sums, got[1:], grad, x)
+            del got, out, g
         arg_grads: list[Any] = [None] * (ctx.nargs - len(ctx.params))
         arg_grads[ctx.grad_index] = x_grad
         return (None,) * 9 + tuple(arg_grads) + tuple(sums)
@@ -191,8 +205,9 @@ class _FusedLogitsLoss(torch.autograd.Function):
                 loss = fn(module, tile, y.narrow(1, start, n), *extra) * scale
             got = torch.autograd.grad(loss, [tile, *params], allow_unused=True)
             x_grad.narrow(1, start, n).copy_(got[0])
-            _add(sums, got[1:])
+            _add(sums, got[1:], x)
             total = total + loss.detach().float()
+            del got, loss  # the previous tile's gradients are not kept while the next tile's logits exist
         ctx.save_for_backward(x_grad, *[s if s is not None else torch.zeros(()) for s in sums])
         ctx.has_sum = [s is not None for s in sums]
         return total.to(x.dtype)
