@@ -108,7 +108,11 @@ class Stage3GradReducer:
             if buf is None:
                 buf = self._buffers[b.index] = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
             slot = b.layout.slots[pos]
-            buf.narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
+            part = buf.narrow(0, slot.offset, slot.numel)
+            if b.index in self.deferred and self._reported.get(b.index, 0) >= b.num_grad_params:
+                part.add_(grad.reshape(-1))  # a deferred bucket's second accumulation (reentrant checkpointing)
+            else:
+                part.copy_(grad.reshape(-1))
         self._reported[b.index] = self._reported.get(b.index, 0) + 1
         if self._reported[b.index] == b.num_grad_params and b.index in self.deferred:
             self.on_bucket_done(b)  # its reduction waits for finish(), which launches in bucket order
