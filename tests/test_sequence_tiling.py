@@ -160,3 +160,42 @@ def test_fused_logits_loss_holds_one_tile_of_logits():
 
     peaks = {s: peak_allocated_bytes(lambda s=s: step(s)) for s in (0, 8)}
     assert peaks[0] >= logits_bytes and peaks[8] < peaks[0] - logits_bytes / 2, peaks
+
+
+def _live_peak_bytes(fn):
+    """Peak of the bytes allocated and not yet freed while ``fn`` runs (torch profiler's allocation events, in
+    order; one thread)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_fused_logits_loss_holds_one_parameter_gradient_sum():
+    # the lm_head gradient is summed over the tiles in place, and a tile's gradient is freed before the next tile
+    # runs: at most the sum and one tile's gradient exist (2 weights), plus one tile's logits and the input's
+    # gradient; keeping the previous tile's gradient and allocating each new sum made it 3 weights
+    seq, hidden, vocab, shards = 32, 128, 4000, 8
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    h, y = torch.randn(1, seq, hidden), torch.randint(0, vocab, (1, seq))
+
+    def fn(m, x, t):
+        return torch.nn.functional.cross_entropy(m(x).view(-1, vocab), t.reshape(-1), reduction="sum")
+
+    def step():
+        head.weight.grad = None
+        v = h.clone().requires_grad_(True)
+        TiledFusedLogitsLoss.apply(fn, head, v, y, None, shards, [head.weight], "sum").backward()
+
+    step()
+    weight_bytes, tile_logits_bytes, x_bytes = vocab * hidden * 4, (seq // shards) * vocab * 4, seq * hidden * 4
+    peak = _live_peak_bytes(step)
+    assert peak <= 2 * weight_bytes + 8 * tile_logits_bytes + 4 * x_bytes, (peak, weight_bytes)
