@@ -65,6 +65,7 @@ from zerospeed.inference.models import CausalLM, ModelSpec, TPInfo, load_model
 from zerospeed.inference.sampling import is_greedy, make_generator, record_prompt_logprobs, sample, validate
 from zerospeed.inference.scheduler import ScheduledBatch, Scheduler
 from zerospeed.inference.sequence import Sequence, Status
+from zerospeed.inference.stopping import jump_forward, stop_reason
 from zerospeed.inference.tokenizer import Tokenizer, load_tokenizer
 from zerospeed.ops.fast_paths import resolve_setting, size_class
 
@@ -359,40 +360,12 @@ class InferenceEngine:
         return out
 
     def _jump_forward(self, seq: Sequence) -> list[int]:
-        """Append the tokens ``seq``'s grammar forces next (:meth:`Guides.forced_tokens`), each checked for
-        stops as a sampled one; a stop token is left to be sampled. Their K/V is computed in the next forward."""
-        out: list[int] = []
-        for t in self.guides.forced_tokens(seq.matcher, seq.params.max_new_tokens - seq.num_generated):
-            if t in seq.stop_set:
-                break
-            seq.tokens.append(t)
-            self._num_generated += 1
-            out.append(t)
-            if seq.generator is not None:  # the draw sampling it would have taken: later draws stay the same
-                torch.rand(1, generator=seq.generator, dtype=torch.float64)
-            self._check_stop(seq, t)
-            if seq.is_finished:
-                break
+        out = jump_forward(seq, self.guides, self._check_stop)  # tokens the grammar forces (stopping.py)
+        self._num_generated += len(out)
         return out
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
-        p = seq.params
-        n = seq.num_generated
-        reason = None
-        if tok in seq.stop_set and n > p.min_new_tokens - 1:
-            reason, seq.stop_reason = "stop", tok
-        elif p.stop and n >= p.min_new_tokens:
-            text = self.tokenizer.decode(seq.generated)
-            for s in p.stop:
-                if s in text:
-                    reason, seq.stop_reason = "stop", s
-                    break
-        if reason is None and seq.matcher is not None:
-            seq.matcher.consume_token(tok)
-            if seq.matcher.is_stopped():  # the grammar is complete (or refused the token: never sampled)
-                reason, seq.stop_reason = "stop", None
-        if reason is None and n >= p.max_new_tokens:
-            reason = "length"
+        reason = stop_reason(seq, tok, self.tokenizer)
         if reason is not None:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
