@@ -64,7 +64,7 @@ from zerospeed.inference.kv_cache import BlockAllocator, KVCache, kv_cache_bytes
 from zerospeed.inference.models import CausalLM, ModelSpec, TPInfo, load_model
 from zerospeed.inference.sampling import is_greedy, make_generator, record_prompt_logprobs, sample, validate
 from zerospeed.inference.scheduler import ScheduledBatch, Scheduler
-from zerospeed.inference.sequence import Sequence, Status
+from zerospeed.inference.sequence import Sequence
 from zerospeed.inference.stopping import jump_forward, stop_reason
 from zerospeed.inference.tokenizer import Tokenizer, load_tokenizer
 from zerospeed.ops.fast_paths import resolve_setting, size_class

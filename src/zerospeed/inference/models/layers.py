@@ -8,7 +8,6 @@ parity in fp32 (RMSNorm in float32, rotary tables from float32 ``positions * inv
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
