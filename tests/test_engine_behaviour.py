@@ -154,8 +154,6 @@ def _expect_error(case):
             cfg = config(1, 1)
             cfg["optimizer"] = {"type": "Lamb", "params": {"lr": 0.01}}
             zerospeed.initialize(model=model, config=cfg)
-        elif case == "two_optimizers":
-            zerospeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config(0, 1))
         elif case == "no_optimizer_backward":  # an engine for forward and evaluation (issue #27): training refuses
             cfg = config(0, 1)
             del cfg["optimizer"]
@@ -191,7 +189,6 @@ def _expect_error(case):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case,kind,words", [
     ("lamb_with_zero", "ConfigError", ["zero_allow_untested_optimizer", "Lamb"]),
-    ("two_optimizers", "ConfigError", ["optimizer", "keep one"]),
     ("no_optimizer_backward", "RuntimeError", ["engine.backward", "without an optimizer", "initialize(optimizer=...)"]),
     ("stray_backward", "RuntimeError", ["engine.backward(loss)"]),
     ("non_scalar_loss", "ValueError", ["scalar loss", "(3,)"]),
@@ -206,6 +203,37 @@ def test_entry_point_errors_are_clear(case, kind, words):
     for word in words:
         assert word in message
     assert "\n" not in message
+
+
+def _client_and_config_optimizer():
+    import logging
+
+    import zerospeed
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("zerospeed").addHandler(handler)
+    model = make_model()
+    cfg = dict(config(0, 1), scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 4}})
+    client_sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)  # noqa: E731
+    engine, opt, _, sched = zerospeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                 lr_scheduler=client_sched, config=cfg)
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING and "is ignored" in r.getMessage()]
+    return type(engine.optimizer).__name__, type(sched).__name__, engine.get_lr(), warnings
+
+
+@pytest.mark.timeout(120)
+def test_client_optimizer_and_scheduler_win_over_the_config_with_a_warning():
+    # DeepSpeed 0.19.8 uses initialize(optimizer=..., lr_scheduler=...) when the config also has the sections
+    # (engine._configure_optimizer / _configure_lr_scheduler); zerospeed does too, and names what it ignores
+    results = run_distributed(_client_and_config_optimizer, 2)
+    opt_name, sched_name, lr, warnings = results[0]
+    assert opt_name == "SGD" and sched_name == "LambdaLR" and lr == [pytest.approx(0.05)]
+    assert len(warnings) == 2
+    assert "initialize(optimizer=...)" in warnings[0] and "'optimizer' section" in warnings[0]
+    assert "initialize(lr_scheduler=...)" in warnings[1] and "WarmupLR" in warnings[1]
+    assert results[1][3] == []  # rank 0 only
 
 
 def test_config_error_for_stage_4_names_the_key():

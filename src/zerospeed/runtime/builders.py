@@ -84,15 +84,16 @@ class NoOptimizer:
 
 def optimizer_from_config(cfg: ZeroSpeedConfig, optimizer: Any, groups: list[dict[str, Any]],
                           model: nn.Module | None = None) -> torch.optim.Optimizer | NoOptimizer:
-    """The optimizer from the config section or the client's (instance or callable), never both.
+    """The client's optimizer (instance or callable) if given, else the config section's.
 
+    Given both, the client's is used and the config's section is named in a warning, as DeepSpeed 0.19.8
+    does (its engine builds from the config only without a client optimizer; it logs which one it uses).
     ``model`` gives the parameter names that Muon's tagging reads (embeddings and the LM head to Adam)."""
     from zerospeed.ops.optimizers import build_optimizer, resolve_client_optimizer
 
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError("optimizer", "an optimizer is given both in the config and as initialize(optimizer=...); "
-                          "keep one")
     if optimizer is not None:
+        if cfg.optimizer is not None:
+            _ignored_section("optimizer", cfg.optimizer.type, "initialize(optimizer=...)")
         return resolve_client_optimizer(optimizer, groups)
     if cfg.optimizer is None:
         return NoOptimizer()  # an engine for forward and evaluation (module docstring)
@@ -120,6 +121,17 @@ def _layer_shapes(model: nn.Module | None) -> dict[int, tuple[int, ...]]:
     return shapes
 
 
+def _ignored_section(key: str, kind: str, argument: str) -> None:
+    import logging
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logging.getLogger("zerospeed").warning(
+            "zerospeed: %s is used; the config's '%s' section (type %s) is ignored, as DeepSpeed ignores it",
+            argument, key, kind)
+
+
 def scheduler_from_config(cfg: ZeroSpeedConfig, lr_scheduler: Any, optimizer: Any) -> Any:
     """The lr scheduler from the config section or the client's (instance or callable), or None."""
     from zerospeed.runtime.lr_schedules import build_lr_scheduler
@@ -128,10 +140,9 @@ def scheduler_from_config(cfg: ZeroSpeedConfig, lr_scheduler: Any, optimizer: An
         raise ConfigError("scheduler", "a learning-rate scheduler needs an optimizer to drive, and there is none "
                           "(no 'optimizer' section, no initialize(optimizer=...)); add one or drop the scheduler")
 
-    if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError("scheduler", "a scheduler is given both in the config and as initialize(lr_scheduler=...); "
-                          "keep one")
     if lr_scheduler is not None:
+        if cfg.scheduler is not None:  # DeepSpeed 0.19.8 likewise uses the client's
+            _ignored_section("scheduler", cfg.scheduler.type, "initialize(lr_scheduler=...)")
         return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
     if cfg.scheduler is None:
         return None
