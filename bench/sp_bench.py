@@ -158,7 +158,7 @@ def longest(impl: str, sp: int, mode: str, budget_mib: float, granularity: int, 
                 tried[seq] = trial(impl, sp, seq, mode, timeout_s=420, memory=memory, memory_trial=True)
             r = tried[seq]
             print(f"[sp_bench] {impl} sp={sp} {mode} seq={seq} ({memory}): "
-                  f"{'%.0f MiB' % r['activation_mib'] if r['ok'] else r['error']}", flush=True)
+                  f"{'%.1f MiB' % r['activation_mib'] if r['ok'] else r['error']}", flush=True)
         r = tried[seq]
         if not r["ok"]:
             raise RuntimeError(r["error"])
