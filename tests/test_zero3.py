@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from zero3_cases import (CheckpointedChain, chain_accounting, checkpointed_chain_run, config, divergence_case,
+from zero3_cases import (CheckpointedChain, persistent_regather_case, chain_accounting, checkpointed_chain_run, config, divergence_case,
                          gathered_parameters_case, init_peak_memory, reference_chain, reference_zoo, zoo_run, zoo_runs)
 from zerospeed.testing import DistributedTestError, run_distributed
 
@@ -190,3 +190,10 @@ def test_a_dead_peer_is_reported_within_the_timeout():
     # measured, idle or loaded. It must come before the group's own 40 s timeout would have fired.
     assert time.monotonic() - t0 < 40
     assert "rank 1 did not answer" in message and "last module event" in message and "blocks." in message
+
+
+@pytest.mark.timeout(120)
+def test_persistent_buckets_are_regathered_in_one_collective():
+    for r in run_distributed(persistent_regather_case, 2, timeout=100):
+        assert r["persistent"] > 1 and r["gathers"] == 1 and r["exact"], r
+

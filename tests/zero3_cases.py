@@ -380,3 +380,26 @@ def divergence_case(mode: str, timeout_s: float) -> float:
         engine.backward(loss)
         engine.step()
     return time.monotonic() - t0
+
+
+def persistent_regather_case() -> dict:
+    """Persistent buckets re-gathered after a step: one all-gather for all of them (same group and dtype), and
+    each parameter's full value equals the concatenation of every rank's shard of it."""
+    cfg = config(1, stage3_param_persistence_threshold=1 << 20)  # every bucket of the Zoo persistent
+    model = make_zoo()
+    engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=zoo_groups(model), config=cfg)
+    _train(engine, zoo_batch, 1)
+    persistent = [b for b in engine.strategy.buckets if b.persistent]
+    comm.COUNTER.reset()
+    engine.strategy.runtime.gather_persistent()
+    gathers = comm.COUNTER.count("all_gather")
+    world = dist.get_world_size()
+    exact = True
+    for b in persistent:
+        shards = [torch.empty_like(b.shard) for _ in range(world)]
+        dist.all_gather(shards, b.shard)
+        flat = torch.cat(shards)
+        for i, p in b.live_params():
+            slot = b.layout.slots[i]
+            exact &= bool(torch.equal(p.detach().reshape(-1), flat.narrow(0, slot.offset, slot.numel)))
+    return {"persistent": len(persistent), "gathers": gathers, "exact": exact}

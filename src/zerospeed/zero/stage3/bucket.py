@@ -220,6 +220,23 @@ class Stage3Bucket:
             for i, p in self.live_params():
                 p.data = self._views[i]
 
+    def can_coalesce_gather(self) -> bool:
+        """Its all-gather is the plain one (no hpZ secondary, no quantization, shard never swapped out), so it
+        may share one collective with other buckets of its group and dtype (:meth:`fill_full`)."""
+        return self.hpz_group is None and not self.quantized_gather and self.swapper is None
+
+    def fill_full(self, rows: torch.Tensor) -> None:
+        """Make the bucket GATHERED from ``rows``, a ``[group size, shard_numel]`` view of every rank's shard in
+        rank order (a coalesced all-gather's slice for this bucket), and point the parameters at it."""
+        if self.state is BucketState.INFLIGHT:
+            raise RuntimeError(f"ZeRO-3 bucket {self.name!r}: fill while its all-gather is in flight")
+        if self.state is BucketState.RELEASED:
+            self._full.untyped_storage().resize_(self._full_nbytes)
+        with torch.no_grad():
+            self._full.view(rows.shape).copy_(rows)
+        self.state = BucketState.GATHERED
+        self.attach()
+
     def refresh_in_place(self) -> Any:
         """Start re-gathering a GATHERED bucket into its live buffer (persistent buckets after a step)."""
         if self.state is not BucketState.GATHERED:
@@ -316,3 +333,20 @@ class Stage3Bucket:
     def __repr__(self) -> str:
         return (f"Stage3Bucket({self.name!r}, {len(self.layout.slots)} params, {self.layout.padded_numel} elements, "
                 f"{self.state.value}{', persistent' if self.persistent else ''})")
+
+
+def gather_together(batch: list[Stage3Bucket]) -> None:
+    """One all-gather of several buckets' shards (same group and dtype), each bucket filled from its slice."""
+    group = batch[0].group
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    total = sum(b.shard.numel() for b in batch)
+    send = torch.cat([b.shard.reshape(-1) for b in batch])
+    received = torch.empty(world * total, dtype=send.dtype, device=send.device)
+    comm.all_gather(received, send, group=group)
+    rows = received.view(world, total)
+    offset = 0
+    for b in batch:
+        n = b.shard.numel()
+        b.fill_full(rows[:, offset:offset + n])
+        offset += n
+

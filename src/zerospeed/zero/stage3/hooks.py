@@ -43,7 +43,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from zerospeed.zero.stage3 import registry
-from zerospeed.zero.stage3.bucket import BucketState, Stage3Bucket
+from zerospeed.zero.stage3.bucket import BucketState, Stage3Bucket, gather_together
 from zerospeed.zero.stage3.prefetch import GatherTrace, TraceEvent, plan_prefetch
 from zerospeed.zero.stage3.watchdog import Watchdog, ZeroCollectiveDivergence
 
@@ -426,10 +426,26 @@ class Stage3Runtime(BucketGatherer):
                 self.release(b)
 
     def gather_persistent(self) -> None:
-        """(Re-)gather every persistent bucket: at start-up and after each optimizer step."""
+        """(Re-)gather every persistent bucket: at start-up and after each optimizer step.
+
+        Persistent buckets are the small parameters (``stage3_param_persistence_threshold``), often one per
+        norm or bias: those with a plain all-gather share one collective per process group and dtype
+        (:func:`~zerospeed.zero.stage3.bucket.gather_together`) instead of one each; the others (hpZ, qwZ,
+        swapped shards) gather alone."""
         started = []
+        batches: dict[tuple[int, torch.dtype], list[Stage3Bucket]] = {}
         for b in self.buckets:
-            if not b.persistent:
+            if b.persistent and b.can_coalesce_gather():
+                batches.setdefault((id(b.group), b.dtype), []).append(b)
+        for batch in batches.values():
+            if len(batch) > 1:
+                for b in batch:
+                    self.finish(b, attach=False)
+                self.watchdog.note_collective("all_gather", f"{len(batch)} persistent buckets [refresh, coalesced]")
+                gather_together(batch)
+        coalesced = {id(b) for batch in batches.values() if len(batch) > 1 for b in batch}
+        for b in self.buckets:
+            if not b.persistent or id(b) in coalesced:
                 continue
             self.watchdog.note_collective("all_gather", f"{b.name} [persistent refresh]")
             if b.state is BucketState.RELEASED:
