@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
-import math
 import pickle
 import pkgutil
 from pathlib import Path
