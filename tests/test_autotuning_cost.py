@@ -130,3 +130,31 @@ def test_real_experiments_report_the_exception_and_an_early_end(tmp_path: Path) 
     ended = runner.run("ended", {"train_batch_size": 1}, {})
     assert ended.status == "ended_early" and "data or its loop ran out" in ended.reason
     assert sys.executable in (tmp_path / "exps" / "bad" / "cmd.txt").read_text()
+
+
+CRASHING = """\
+import os
+import sys
+from pathlib import Path
+
+marker = Path(sys.argv[1])
+if "--always" in sys.argv or not marker.exists():
+    marker.touch()
+    os.abort()  # a native crash: SIGABRT, no Python exception
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_native_crash_is_run_once_more_and_a_second_one_is_recorded(tmp_path: Path) -> None:
+    script = tmp_path / "crash.py"
+    script.write_text(CRASHING)
+    runner = ExperimentRunner(exps_dir=tmp_path / "exps", launcher_args=["--num_procs", "1"], script=str(script),
+                              user_args=[str(tmp_path / "marker")], arg_mappings={}, timeout=200.0)
+    runner.env = {"OMP_NUM_THREADS": "1"}
+    once = runner.run("once", {"train_batch_size": 1}, {})  # aborts, then exits 0 (no metrics: ended early)
+    assert once.status == "ended_early"
+    assert once.reason.endswith("run twice (first run: killed by SIGABRT)")  # one rank: no "rank 0: "
+    assert json.loads((tmp_path / "exps" / "once" / "result.json").read_text())["reason"] == once.reason
+    runner.user_args = [str(tmp_path / "marker"), "--always"]
+    twice = runner.run("twice", {"train_batch_size": 1}, {})
+    assert twice.status == "failed" and "killed by SIGABRT" in twice.reason and "run twice" in twice.reason

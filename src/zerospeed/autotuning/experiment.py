@@ -130,6 +130,25 @@ class ExperimentRunner:
                 *self.script_args(config_path, values)]
 
     def run(self, name: str, config: dict[str, Any], values: dict[str, Any]) -> Result:
+        """Run one experiment; a rank that died of a native crash signal (SIGABRT, SIGSEGV, ...) rather than a
+        Python exception is run once more, and the record says so: torch 2.13's gloo ranks abort now and then
+        while the process ends ("terminate called without an active exception"), which says nothing about
+        the candidate. A second crash, or any other failure, is recorded as it is."""
+        result = self._run_once(name, config, values)
+        crash = None
+        if result.status == "failed":
+            try:
+                crash = _NATIVE_CRASH.search((self.exps_dir / name / "stderr.log").read_text(errors="replace"))
+            except OSError:
+                crash = None
+        if crash is None:
+            return result
+        again = self._run_once(name, config, values)
+        again.reason = (f"{again.reason}; " if again.reason else "") + f"run twice (first run: {crash.group(0)})"
+        _write_json(self.exps_dir / name / "result.json", again.to_json())
+        return again
+
+    def _run_once(self, name: str, config: dict[str, Any], values: dict[str, Any]) -> Result:
         folder = self.exps_dir / name
         folder.mkdir(parents=True, exist_ok=True)
         for stale in ("metrics.json", "model_info.json", "result.json"):
@@ -175,6 +194,9 @@ class ExperimentRunner:
                         candidate=values)
         _write_json(folder / "result.json", result.to_json())
         return result
+
+
+_NATIVE_CRASH = re.compile(r"(rank \d+: )?killed by SIG(ABRT|SEGV|BUS|ILL|FPE)")
 
 
 def _kill_group(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
