@@ -156,16 +156,20 @@ def legacy_plan(on: bool) -> KernelPlan:
     return KernelPlan(attention=True, rms_norm=True, silu_mul=one, skinny_all=one)
 
 
-class CpuKernels:
-    """The ``cpu_kernels`` switch of one model: its setting, whether the C kernels run here at all
-    (``live``), and per kernel family and shape class whether they run (:meth:`use`).
+class _TimedSwitch:
+    """One model's on / off / auto switch of a fast path (``path``): its setting, whether the path can run here
+    at all (``live``, else ``why`` not), and per shape class whether it runs (:meth:`_decide`).
 
-    ``applies``: the model computes in float32 on CPU (else no C kernel can run: ``on`` is an error,
-    ``auto`` is torch). ``on`` with kernels that do not build is an error naming ``source``."""
+    ``applies``: the model computes in float32 on CPU (else the path cannot run: ``on`` is an error, ``auto`` is
+    the plain path). ``on`` where the path is not available is an error naming ``source``."""
 
-    def __init__(self, setting: str = "auto", *, source: str = "cpu_kernels", applies: bool = True,
+    path = ""
+    unavailable = ""  # completes "{source}: 'on' but ..." when :meth:`_available` says no
+
+    def __init__(self, setting: str = "auto", *, source: str = "", applies: bool = True,
                  why_not_applies: str = "") -> None:
-        self.setting = resolve_setting("cpu_kernels", setting, source)
+        source = source or self.path
+        self.setting = resolve_setting(self.path, setting, source)
         self.source = source
         self.live, self.why = False, ""
         self._cache: dict[tuple, bool] = {}
@@ -176,12 +180,38 @@ class CpuKernels:
                 raise FastPathError(f"{source}: 'on' needs float32 on CPU ({why_not_applies})")
             self.why = why_not_applies
         else:
-            if self.setting == "on":
-                cpu_kernel.kernel_isa()  # a bad ZEROSPEED_KERNEL_ISA is an error naming it, not a fallback
-            ok, why = cpu_kernel.available()
+            ok, why = self._available()
             if not ok and self.setting == "on":
-                raise FastPathError(f"{source}: 'on' but the C kernels could not be built: {why}")
+                raise FastPathError(f"{source}: 'on' but {self.unavailable}: {why}")
             self.live, self.why = ok, why
+
+    def _available(self) -> tuple[bool, str]:
+        raise NotImplementedError
+
+    def _decide(self, key: tuple, candidates: Callable[[], dict[str, Candidate]]) -> bool:
+        """Never when not live, always with ``on``, else measured once per ``key`` (``candidates()`` is called
+        only then: ``{"off": the plain path, "on": the fast one}``)."""
+        if not self.live:
+            return False
+        if self.setting == "on":
+            return True
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = choose(self.path, key, candidates(), "auto", self.source) == "on"
+        return hit
+
+
+class CpuKernels(_TimedSwitch):
+    """The ``cpu_kernels`` switch of one model (:class:`_TimedSwitch`): zerospeed's C kernels per kernel family
+    and shape class (:meth:`use`)."""
+
+    path = "cpu_kernels"
+    unavailable = "the C kernels could not be built"
+
+    def _available(self) -> tuple[bool, str]:
+        if self.setting == "on":
+            cpu_kernel.kernel_isa()  # a bad ZEROSPEED_KERNEL_ISA is an error naming it, not a fallback
+        return cpu_kernel.available()
 
     def describe(self) -> str:
         if self.live:
@@ -193,62 +223,30 @@ class CpuKernels:
         return f"cpu_kernels={self.setting} ({state})"
 
     def use(self, family: str, shape_class: tuple, candidates: Callable[[], dict[str, Candidate]]) -> bool:
-        """Whether ``family`` runs in C on ``shape_class``: never when not live, always with ``on``,
-        else measured once (``candidates()`` is called only then: ``{"off": torch twin, "on": C}``)."""
-        if not self.live:
-            return False
-        if self.setting == "on":
-            return True
-        key = (family, *shape_class)
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = choose("cpu_kernels", key, candidates(), "auto", self.source) == "on"
-            self._cache[key] = hit
-        return hit
+        """Whether ``family`` runs in C on ``shape_class`` (``candidates()``: ``{"off": torch twin, "on": C}``)."""
+        return self._decide((family, *shape_class), candidates)
 
 
-class PackedLinears:
+class PackedLinears(_TimedSwitch):
     """The ``packed_linear`` switch of one model: float32 CPU linears (the decoder blocks' and the LM head's)
     on weights packed once for oneDNN (:mod:`zerospeed.ops.packed_linear`) or the plain path. ``off``: never;
     ``on``: every float32 linear it can take (an error naming ``source`` where oneDNN's float32 linear does
     not run here); ``auto``: per weight shape and rows class where it was timed faster than the path it
     would replace (:meth:`use`)."""
 
-    def __init__(self, setting: str = "auto", *, source: str = "packed_linear", applies: bool = True,
-                 why_not_applies: str = "") -> None:
-        self.setting = resolve_setting("packed_linear", setting, source)
-        self.source = source
-        self.live, self.why = False, ""
-        self._cache: dict[tuple, bool] = {}
-        if self.setting == "off":
-            self.why = f"{source}=off"
-        elif not applies:
-            if self.setting == "on":
-                raise FastPathError(f"{source}: 'on' needs float32 on CPU ({why_not_applies})")
-            self.why = why_not_applies
-        else:
-            ok, why = packed_linear.available()
-            if not ok and self.setting == "on":
-                raise FastPathError(f"{source}: 'on' but oneDNN's packed float32 linear cannot run here: {why}")
-            self.live, self.why = ok, why
+    path = "packed_linear"
+    unavailable = "oneDNN's packed float32 linear cannot run here"
+
+    def _available(self) -> tuple[bool, str]:
+        return packed_linear.available()
 
     def describe(self) -> str:
         state = "oneDNN" if self.live else (f"not used: {self.why}" if self.why else "not used")
         return f"packed_linear={self.setting} ({state})"
 
     def use(self, shape_class: tuple, candidates: Callable[[], dict[str, Candidate]]) -> bool:
-        """Whether the linear of ``shape_class`` runs packed: never when not live, always with ``on``, else
-        measured once (``candidates()``: ``{"off": the plain path, "on": packed}``)."""
-        if not self.live:
-            return False
-        if self.setting == "on":
-            return True
-        hit = self._cache.get(shape_class)
-        if hit is None:
-            hit = self._cache[shape_class] = choose("packed_linear", shape_class, candidates(), "auto",
-                                                    self.source) == "on"
-        return hit
-
+        """Whether the linear of ``shape_class`` runs packed (``candidates()``: ``{"off": plain, "on": packed}``)."""
+        return self._decide(shape_class, candidates)
 
     def packed_head_used(self) -> bool:
         """Whether some rows class chose the packed LM head so far (else its copy, made to be measured, may go)."""
