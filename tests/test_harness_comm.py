@@ -107,3 +107,28 @@ def test_in_place_reduce_scatter_on_both_paths(native):
     results = run_distributed(_in_place_reduce_scatter, 2, native)
     # chunk r of sum over ranks of (arange(8) + rank) = 2 * arange(8) + 1
     assert results[0] == [1.0, 3.0, 5.0, 7.0] and results[1] == [9.0, 11.0, 13.0, 15.0]
+
+
+def test_rendezvous_port_is_bound_before_the_ranks_start():
+    """The store's port is bound by the caller when it is chosen, so another job cannot take it in between."""
+    import errno
+    import socket
+    import threading
+
+    from zerospeed.testing.distributed import _rendezvous_store
+
+    store = _rendezvous_store(10.0)
+    with socket.socket() as s:
+        with pytest.raises(OSError) as err:
+            s.bind(("127.0.0.1", int(store.port)))
+        assert err.value.errno == errno.EADDRINUSE
+    del store
+    # two runs at once, each with its own store, both succeed
+    out = {}
+    threads = [threading.Thread(target=lambda k=k: out.__setitem__(k, run_distributed(_rank_sum, 2, timeout=60)))
+               for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert out == {0: [3.0, 3.0], 1: [3.0, 3.0]}

@@ -15,6 +15,9 @@ Reliability decisions:
   that did not finish. The process group's own timeout is set below that, so a collective that
   cannot complete raises inside the rank first, with its traceback.
 * Results travel as ``torch.save`` bytes, so tensors come back without shared-memory handles.
+* The rendezvous store is served by the calling process on a port the OS assigns as it binds, and the
+  ranks join it as clients: no port is picked first and bound later, so two runs at once (two test
+  sessions, a benchmark beside the suite) cannot take each other's port (EADDRINUSE).
 
 ``fn`` must be importable by name (a module-level function), as for any multiprocessing target.
 """
@@ -26,7 +29,6 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -55,10 +57,12 @@ def _context() -> Any:
     return _CTX
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _rendezvous_store(timeout_s: float) -> Any:
+    """A TCPStore served here, bound to a port the OS picks at bind time (no pick-then-bind race)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, pg_timeout_s: float,
@@ -71,7 +75,9 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, pg_ti
     torch.set_num_threads(1)
     status, payload = "ok", b""
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        store = dist.TCPStore("127.0.0.1", port, world_size=world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=pg_timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         # every rank's gloo mesh is complete before any rank runs fn: a rank whose init returned first and whose fn
         # ends at once (an expected error) would otherwise exit and close its sockets while a slower peer is still
@@ -98,8 +104,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         raise ValueError(f"run_distributed: world_size must be >= 1, got {world_size}")
     ctx = _context()
     results = ctx.Queue()
-    port = _free_port()
     pg_timeout_s = max(5.0, timeout * 0.8)
+    store = _rendezvous_store(timeout)  # kept alive (served) until every rank has reported
+    port = int(store.port)
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, pg_timeout_s, results, args, kwargs),
                          daemon=True, name=f"zerospeed-rank{r}") for r in range(world_size)]
     for p in procs:
@@ -126,6 +133,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         if p.is_alive():
             p.kill()
             p.join(timeout=5.0)
+    del store
     problems = []
     for r in range(world_size):
         if r not in reports:
