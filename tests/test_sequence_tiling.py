@@ -133,7 +133,10 @@ def test_peak_activation_memory_falls_with_the_tile_count():
         out.sum().backward()
 
     peaks = {s: peak_allocated_bytes(lambda s=s: step(s)) for s in (0, 1, 4, 16)}  # 0: untiled
-    assert peaks[1] <= peaks[0] and peaks[16] < peaks[4] < peaks[1], peaks
+    # one tile recomputes the untiled graph; on top of it, the backward's preallocated input gradient and the
+    # tile's own input gradient (before it is copied in) are live together: two [seq, hidden] buffers
+    assert peaks[1] <= peaks[0] + 2 * x.numel() * 4, peaks
+    assert peaks[16] < peaks[4] < peaks[1], peaks
     # the untiled graph holds several [seq, intermediate] tensors; 16 tiles hold a few [seq/16, intermediate] ones
     assert peaks[0] - peaks[16] >= 2 * 512 * per_token_intermediate * (1 - 1 / 16), peaks
     with SavedTensorBytes(ignore=module.parameters()) as untiled:
