@@ -180,6 +180,15 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "a view over zerospeed's hooks on a subclass of the optimizer's own class (its state unchanged): "
               'removing its handle removes every module hook, `_register_deepspeed_module` re-installs them and '
               "the prefetch trace is recorded again (was: `GRPOTrainer` at ZeRO-3 failed in generation)"),
+    Behaviour('accumulation_boundary_override',
+              '`engine.set_gradient_accumulation_boundary(b)` (DeepSpeed\'s own tests, Accelerate before every '
+              'backward)',
+              'sticky until set again, replaces the micro-step counter: while `False` backward only accumulates '
+              '(no ZeRO-0/1 reduction) and `step()` only counts, at `True` the window is reduced and the optimizer '
+              'steps; the loss is still divided by `gradient_accumulation_steps` (`runtime/engine.py`)',
+              'the same at ZeRO 0-3 (`tests/test_compat_accumulation_boundary.py`); refused on the pipeline engine '
+              '(its window is one `train_batch()`); `managed_gradient_accumulation: false` is not built (was: a '
+              'value disagreeing with the counter refused)'),
 )
 
 

@@ -128,6 +128,7 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         self.loss_scaler = build_loss_scaler(config.precision, config.fp16)
         self.compression_scheduler = compression_scheduler_for(model, config)  # None without compression_training
         self.micro_steps = 0
+        self._boundary_override: bool | None = None  # engine.set_gradient_accumulation_boundary's last value
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -196,6 +197,8 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         return self.config.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:  # set_gradient_accumulation_boundary: sticky, as in DeepSpeed
+            return self._boundary_override
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def get_lr(self) -> list[float]:

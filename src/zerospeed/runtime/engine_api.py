@@ -9,7 +9,8 @@ on a zerospeed engine, one of:
   (rank and device properties, precision and ZeRO queries, config accessors, ``scale(loss)``...).
   Queries about DeepSpeed features that zerospeed's config refuses to turn on (flops profiler,
   autotuning, curriculum learning, data efficiency, random-LTD, DeepCompile...) answer "off";
-* **lacks on purpose** (:data:`LACKS`): calling it raises ``NotImplementedError`` that names the
+* **lacks on purpose** (:data:`LACKS`, kept with the "off" queries in :mod:`zerospeed.runtime.engine_api_absent`):
+  calling it raises ``NotImplementedError`` that names the
   method and says why or what to use instead.
 
 Two **differences in kind** are deliberate and documented here: ``engine.loss_scale`` is a
@@ -24,12 +25,12 @@ and that every listed name behaves as its list says.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from zerospeed import comm
+from zerospeed.runtime.engine_api_absent import LACKS, OFF_QUERIES, lacking, off
 from zerospeed.runtime.precision_options import DTYPES
 
 # fmt: off
@@ -80,82 +81,6 @@ HAS: tuple[str, ...] = (
     "is_gradient_accumulation_boundary", "zero_grad", "step", "get_lr", "load_checkpoint", "save_checkpoint",
     "save_16bit_model",
 )
-
-_INTERNAL = "an internal step of DeepSpeed's engine; zerospeed's ZeRO strategy does it inside backward/step"
-_NO_COMPILE = ("DeepSpeed's backend getters are not in zerospeed: set compile.deepcompile: true and call "
-               "engine.compile() (the backend itself is zerospeed.compile.backend_fn)")
-_NO_FEATURE = "the feature is not in zerospeed (its config section is refused when enabled)"
-
-#: name -> why it is not there (the error says it)
-LACKS: dict[str, str] = {
-    "set_data_post_process_func": "data efficiency / curriculum learning is not in zerospeed",
-    "set_custom_curriculum_learning_schedule": "curriculum learning was removed from DeepSpeed's config too",
-    "random_ltd_initialize": "random-LTD is not in zerospeed",
-    "print_forward_breakdown": "use wall_clock_breakdown in the config; engine.wall_clock() returns the times",
-    "allreduce_gradients": _INTERNAL,
-    "no_sync": "gradients are reduced by bucket hooks during backward; accumulate with gradient_accumulation_steps "
-               "instead (engine.backward only reduces at the accumulation boundary under stages 0-1)",
-    "coalesce_grad_reduction": _INTERNAL,
-    "clip_fp32_gradients": _INTERNAL + " (set gradient_clipping in the config)",
-    "allreduce_bucket": _INTERNAL,
-    "allreduce_and_copy": _INTERNAL,
-    "allreduce_no_retain": _INTERNAL,
-    "buffered_allreduce_fallback": _INTERNAL,
-    "sparse_allreduce_no_retain": "sparse gradients were removed from DeepSpeed and are not in zerospeed",
-    "sparse_allreduce_bucket": "sparse gradients were removed from DeepSpeed and are not in zerospeed",
-    "sparse_allreduce": "sparse gradients were removed from DeepSpeed and are not in zerospeed",
-    "sparse_all_gather": "sparse gradients were removed from DeepSpeed and are not in zerospeed",
-    "all_gather_scalar": "use zerospeed.comm.all_gather_into_tensor",
-    "load_moe_state_dict": "expert parameters are saved and loaded by name with the model: use engine.load_checkpoint()",
-    "load_module_state_dict": "use engine.load_checkpoint(..., load_module_only=True) or load into engine.module",
-    "empty_partition_cache": "ZeRO-3 releases gathered parameters itself after each module (zero_optimization."
-                             "stage3_max_live_parameters bounds what stays)",
-    "get_autosp_backend": _NO_COMPILE,
-    "get_autotp_backend": _NO_COMPILE,
-    "get_deepcompile_backend": _NO_COMPILE,
-    "get_deepspeed_compile_backend": _NO_COMPILE,
-    "offload_states": "offloading states between steps is not in zerospeed; use zero_optimization.offload_optimizer",
-    "reload_states": "offloading states between steps is not in zerospeed; use zero_optimization.offload_optimizer",
-}
-
-
-def _lacking(name: str, reason: str) -> Any:
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"engine.{name}() is not supported by zerospeed: {reason}")
-
-    method.__name__ = name
-    method.__doc__ = f"Not supported: {reason}."
-    return method
-
-
-def _off(name: str, value: Any = False) -> Any:
-    def method(self: Any) -> Any:
-        return value
-
-    method.__name__ = name
-    method.__doc__ = f"DeepSpeed's {name}: {_NO_FEATURE}, so always {value!r}."
-    return method
-
-
-_OFF_QUERIES: dict[str, Any] = {
-    **dict.fromkeys((
-        "checkpoint_serialization_enabled", "data_efficiency_enabled", "data_sampling_enabled",
-        "curriculum_learning_enabled", "random_ltd_enabled", "autotuning_enabled",
-        "autotuning_profile_model_info", "optimizer_legacy_fusion", "zero_partial_offload", "super_offload",
-        "compile_autosp", "compile_autotp", "uses_parallelization_pass_only", "zero_legacy_stage1",
-        "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
-        "zero_hpz_partition_size", "zero_save_muon_momentum_buffer_in_memory", "managed_gradient_accumulation",
-        "use_node_local_storage", "load_universal_checkpoint", "is_sanity_checks_enabled",
-        "zero_log_trace_cache_warnings", "zero_allgather_sequential", "zero_nvme_offload_optimizer",
-        "zero_elastic_checkpoint", "zero_round_robin_gradients",
-    ), False),
-    **dict.fromkeys((
-        "data_efficiency_config", "data_sampling_config", "curriculum_learning_config", "random_ltd_config",
-        "autotuning_start_profile_step", "autotuning_end_profile_step", "autotuning_metric_path",
-        "autotuning_model_info_path", "autotuning_metric", "zenflow_config", "compile_zero_optimization_stage",
-        "cpuadam_cores_perc", "zero_module_granularity_threshold", "checkpoint_writer_enabled",
-    ), None),
-}
 
 
 class DeepSpeedEngineAPI:
@@ -598,21 +523,23 @@ class DeepSpeedEngineAPI:
     _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict  # DeepSpeed's name under AutoTP
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Declare whether the coming backward ends an accumulation window (Accelerate passes its ``sync_gradients``).
+        """DeepSpeed's manual accumulation boundary, sticky until set again: while False, backwards only accumulate
+        (no reduction at stages 0-1) and ``step()`` only counts the micro-batch; while True, each backward ends a window
+        (reduced gradients, ``step()`` steps), whatever ``gradient_accumulation_steps`` says. The loss is still divided
+        by ``gradient_accumulation_steps``, as in DeepSpeed 0.19.8. Refused on the pipeline engine (its window is one
+        ``train_batch()``)."""
+        if not isinstance(is_boundary, (bool, int)) or is_boundary not in (0, 1):
+            raise TypeError(f"engine.set_gradient_accumulation_boundary: is_boundary must be a bool, "
+                            f"got {is_boundary!r}")
+        if isinstance(getattr(type(self), "is_pipe_parallel", None), property):
+            raise RuntimeError("engine.set_gradient_accumulation_boundary: the pipeline engine's accumulation window "
+                               "is one train_batch() of gradient_accumulation_steps micro-batches; it takes none")
+        self._boundary_override = bool(is_boundary)
 
-        zerospeed's windows are ``gradient_accumulation_steps`` micro-batches (the reduction and the step follow
-        them), so a declaration that agrees is accepted and one that disagrees is refused naming both, instead of
-        silently accumulating across a window the caller thinks it closed (Accelerate forces a sync at the end of
-        its dataloader: make the per-rank batches per epoch a multiple of gradient_accumulation_steps).
-        """
-        expected = self.is_gradient_accumulation_boundary()  # type: ignore[attr-defined]
-        if bool(is_boundary) != expected:
-            steps = self.config.gradient_accumulation_steps  # type: ignore[attr-defined]
-            raise ValueError(
-                f"engine.set_gradient_accumulation_boundary({bool(is_boundary)}): micro-batch "
-                f"{self.micro_steps % steps + 1} of {steps} (gradient_accumulation_steps) "  # type: ignore[attr-defined]
-                f"{'ends' if expected else 'does not end'} the window in zerospeed; make the number of micro-batches "
-                "per window (per epoch, per rank) a multiple of gradient_accumulation_steps")
+    def managed_gradient_accumulation(self) -> bool:
+        """True, DeepSpeed's default: windows follow gradient_accumulation_steps or set_gradient_accumulation_boundary
+        (the ``managed_gradient_accumulation: false`` config key, where every step() ends a window, is not built)."""
+        return True
 
     def register_compile_pass(self, name: str, fn: Any) -> None:
         """Register a graph pass ``(graph_module, profile) -> graph_module`` under ``name``."""
@@ -622,9 +549,9 @@ class DeepSpeedEngineAPI:
 
 
 for _name, _reason in LACKS.items():
-    setattr(DeepSpeedEngineAPI, _name, _lacking(_name, _reason))
-for _name, _value in _OFF_QUERIES.items():
-    setattr(DeepSpeedEngineAPI, _name, _off(_name, _value))
+    setattr(DeepSpeedEngineAPI, _name, lacking(_name, _reason))
+for _name, _value in OFF_QUERIES.items():
+    setattr(DeepSpeedEngineAPI, _name, off(_name, _value))
 
 #: defined here (everything of DeepSpeed's list that is neither in HAS nor in LACKS)
 ADDS: tuple[str, ...] = tuple(n for n in DEEPSPEED_ENGINE_METHODS if n not in HAS and n not in LACKS)
