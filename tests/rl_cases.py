@@ -96,6 +96,18 @@ def rollout_case(max_resident_layers: int = 0, lora: bool = False, max_new_token
     result["hf"] = [hf_greedy_decided(ref, p, max_new_tokens) for p in ps]
     # shards untouched by the rollout (LoRA not merged into them): a second call gives the same tokens
     result["again"] = engine.generate(ps, max_new_tokens=max_new_tokens, ignore_eos=True)
+    arena = rollout.arena
+    result["arena"] = None if arena is None else {
+        "buckets": len(arena.buckets), "aliased": len(arena.aliased), "bytes": arena.nbytes,
+        "extra_bytes": stats.arena_extra_bytes,
+        "padding_bytes": sum((b.padded_numel - b.layout.numel) * (b.full_bytes // b.padded_numel)
+                             for b in arena.buckets)}
+    # another training step: the next rollout reads the new weights (the aliased ones re-gathered in place, the
+    # engine's derived layouts of them rebuilt), HF's greedy tokens on the newly gathered model
+    _train_step(engine, rank)
+    result["after_step"] = engine.generate(ps, max_new_tokens=max_new_tokens, ignore_eos=True)
+    ref2 = _gathered_copy(engine, base).merge_and_unload() if lora else _gathered_copy(engine, base)
+    result["hf_after_step"] = [hf_greedy_decided(ref2, p, max_new_tokens) for p in ps]
     return result
 
 

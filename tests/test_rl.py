@@ -18,6 +18,10 @@ def _check_greedy(r: dict) -> None:
         assert tokens[:decided] == hf[:decided]
     assert r["again"] == r["tokens"]
     assert r["shards_unchanged"]  # the rollout only reads the ZeRO-3 shards
+    # after one more training step the rollout follows the new weights
+    for tokens, (hf, decided) in zip(r["after_step"], r["hf_after_step"]):
+        assert decided >= 3
+        assert tokens[:decided] == hf[:decided]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -30,11 +34,19 @@ def test_generate_zero3_greedy_equals_hf_and_one_pass(world: int) -> None:
         assert r["gather_elements"] == sum(r["bucket_numels"])
         # extra memory: the rollout copy (all layers + embeddings/head) + the KV cache, and while filling, at most
         # the buckets one copy job needs (a job reads one or three HF tensors; they sit in at most two buckets)
+        # The weights that are contiguous ranges of the buckets (embeddings, LM head, fused gate/up, down, QKV
+        # where adjacent) are views of one gathered arena (rl/arena.py): the copy's bytes counted once, plus the
+        # arena's bytes no weight uses, which here are the buckets' padding only
+        arena = r["arena"]
+        # every weight of the 2-layer llama aliases: embeddings, LM head, final norm, and per layer two norms, QKV
+        # (q, k, v adjacent in the buckets), o, gate_up, down
+        assert arena is not None and arena["aliased"] == 3 + 6 * 2
+        assert arena["extra_bytes"] == arena["padding_bytes"] <= arena["buckets"] * (world - 1) * 4
         copy_bytes = sum(r["layer_bytes"]) + r["other_weight_bytes"]
-        assert r["weight_bytes_peak"] == copy_bytes
+        assert r["weight_bytes_peak"] == copy_bytes + arena["extra_bytes"]
         assert r["live_peak_bytes"] <= 2 * max(r["bucket_bytes"])
         assert r["kv_cache_bytes"] > 0
-        assert r["resident_after"] == copy_bytes  # pin_parameters (default true) keeps the copy allocated
+        assert r["resident_after"] == copy_bytes + arena["extra_bytes"]  # pin_parameters keeps the copy
 
 
 def test_generate_streamed_bounded_resident_layers() -> None:

@@ -7,10 +7,13 @@ KV cache, ragged batching, the sampler).
 
 One ``generate`` call (every data-parallel rank calls it, each with its own prompts):
 
-1. *fill*: the rollout copy is filled from the training parameters in one pass over the ZeRO-3 buckets
-   (:func:`zerospeed.rl.weights.run_pass`): each bucket is all-gathered once, copied (LoRA adapters applied on
-   the way, never merged into the shards) and released at once, so at most the buckets one job needs are
-   gathered beside the copy;
+1. *fill*: the rollout copy is filled from the training parameters in one pass over the ZeRO-3 buckets. The
+   weights that are contiguous ranges of the buckets (embeddings, LM head, linears, fused QKV / gate-up where the
+   pieces are adjacent) are views of one kept arena (:mod:`zerospeed.rl.arena`) that each bucket is all-gathered
+   straight into, once (no copy, no per-call allocation); every other weight is copied
+   (:func:`zerospeed.rl.weights.run_pass`: LoRA adapters applied on the way, never merged into the shards),
+   reading arena buckets from the arena and gathering any other bucket once, releasing it at once, so at most
+   the buckets one job needs are gathered beside the copy;
 2. *run*: the requests run to completion on this rank's inference engine, no collective at all;
 3. *release*: with ``pin_parameters: false`` the copy's storage is freed (refilled next call); with
    ``release_inference_cache: true`` the KV cache's storage is freed (re-allocated next call).
@@ -51,6 +54,7 @@ from zerospeed.inference.models import build_model, spec_from_config
 from zerospeed.inference.models.layers import CausalLM
 from zerospeed.inference.models import prefer_cpu_matmul_layout
 from zerospeed.rl import tp_layout
+from zerospeed.rl.arena import GatherArena, build_arena
 from zerospeed.rl.weights import PlanReader, WeightSource, order_jobs, run_pass
 
 SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "stop_token_ids",
@@ -68,6 +72,7 @@ class RolloutStats:
     layer_bytes: list[int] = field(default_factory=list)  # per transformer layer of the copy
     other_weight_bytes: int = 0  # embeddings, final norm, LM head
     kv_cache_bytes: int = 0
+    arena_extra_bytes: int = 0  # gathered-arena bytes beyond the aliased weights (bucket padding; rl/arena.py)
     max_resident_layers_seen: int = 0
     fill_s: float = 0.0  # wall seconds of the call's up-front fill (all weights, or streamed: the non-layer ones)
 
@@ -133,6 +138,12 @@ class RolloutEngine:
         if self.tp.size > 1:  # each job reads pieces split the way the inference layer is split
             tp_layout.check_jobs(reader, self.model, self.source, spec, max_len, self.dtype, self.tp.group)
         prefer_cpu_matmul_layout(self.model)
+        # whole-model mode: parameters that are contiguous ranges of the gathered buckets alias one kept arena
+        self.arena: GatherArena | None = None
+        copy_jobs = reader.jobs
+        if not self.streamed and self.tp.size == 1:
+            self.arena, copy_jobs = build_arena(reader.jobs, reader, self.source, self.dtype, self.device)
+        aliased = {id(p) for p in self.arena.aliased} if self.arena is not None else set()
         self._cpu_kernels = "off" if self.streamed else cpu_kernels
         self._greedy_head = greedy_head
         layer_of = {id(p): i for i, layer in enumerate(self.model.layers) for p in layer.parameters()}
@@ -141,18 +152,26 @@ class RolloutEngine:
         for job in reader.jobs:
             i = layer_of.get(id(job.target))
             (other if i is None else self._layer_jobs[i]).append(job)
-        self._all = order_jobs(reader.jobs, self.source)
+        self._all = order_jobs(copy_jobs, self.source, self.arena.ids if self.arena is not None else frozenset())
         self._other = order_jobs(other, self.source)
         self._layers = [order_jobs(j, self.source) for j in self._layer_jobs]
         layer_ids = set(layer_of)
-        self._other_storage = _Storage([p for p in self.model.parameters() if id(p) not in layer_ids])
-        self._layer_storage = [_Storage(list(layer.parameters())) for layer in self.model.layers]
+        self._other_storage = _Storage([p for p in self.model.parameters() if id(p) not in layer_ids | aliased])
+        self._layer_storage = [_Storage([p for p in layer.parameters() if id(p) not in aliased])
+                               for layer in self.model.layers]
         self._resident: list[int] = []  # streamed: layer indices holding storage, least recently used first
         self._filled: set[int] = set()
         self._hooks: list[Any] = []
         self.engine: InferenceEngine | None = None
-        self.stats = RolloutStats(layer_bytes=[s.bytes for s in self._layer_storage],
-                                  other_weight_bytes=self._other_storage.bytes)
+        def logical(ps: Any) -> int:  # the aliased parameters' bytes (they live in the arena)
+            return sum(p.numel() * p.element_size() for p in {id(p): p for p in ps}.values() if id(p) in aliased)
+
+        self.stats = RolloutStats(
+            layer_bytes=[s.bytes + logical(layer.parameters()) for s, layer in zip(self._layer_storage,
+                                                                                   self.model.layers)],
+            other_weight_bytes=self._other_storage.bytes + logical(p for p in self.model.parameters()
+                                                                   if id(p) not in layer_ids),
+            arena_extra_bytes=self.arena.extra_bytes if self.arena is not None else 0)
         self._ids = itertools.count()
         self._in_call = False
         self._gathers = 0
@@ -162,6 +181,8 @@ class RolloutEngine:
             for s in self._layer_storage:
                 s.free()
         if not cfg.pin_parameters:  # allocated only during calls
+            if self.arena is not None:
+                self.arena.free()
             self._other_storage.free()
             for s in self._layer_storage:
                 if s.resident:
@@ -171,7 +192,8 @@ class RolloutEngine:
     # -- weights ------------------------------------------------------------------------------
     def _resident_bytes(self) -> int:
         return (self._other_storage.bytes if self._other_storage.resident else 0) + \
-            sum(s.bytes for s in self._layer_storage if s.resident)
+            sum(s.bytes for s in self._layer_storage if s.resident) + \
+            (self.arena.nbytes if self.arena is not None and self.arena.resident else 0)
 
     def _note_peak(self) -> None:
         self.stats.weight_bytes_peak = max(self.stats.weight_bytes_peak, self._resident_bytes())
@@ -189,8 +211,18 @@ class RolloutEngine:
         self._other_storage.alloc()
         for s in self._layer_storage:
             s.alloc()
+        if self.arena is None:
+            self._note_peak()
+            self._gathers += run_pass(self._all)
+            return
+        self.arena.alloc()
         self._note_peak()
-        self._gathers += run_pass(self._all)
+        self._gathers += self.arena.fill()  # the aliased parameters are filled now
+        self.source.values = self.arena.value  # copy jobs read arena-held weights from the arena
+        try:
+            self._gathers += run_pass(self._all)
+        finally:
+            self.source.values = None
 
     def _ensure_layer(self, i: int) -> None:
         """Streamed mode's pre-forward hook: layer ``i`` filled from its buckets, at most N layers resident."""
@@ -220,6 +252,8 @@ class RolloutEngine:
             self._resident.clear()
             self._filled.clear()
         if not self.cfg.pin_parameters:
+            if self.arena is not None:
+                self.arena.free()
             self._other_storage.free()
             for s in self._layer_storage:
                 if s.resident:

@@ -61,6 +61,12 @@ class WeightSource:
             if id(p) not in lora_params:
                 self._plain[_strip(name)] = p
         self.buffers = {_strip(n): b for n, b in module.named_buffers()}
+        #: where a parameter's current value is read from: None reads ``param.detach()`` (gathered); the rollout
+        #: sets a function here while it reads from its own gathered storage (:mod:`zerospeed.rl.arena`)
+        self.values: Callable[[nn.Parameter], torch.Tensor] | None = None
+
+    def _data(self, p: nn.Parameter) -> torch.Tensor:
+        return p.detach() if self.values is None else self.values(p)
 
     @property
     def has_lora(self) -> bool:
@@ -90,14 +96,14 @@ class WeightSource:
         the adapters applied for LoRA weights."""
         if name in self._lora:
             base, pairs = self._lora[name]
-            w = base.detach()
+            w = self._data(base)
             if pairs:
                 w = w.clone()
                 for A, B, s in pairs:
-                    w.add_(B.detach().to(w.dtype) @ A.detach().to(w.dtype), alpha=s)
+                    w.add_(self._data(B).to(w.dtype) @ self._data(A).to(w.dtype), alpha=s)
             return w
         if name in self._plain:
-            return self._plain[name].detach()
+            return self._data(self._plain[name])
         return self.buffers[name].detach()
 
 
@@ -167,15 +173,16 @@ def bucket_of(param: nn.Parameter) -> Any:
     return None if found is None else found[0]
 
 
-def order_jobs(jobs: list[Job], source: WeightSource) -> list[tuple[Job, list[Any]]]:
-    """Jobs sorted by the first bucket they need (bucket order = module order), each with its buckets."""
+def order_jobs(jobs: list[Job], source: WeightSource, skip: set[int] = frozenset()) -> list[tuple[Job, list[Any]]]:
+    """Jobs sorted by the first bucket they need (bucket order = module order), each with its buckets (those whose
+    id is in ``skip`` left out: their values come from elsewhere, see :attr:`WeightSource.values`)."""
     out = []
     for j in jobs:
         buckets: list[Any] = []
         for n in j.names:
             for p in source.params_of(n):
                 b = bucket_of(p)
-                if b is not None and all(b is not c for c in buckets):
+                if b is not None and id(b) not in skip and all(b is not c for c in buckets):
                     buckets.append(b)
         out.append((j, buckets))
     return sorted(out, key=lambda jb: min((b.index for b in jb[1]), default=-1))

@@ -225,6 +225,20 @@ class Stage3Bucket:
         may share one collective with other buckets of its group and dtype (:meth:`fill_full`)."""
         return self.hpz_group is None and not self.quantized_gather and self.swapper is None
 
+    def gather_into(self, out: torch.Tensor, async_op: bool = False) -> Any:
+        """All-gather every rank's shard into ``out`` (flat, ``padded_numel`` elements of the bucket's dtype,
+        not this bucket's own buffer), leaving the bucket's state and parameters as they are: a reader's private
+        full copy in the bucket's flat layout (slot ``s`` at ``out[s.offset:s.offset + s.numel]``; the rollout
+        copy of :mod:`zerospeed.rl`). The plain all-gather only (:meth:`can_coalesce_gather`); a collective of
+        the bucket's group."""
+        if not self.can_coalesce_gather():
+            raise RuntimeError(f"ZeRO-3 bucket {self.name!r}: gather_into needs the plain all-gather (no hpZ, "
+                               "quantized or offloaded shard)")
+        if out.dim() != 1 or out.numel() != self.layout.padded_numel or out.dtype != self.dtype:
+            raise ValueError(f"ZeRO-3 bucket {self.name!r}: gather_into needs a flat {self.dtype} tensor of "
+                             f"{self.layout.padded_numel} elements, got {tuple(out.shape)} {out.dtype}")
+        return comm.all_gather(out, self.shard, group=self.group, async_op=async_op)
+
     def fill_full(self, rows: torch.Tensor) -> None:
         """Make the bucket GATHERED from ``rows``, a ``[group size, shard_numel]`` view of every rank's shard in
         rank order (a coalesced all-gather's slice for this bucket), and point the parameters at it."""
