@@ -1,8 +1,10 @@
 """A plain Accelerate training loop, unchanged whether it runs under DDP or `accelerate launch --use_deepspeed`.
 
-argv: OUT_JSON. Writes (main process) the loss of every step averaged over ranks, and the final weights.
-Data: 8 steps x 2 ranks x micro-batch 4 of a fixed random regression problem; AdamW lr 1e-2; fp32; gradients
-clipped to norm 1.0 (by the loop under DDP, by the config's gradient_clipping under DeepSpeed).
+argv: OUT_JSON [GRADIENT_ACCUMULATION_STEPS]. Writes (main process) the loss of every micro-batch averaged over
+ranks, and the final weights. Data: 8 micro-batches x 2 ranks x 4 samples of a fixed random regression problem, in
+windows of GRADIENT_ACCUMULATION_STEPS (default 1) under ``accelerator.accumulate``; AdamW lr 1e-2; fp32; gradients
+clipped to norm 1.0 at each sync (by the loop under DDP, by the config's gradient_clipping under DeepSpeed, where
+Accelerate calls ``engine.set_gradient_accumulation_boundary(sync_gradients)`` before every backward).
 """
 
 import json
@@ -30,10 +32,12 @@ class Net(nn.Module):
 
 def main():
     out_path = sys.argv[1]
+    accumulation = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     torch.set_num_threads(1)
     # CPU only: Accelerate 1.15 picks a process-group backend only for accelerators (or --cpu, which excludes
     # --use_deepspeed); without one it counts a world of 1 under DeepSpeed. Naming gloo is what a CPU user does.
-    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    accelerator = Accelerator(gradient_accumulation_steps=accumulation,
+                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
     set_seed(0)
     model = Net()
     g = torch.Generator().manual_seed(1)
@@ -45,11 +49,13 @@ def main():
     losses = []
     model.train()
     for xb, yb in loader:
-        loss = nn.functional.mse_loss(model(xb), yb)
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)  # under DeepSpeed the config's gradient_clipping does it
-        optimizer.step()
-        optimizer.zero_grad()
+        with accelerator.accumulate(model):
+            loss = nn.functional.mse_loss(model(xb), yb)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:  # under DeepSpeed the config's gradient_clipping does it
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
