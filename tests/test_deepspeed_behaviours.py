@@ -81,6 +81,16 @@ def test_warmup_num_steps_is_clamped_to_two_and_zero_refused_as_deepspeed():
             cls(_sgd(), warmup_num_steps=0, **kw)  # DeepSpeed 0.19.8: ValueError, "must be a positive integer"
 
 
+def test_total_num_steps_below_warmup_is_refused_where_deepspeed_warns():
+    """A deliberate difference (the 'warmup_total_steps' row): the schedule would end before its warmup."""
+    from zerospeed.runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR
+
+    for cls in (WarmupDecayLR, WarmupCosineLR):
+        with pytest.raises(ConfigError, match=r"params\.total_num_steps: 3 is less than warmup_num_steps \(5\)"):
+            cls(_sgd(), total_num_steps=3, warmup_num_steps=5)
+        assert cls(_sgd(), total_num_steps=5, warmup_num_steps=5).total_num_steps == 5
+
+
 def test_hf_auto_fills_warmup_steps_zero_as_one():
     """HF's ZeRO-3 template with WarmupLR and warmup_steps=0: transformers 5.24 fills max(1, ...) (DeepSpeed 0.19.8
     refuses 0), and so does zerospeed's HF "auto" filling; the schedule then warms up over 2 steps."""

@@ -180,6 +180,12 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "a view over zerospeed's hooks on a subclass of the optimizer's own class (its state unchanged): "
               'removing its handle removes every module hook, `_register_deepspeed_module` re-installs them and '
               "the prefetch trace is recorded again (was: `GRPOTrainer` at ZeRO-3 failed in generation)"),
+    Behaviour('client_optimizer_wins',
+              'an optimizer / lr scheduler passed to `initialize` as well as an `optimizer` / `scheduler` section',
+              "the one passed is used, the section ignored (`runtime/engine.py` `_configure_optimizer` / "
+              '`_configure_lr_scheduler`)',
+              'the same, and the ignored section is named in a warning on rank 0 (was: a `ConfigError` asking to '
+              'keep one)'),
     Behaviour('accumulation_boundary_override',
               '`engine.set_gradient_accumulation_boundary(b)` (DeepSpeed\'s own tests, Accelerate before every '
               'backward)',
