@@ -7,8 +7,9 @@ tests/hf_scripts/trainer_run.py parses TrainingArguments from its command line, 
 * Full template: the model is partitioned while it loads (``from_pretrained`` inside ``zero.Init``, through
   ``HfDeepSpeedConfig``), the Trainer wraps a ``ZeroSpeedEngine``, and the first loss (before any update) equals the
   plain Trainer's, so the sharded loading loaded the saved weights. Later losses follow DeepSpeed's WarmupLR
-  (``warmup_num_steps`` max(2, 1): the lr of the 2nd step is 0), which no HF scheduler reproduces, so only
-  their being finite and the run finishing are checked for this one.
+  (``warmup_num_steps`` "auto" = max(1, warmup_steps 0), clamped to 2: lr 0 at the first two updates), which no HF
+  scheduler type reproduces: every loss equals the plain Trainer given that schedule as a LambdaLR
+  (REFERENCE_WARMUP_LR_STEPS=2, read by the script's reference path only) to 1e-5 relative.
 * The same template without its ``scheduler`` section (HF's documented way to keep the Trainer's own scheduler,
   here linear with no warmup): every step's loss equals the plain Trainer (DDP on gloo) to 1e-5 relative (fp32 Adam,
   6 steps; only the order of gradient sums differs).
@@ -36,12 +37,12 @@ FLAGS = ["--ddp_backend", "gloo", "--use_cpu", "--per_device_train_batch_size", 
          "--seed", "0"]
 
 
-def _train(tmp, name, model_dir, deepspeed=None):
+def _train(tmp, name, model_dir, deepspeed=None, **extra_env):
     cmd = [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", SCRIPT, str(model_dir), str(tmp / name),
            "--output_dir", str(tmp / f"out-{name}")] + FLAGS
     if deepspeed is not None:
         cmd = [os.path.join(BIN, "zerospeed-as-deepspeed")] + cmd + ["--deepspeed", str(deepspeed)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra_env)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     out = []
@@ -62,6 +63,7 @@ def runs(tmp_path_factory):
     with open(tmp / "no_scheduler.json", "w") as f:
         json.dump(no_scheduler, f)
     return {"plain": _train(tmp, "plain", model_dir),
+            "plain_warmup_lr": _train(tmp, "plain_warmup_lr", model_dir, REFERENCE_WARMUP_LR_STEPS="2"),
             "template": _train(tmp, "template", model_dir, TEMPLATE),
             "no_scheduler": _train(tmp, "no_scheduler", model_dir, tmp / "no_scheduler.json")}
 
@@ -74,6 +76,14 @@ def test_trainer_with_hf_zero3_template_loads_sharded_and_trains(runs):
         assert len(r["losses"]) == 6 and all(math.isfinite(x) for x in r["losses"])
         assert abs(r["losses"][0] - plain["losses"][0]) <= 1e-6 * plain["losses"][0]
     assert not plain["partitioned_at_load"] and plain["wrapped"] == "DistributedDataParallel"
+
+
+@pytest.mark.timeout(900)
+def test_trainer_with_hf_zero3_template_equals_the_plain_trainer_with_deepspeeds_warmup(runs):
+    reference = runs["plain_warmup_lr"][0]["losses"]
+    assert len(reference) == 6 and reference[1] != runs["plain"][0]["losses"][1]  # the schedule differs from HF's
+    for r in runs["template"]:
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], reference)) < 1e-5, (r["losses"], reference)
 
 
 @pytest.mark.timeout(900)
