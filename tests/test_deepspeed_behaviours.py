@@ -237,6 +237,30 @@ def test_dotted_top_level_keys_are_ignored_as_deepspeed_ignores_them():
         load_config({"train_batch_size": 2, "zero_optimisation.stage": 3})  # not a section's path: still refused
 
 
+
+def test_offload_param_below_stage_3_is_ignored_with_a_warning_as_deepspeed():
+    """Accelerate's DeepSpeedPlugin(zero_stage=2, offload_param_device="cpu") writes offload_param at stage 2 (its own
+    tests/deepspeed do); DeepSpeed 0.19.8 reads the section at stage 3 only. zerospeed refused it; now it warns once
+    naming it and trains exactly as without it."""
+    import warnings
+
+    weights = []
+    for offload in (False, True):
+        cfg = config(2, 1)
+        if offload:
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine, *_ = zerospeed.initialize(model=make_model(), config=cfg)
+        named = [w for w in caught if "zero_optimization.offload_param is ignored at zero_optimization.stage 2"
+                 in str(w.message)]
+        assert len(named) == int(offload)
+        x, y = global_batch(0)
+        engine.backward(engine(x, y))
+        engine.step()
+        weights.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
 # -- names ----------------------------------------------------------------------------------------------------
 def test_deepspeed_config_error_is_config_error():
     assert zerospeed.DeepSpeedConfigError is ConfigError

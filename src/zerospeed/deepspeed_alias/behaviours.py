@@ -186,6 +186,12 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               '`_configure_lr_scheduler`)',
               'the same, and the ignored section is named in a warning on rank 0 (was: a `ConfigError` asking to '
               'keep one)'),
+    Behaviour('offload_param_below_stage_3',
+              '`zero_optimization.offload_param` at stage 0-2 (Accelerate\'s `DeepSpeedPlugin` writes it whatever '
+              'the stage)',
+              'ignored: only the stage-3 optimizer reads it (`runtime/engine.py`, `runtime/zero/config.py`)',
+              'ignored with a `UserWarning` naming it (was: a `ConfigError`, so three of Accelerate\'s own '
+              '`tests/deepspeed` cases stopped at `deepspeed.initialize`)'),
     Behaviour('accumulation_boundary_override',
               '`engine.set_gradient_accumulation_boundary(b)` (DeepSpeed\'s own tests, Accelerate before every '
               'backward)',

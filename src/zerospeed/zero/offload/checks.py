@@ -8,13 +8,16 @@ Each problem is a :class:`~zerospeed.config.ConfigError` naming the key that ask
   ``"type": "Adam"``); Muon and the other element-wise optimizers (SGD, Adagrad, Lion, RAdam, ...) are
   host-held (:func:`host_held_optimizer`; with ``device: nvme`` their states are swapped between steps by
   :mod:`zerospeed.zero.offload.host_held`); others (Lamb, Adafactor) are refused;
-* ``offload_param`` needs stage 3 (only stage 3 partitions parameters);
+* ``offload_param`` is read at stage 3 only (only stage 3 partitions parameters); below it the section is ignored
+  with a ``UserWarning`` naming it, as DeepSpeed 0.19.8 ignores it there (Accelerate's ``DeepSpeedPlugin`` writes
+  it whatever the stage);
 * an ``nvme`` device needs an existing, writable ``nvme_path`` (checked with a probe file, so a
   read-only mount or a full disk shows here and not in the middle of the first step).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -57,7 +60,9 @@ def check_offload(options: Any, optimizer: torch.optim.Optimizer) -> None:
             check_nvme_dir("zero_optimization.offload_optimizer.nvme_path", opt_cfg.nvme_path)
     if param_cfg is not None:
         if options.stage != 3:
-            raise ConfigError("zero_optimization.offload_param",
-                              f"parameter offload needs zero_optimization.stage 3, got stage {options.stage}")
+            warnings.warn(f"zero_optimization.offload_param is ignored at zero_optimization.stage {options.stage}: "
+                          "only stage 3 offloads parameters (DeepSpeed 0.19.8 ignores it below stage 3 too)",
+                          UserWarning, stacklevel=2)
+            return
         if param_cfg.device == "nvme":
             check_nvme_dir("zero_optimization.offload_param.nvme_path", param_cfg.nvme_path)
