@@ -6,7 +6,10 @@ ranks (``zerospeed.testing.run_distributed``, one torch thread per rank), each r
 at the same time (so every system sees the same CPU contention). Systems:
 
 * ``zerospeed``: ``engine.generate`` at ZeRO-3 (``hybrid_engine.enabled``): one gather of every bucket per rollout
-  batch into the inference engine's copy, then paged-KV ragged decoding;
+  batch, straight into the kept arena the inference engine's weights are views of (``alias_weights``, the
+  default; weights that are no contiguous bucket range are copied), then paged-KV ragged decoding;
+* ``zerospeed_copy``: the same with ``alias_weights: false``: every weight copied from the gathered buckets into
+  the inference engine's copy (the path before the arena, kept as the plain twin);
 * ``trl_zero3``: TRL's ZeRO-3 generation path, ``unwrap_model_for_generation`` with its default
   ``gather_deepspeed3_params=True`` (trl/models/utils.py: ``deepspeed.zero.GatheredParameters(model.parameters())``
   around HF ``generate`` on the unwrapped module, with the ZeRO-3 hooks removed meanwhile and re-added after), run
@@ -82,12 +85,14 @@ def _prompts(rank: int, n: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
 
-def _config(world: int, stage: int, hybrid: bool, n: int, max_len: int) -> dict:  # n: sequences per rank
+def _config(world: int, stage: int, hybrid: bool, n: int, max_len: int, alias: bool = True) -> dict:
+    """``n``: sequences per rank; ``alias``: hybrid_engine.alias_weights."""
     cfg = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": stage}, "steps_per_print": 0}
     if hybrid:
-        cfg["hybrid_engine"] = {"enabled": True, "max_out_tokens": max_len, "max_num_seqs": n}
+        cfg["hybrid_engine"] = {"enabled": True, "max_out_tokens": max_len, "max_num_seqs": n,
+                                "alias_weights": alias}
     return cfg
 
 
@@ -123,8 +128,9 @@ def rollout_worker(system: str, n: int, prompt_len: int, new_tokens: int, repeat
                 return model.generate(ids, **hf_kwargs)[:, prompt_len:].tolist()
     else:
         stage = 0 if system == "zerospeed_unsharded" else 3
-        hybrid = system in ("zerospeed", "zerospeed_unsharded")
-        engine, *_ = zerospeed.initialize(model=model, config=_config(world, stage, hybrid, seqs, max_len))
+        hybrid = system in ("zerospeed", "zerospeed_copy", "zerospeed_unsharded")
+        engine, *_ = zerospeed.initialize(model=model, config=_config(world, stage, hybrid, seqs, max_len,
+                                                                      alias=system != "zerospeed_copy"))
         module = engine.module
         if hybrid:
             def call():
@@ -168,7 +174,7 @@ def rollout_worker(system: str, n: int, prompt_len: int, new_tokens: int, repeat
 def run_rollouts(args: argparse.Namespace) -> list[dict]:
     from zerospeed.testing import run_distributed
 
-    systems = ["hf_unsharded", "zerospeed_unsharded", "zerospeed", "trl_zero3"] + \
+    systems = ["hf_unsharded", "zerospeed_unsharded", "zerospeed", "zerospeed_copy", "trl_zero3"] + \
         (["trl_zero3_nogather"] if args.nogather else [])
     results = {}
     for system in systems:
@@ -195,6 +201,8 @@ def run_rollouts(args: argparse.Namespace) -> list[dict]:
     by = {r["system"]: r for r in rows}
     z = by["zerospeed"]
     for key in ("tokens_per_s", "tokens_per_cpu_s"):
+        by["zerospeed_copy"][f"{key}_vs_zerospeed_unsharded"] = round(by["zerospeed_copy"][key] /
+                                                                     by["zerospeed_unsharded"][key], 3)
         z[f"{key}_vs_trl_zero3"] = round(z[key] / by["trl_zero3"][key], 2)
         z[f"{key}_vs_zerospeed_unsharded"] = round(z[key] / by["zerospeed_unsharded"][key], 3)
         z[f"{key}_vs_hf_unsharded"] = round(z[key] / by["hf_unsharded"][key], 2)
@@ -269,6 +277,90 @@ def run_profile(args: argparse.Namespace) -> list[dict]:
         [{"part": "profile", "workload": args.workload, "system": "zerospeed_unsharded", "world": 1,
           "component": "total (median call)", "cpu_s_per_call": round(r["cpu_s_per_call"], 4), "share": 1.0,
           "tokens_per_cpu_s": round(r["tokens_per_cpu_s"], 1)}]
+
+
+def phases_worker(alias: bool, n: int, prompt_len: int, new_tokens: int, repeats: int, samples: int,
+                  temperature: float) -> dict:
+    """CPU (process_time) and wall seconds of each phase of one ``engine.generate`` call at ZeRO-3, per rank:
+    the fill (of which the all-gathers into the arena, and the copies), the inference engine's KV cache made
+    resident (``release_inference_cache``), request admission, the engine's steps (of which rebuilding the weights'
+    derived layouts: oneDNN-packed and skinny-GEMM-packed linears, the bf16 / int8 LM head), the release."""
+    import zerospeed
+    import zerospeed.inference.models.layers as layers
+    import zerospeed.rl.rollout as rollout_mod
+    from zerospeed import comm
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = _model("small")
+    prompts = _prompts(rank, n, prompt_len, model.config.vocab_size)
+    engine, *_ = zerospeed.initialize(model=model, config=_config(world, 3, True, n * samples,
+                                                                  prompt_len + new_tokens, alias=alias))
+    kw = dict(max_new_tokens=new_tokens, ignore_eos=True, n=samples)
+    if temperature > 0:
+        kw.update(do_sample=True, temperature=temperature, seed=rank)
+    engine.generate(prompts, **kw)  # builds the engine, measures its fast paths
+    ro = engine.rl.rollout
+    parts: dict[str, list[float]] = {}
+
+    def add(key: str, c0: float, w0: float) -> None:
+        p = parts.setdefault(key, [0.0, 0.0])
+        p[0] += time.process_time() - c0
+        p[1] += time.perf_counter() - w0
+
+    def timed(owner, name: str, key: str) -> None:
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            c0, w0 = time.process_time(), time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                add(key, c0, w0)
+        setattr(owner, name, wrapper)
+
+    timed(ro, "_fill", "fill")
+    if ro.arena is not None:
+        timed(ro.arena, "fill", "of which: all-gathers into the arena")
+    timed(rollout_mod, "run_pass", "of which: copies (with their gathers when no arena)")
+    timed(ro, "_engine", "KV cache made resident")
+    timed(ro, "_add", "request admission")
+    timed(ro, "_run", "engine steps")
+    timed(ro, "_release", "release")
+    derived = layers._derived_on
+
+    def derived_timed(owner, name, w, build):
+        def b(x):
+            c0, w0 = time.process_time(), time.perf_counter()
+            try:
+                return build(x)
+            finally:
+                add("of which: derived weight layouts rebuilt", c0, w0)
+        return derived(owner, name, w, b)
+    layers._derived_on = derived_timed
+    calls = []
+    for _ in range(repeats):
+        comm.barrier()
+        c0, w0 = time.process_time(), time.perf_counter()
+        engine.generate(prompts, **kw)
+        calls.append((time.process_time() - c0, time.perf_counter() - w0))
+    parts["total (mean call)"] = [sum(c for c, _ in calls), sum(w for _, w in calls)]
+    return {k: (v[0] / repeats, v[1] / repeats) for k, v in parts.items()}
+
+
+def run_phases(args: argparse.Namespace) -> list[dict]:
+    from zerospeed.testing import run_distributed
+
+    rows = []
+    for alias in (True, False):
+        res = run_distributed(phases_worker, args.world, alias, args.prompts, args.prompt_len, args.new_tokens,
+                              args.repeats, args.samples, args.temperature, timeout=1800)
+        system = "zerospeed" if alias else "zerospeed_copy"
+        for key in res[0]:
+            rows.append({"part": "phases", "workload": args.workload, "system": system, "world": args.world,
+                         "component": key,
+                         "cpu_ms_per_call": round(statistics.mean(r[key][0] for r in res) * 1e3, 2),
+                         "wall_ms_per_call": round(statistics.mean(r[key][1] for r in res) * 1e3, 2)})
+    return rows
 
 
 # -- sync -------------------------------------------------------------------------------------------------------
@@ -369,8 +461,10 @@ def main() -> None:
         sync_trainer_main(sys.argv[2:])
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("rollout", "sync", "profile", "all"), default="all",
-                   help="profile: one process, zerospeed's engine.generate on unsharded weights, CPU time per part")
+    p.add_argument("--part", choices=("rollout", "sync", "profile", "phases", "all"), default="all",
+                   help="profile: one process, zerospeed's engine.generate on unsharded weights, CPU time per part; "
+                        "phases: --world ZeRO-3 ranks, CPU and wall time of each phase of a call, with "
+                        "hybrid_engine.alias_weights true and false")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--prompts", type=int, default=16, help="prompts per rank")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -396,6 +490,8 @@ def main() -> None:
         rows += run_sync(args)
     if args.part == "profile":
         rows += run_profile(args)
+    if args.part == "phases":
+        rows += run_phases(args)
     load1 = os.getloadavg()
     notes = [f"load average (1, 5, 15 min) at start {tuple(round(x, 2) for x in load0)}, at end "
              f"{tuple(round(x, 2) for x in load1)} on a shared 2-core machine: wall-clock figures are noisy, "

@@ -53,7 +53,7 @@ def _gathered_copy(engine, base):
 
 
 def rollout_case(max_resident_layers: int = 0, lora: bool = False, max_new_tokens: int = 10,
-                 family: str = "llama") -> dict:
+                 family: str = "llama", **hybrid) -> dict:
     rank, world = comm.get_rank(), comm.get_world_size()
     base = make_model(family, seed=3)
     model = copy.deepcopy(base)
@@ -64,7 +64,7 @@ def rollout_case(max_resident_layers: int = 0, lora: bool = False, max_new_token
                                                  lora_dropout=0.0, init_lora_weights=False))
         base = copy.deepcopy(model)  # the reference's template: the same PEFT wrapping, unpartitioned
     engine, *_ = zerospeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=rl_config(world, max_resident_layers=max_resident_layers))
+                                      config=rl_config(world, max_resident_layers=max_resident_layers, **hybrid))
     _train_step(engine, rank)
     ps = prompts([5 + rank, 9, 3 + 2 * rank], seed=10 + rank)
     buckets = _buckets(engine.module)

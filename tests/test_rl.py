@@ -49,6 +49,18 @@ def test_generate_zero3_greedy_equals_hf_and_one_pass(world: int) -> None:
         assert r["resident_after"] == copy_bytes + arena["extra_bytes"]  # pin_parameters keeps the copy
 
 
+def test_generate_zero3_plain_copy_twin() -> None:
+    """hybrid_engine.alias_weights: false, the plain twin of the arena: every weight copied from the gathered
+    buckets, which are released at once; the same checks, the copy's bytes exactly."""
+    for r in run_distributed(rollout_case, 2, alias_weights=False, timeout=240):
+        _check_greedy(r)
+        assert r["arena"] is None
+        assert r["all_gathers"] == len(r["bucket_numels"]) == r["num_gathers"]
+        copy_bytes = sum(r["layer_bytes"]) + r["other_weight_bytes"]
+        assert r["weight_bytes_peak"] == copy_bytes == r["resident_after"]
+        assert r["live_peak_bytes"] <= 2 * max(r["bucket_bytes"])
+
+
 def test_generate_streamed_bounded_resident_layers() -> None:
     for r in run_distributed(rollout_case, 2, 1, timeout=240):
         _check_greedy(r)

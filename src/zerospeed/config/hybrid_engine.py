@@ -27,7 +27,11 @@ zerospeed additions (not DeepSpeed keys):
   whole copy does not fit);
 * ``kv_cache_memory`` - bytes of KV cache (default: enough for ``max_num_seqs`` sequences of
   ``max_out_tokens``);
-* ``max_num_seqs`` - sequences decoded together (default 64).
+* ``max_num_seqs`` - sequences decoded together (default 64);
+* ``alias_weights`` - true (default): in whole-model mode, the rollout weights that are contiguous ranges of the
+  ZeRO-3 buckets are views of one kept arena each bucket is all-gathered straight into (no per-call copy or
+  allocation, :mod:`zerospeed.rl.arena`); false: every weight is copied from the gathered buckets into the
+  rollout copy (the plain path, block linears kept in the transposed CPU layout).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from .fields import Bool, NonNegInt, PosInt, Section
 
 class HybridEngineConfig(Section):
     """``hybrid_engine``: DeepSpeed's keys, plus zerospeed's ``max_resident_layers`` / ``kv_cache_memory`` /
-    ``max_num_seqs``."""
+    ``max_num_seqs`` / ``alias_weights``."""
 
     enabled: Bool = False
     max_out_tokens: PosInt = 512
@@ -48,3 +52,4 @@ class HybridEngineConfig(Section):
     max_resident_layers: NonNegInt = 0
     kv_cache_memory: PosInt | None = None
     max_num_seqs: PosInt = 64
+    alias_weights: Bool = True

@@ -141,7 +141,7 @@ class RolloutEngine:
         # whole-model mode: parameters that are contiguous ranges of the gathered buckets alias one kept arena
         self.arena: GatherArena | None = None
         copy_jobs = reader.jobs
-        if not self.streamed and self.tp.size == 1:
+        if cfg.alias_weights and not self.streamed and self.tp.size == 1:
             self.arena, copy_jobs = build_arena(reader.jobs, reader, self.source, self.dtype, self.device)
         aliased = {id(p) for p in self.arena.aliased} if self.arena is not None else set()
         self._cpu_kernels = "off" if self.streamed else cpu_kernels
