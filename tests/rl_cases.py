@@ -165,6 +165,32 @@ def bad_config_case(hybrid: dict) -> str:
 SYNC_FAST_PATHS = {"cpu_kernels": "off", "greedy_head": "float32"}  # the server runs the same (its flags)
 
 
+def tp_sync_case(folder: str, address: str, prompt: list[int], max_new_tokens: int) -> dict:
+    """sync_weights from an AutoTP (tp 2) x ZeRO-3 trainer: whole tensors assembled over the TP group from the
+    pieces, TP rank 0 of dp rank 0 alone talks to the server; every rank returns the server's version."""
+    from transformers import AutoModelForCausalLM
+
+    world = comm.get_world_size()
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    cfg = rl_config(world // 2, max_out_tokens=96, inference_tp_size=2)
+    cfg["tensor_parallel"] = {"autotp_size": 2}
+    cfg["fast_paths"] = dict(SYNC_FAST_PATHS)
+    cfg["optimizer"]["params"]["lr"] = 0.05  # a visible change of the greedy output after one step
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    mesh = comm.get_mesh()
+    g = torch.Generator().manual_seed(11 + mesh.dp_rank)
+    ids = torch.randint(3, 250, (1, 12), generator=g)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    tokens = engine.generate([prompt], max_new_tokens=max_new_tokens, ignore_eos=True)[0]  # the TP rollout
+    sends0 = comm.COUNTER.snapshot().get("send", {"bytes": 0})["bytes"]
+    report = engine.sync_weights(address, bucket_bytes=8192)
+    sent = comm.COUNTER.snapshot().get("send", {"bytes": 0})["bytes"] - sends0
+    return {"tokens": tokens, "version": report.version, "payload_bytes": report.payload_bytes, "sent_bytes": sent,
+            "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
+            "model_bytes": sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(folder).parameters())}
+
+
 def _folder_engine(folder: str, lora: bool, world: int, seed: int):
     from transformers import AutoModelForCausalLM
 
@@ -300,16 +326,16 @@ def tp_rollout_case(stage: int, max_new_tokens: int = 10) -> dict:
             "again": engine.generate(ps, max_new_tokens=max_new_tokens, ignore_eos=True)}
 
 
-def tp_mismatched_prompts_case() -> list[str]:
-    """TP ranks of one group asking for different rollouts: one error, on every rank; sync_weights under TP:
-    refused in one line."""
+def tp_mismatched_prompts_case(port: int) -> list[str]:
+    """TP ranks of one group asking for different rollouts: one error, on every rank; sync_weights under TP to
+    nobody (``port`` free): TP rank 0 alone connects, its error raised on both TP ranks alike."""
     cfg = rl_config(1, inference_tp_size=2)
     cfg["tensor_parallel"] = {"autotp_size": 2}
     cfg["zero_optimization"]["stage"] = 0
     engine, *_ = zerospeed.initialize(model=make_model("llama", seed=3), config=cfg)
     errors = []
     for call in (lambda: engine.generate([[5, 6, 7 + comm.get_rank()]], max_new_tokens=2),
-                 lambda: engine.sync_weights("127.0.0.1:29999")):
+                 lambda: engine.sync_weights(f"127.0.0.1:{port}", timeout_s=3)):
         try:
             call()
             errors.append("no error")

@@ -144,12 +144,16 @@ def test_tensor_parallel_rollouts_refused(hybrid: dict, family: str, key: str) -
 def test_tensor_parallel_ranks_must_ask_for_one_rollout() -> None:
     from rl_cases import tp_mismatched_prompts_case
 
-    errors = run_distributed(tp_mismatched_prompts_case, 2, timeout=180)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    errors = run_distributed(tp_mismatched_prompts_case, 2, port, timeout=180)
     assert errors[0] == errors[1], errors
     generate, sync = errors[0]
     assert "tensor-parallel ranks [1] asked for another rollout" in generate, generate
-    assert sync.startswith("ValueError: sync_weights: weights split by tensor parallelism "
-                           "(tensor_parallel.autotp_size > 1)"), sync
+    assert sync.startswith(f"WeightSyncError: sync_weights: no generator server at 127.0.0.1:{port}"), sync
 
 
 def test_hybrid_engine_off_keeps_hf_generate() -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rl_cases import (SYNC_FAST_PATHS, bad_sync_input_case, killed_sync_case, mismatched_sync_case,
-                      refused_sync_case, sync_case)
+                      refused_sync_case, sync_case, tp_sync_case)
 from serve_cases import FakeEngine, ServerProcess, build_model_dir, build_tokenizer, serve_argv
 from zerospeed.testing import DistributedTestError, run_distributed
 
@@ -237,3 +237,30 @@ def test_nccl_pair_moves_cuda_buckets() -> None:
     for p in procs:
         p.join(30)
     assert results == [(0, "nccl", True), (1, "nccl", True)]
+
+
+def test_sync_weights_from_a_tensor_parallel_trainer(folder: Path) -> None:
+    """An AutoTP (tp 2) x ZeRO-3 (dp 2) trainer syncs to a TP-1 server: each whole tensor is assembled from the TP
+    pieces, TP rank 0 of dp rank 0 alone sends it; the server's greedy output equals the trainer's TP rollout."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    address = f"127.0.0.1:{_free_port()}"
+    server = ServerProcess(serve_argv(folder, "--weight-update-group", address, "--dtype", "fp32",
+                                      "--cpu-kernels", SYNC_FAST_PATHS["cpu_kernels"],
+                                      "--greedy-head", SYNC_FAST_PATHS["greedy_head"]))
+    try:
+        text0, fp0 = _complete(server.url)
+        assert fp0 == "weights-v0"
+        res = run_distributed(tp_sync_case, 4, str(folder), address, PROMPT, NEW, timeout=300)
+        assert {r["version"] for r in res} == {1}  # every rank returns the server's new version
+        talker = [r for r in res if r["tp_rank"] == 0 and r["dp_rank"] == 0]
+        assert len(talker) == 1 and talker[0]["payload_bytes"] == talker[0]["model_bytes"] == \
+            talker[0]["sent_bytes"]  # whole tensors: the unsplit model's bytes, once
+        assert all(r["sent_bytes"] == 0 for r in res if r is not talker[0])
+        text1, fp1 = _complete(server.url)
+        assert fp1 == "weights-v1" and text1 != text0
+        by_dp = {r["dp_rank"]: r["tokens"] for r in res if r["tp_rank"] == 0}
+        assert text1 == tok.decode(by_dp[0])  # the trainer's rollout on its TP layout, the server's on whole tensors
+    finally:
+        server.stop()

@@ -14,6 +14,12 @@ offloaded parameters) goes through one pass over the ZeRO-3 buckets (:func:`zero
 one HF tensor at a time, each bucket gathered once and released after its last tensor: at most the ZeRO-3
 bucket being read plus one sync bucket, never the whole model.
 
+Tensor parallelism (AutoTP, ``tensor_parallel.autotp_size`` > 1): the server gets whole HF tensors. Each TP-split
+weight is assembled from the TP ranks' pieces by an all-gather over the TP group (:func:`zerospeed.rl.tp_layout.
+assemble_over_tp`) inside the pass over the buckets (never the shard stream), which every rank of data-parallel
+rank 0's TP group runs; TP rank 0 of data-parallel rank 0 alone connects and sends. The outcome is agreed over the
+data-parallel group, then over the TP group, so every rank returns or raises alike. LoRA under TP is refused.
+
 Counting: every buffer sent is recorded in :data:`zerospeed.comm.COUNTER` as a ``send`` (the pair group is
 outside the mesh, so comm/'s wrappers cannot carry it); :class:`SyncReport` has the bytes, the time and the peak
 bytes the sync added on this rank.
@@ -96,8 +102,12 @@ def _shape(p: torch.nn.Parameter) -> list[int]:
     return list(bucket.layout.slots[pos].shape)
 
 
-def _entries(source: WeightSource, lora_only: bool) -> tuple[list[dict[str, Any]], list[Job]]:
-    """The manifest and one job per tensor (its HF name(s) and how to read it), in module order."""
+def _entries(source: WeightSource, lora_only: bool, splits: dict[int, Any] | None = None,
+             tp_group: Any = None) -> tuple[list[dict[str, Any]], list[Job]]:
+    """The manifest and one job per tensor (its HF name(s) and how to read it), in module order. ``splits``: the
+    training parameters split over tensor-parallel ranks (id -> ``TPSplit``): their jobs assemble the whole tensor
+    from every TP rank's piece (an all-gather over ``tp_group``, so every rank of the TP group runs them)."""
+    splits = splits or {}
     entries, jobs = [], []
     if lora_only:
         if not source.has_lora:
@@ -115,9 +125,16 @@ def _entries(source: WeightSource, lora_only: bool) -> tuple[list[dict[str, Any]
     for name in list(source._plain) + list(source._lora):
         params = source.params_of(name)
         base = params[0]
-        entries.append({"name": name, "shape": _shape(base), "dtype": _NAMES[base.dtype]})
-        job = Job(None, (name,), lambda name=name: source.read(name))
-        jobs.append(job)
+        split = splits.get(id(base))
+        if split is None:
+            entries.append({"name": name, "shape": _shape(base), "dtype": _NAMES[base.dtype]})
+            jobs.append(Job(None, (name,), lambda name=name: source.read(name)))
+            continue
+        from zerospeed.rl.tp_layout import assemble_over_tp
+
+        entries.append({"name": name, "shape": list(split.full_shape), "dtype": _NAMES[base.dtype]})
+        jobs.append(Job(None, (name,), lambda name=name, split=split: assemble_over_tp(source.read(name), split,
+                                                                                        tp_group)))
     return entries, jobs
 
 
@@ -226,20 +243,25 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"sync_weights(bucket_bytes=...): must be a positive number of bytes, got {bucket_bytes!r}")
     wire.parse_address(address, "sync_weights(address)")  # every rank refuses a bad address alike, at once
-    from zerospeed.module_inject import tp_param_splits
+    from zerospeed.rl.tp_layout import training_splits
 
-    if tp_param_splits(engine.module):
-        raise ValueError("sync_weights: weights split by tensor parallelism (tensor_parallel.autotp_size > 1) are "
-                         "not synced yet; sync from a training engine without TP")
     start = time.perf_counter()
     rl = engine.__dict__.get("rl")
     source = rl.rollout.source if rl is not None and rl._rollout is not None else WeightSource(engine.module)
-    direct = not lora_only and shard_stream.usable(source, engine.dp_group)
+    splits = training_splits(engine.module)
+    tp_group, tp_rank = None, 0
+    if splits:  # tensor parallelism: whole tensors assembled over the TP group, (dp 0, tp 0) talks to the server
+        if lora_only or source.has_lora:
+            raise ValueError("sync_weights: LoRA adapters under tensor parallelism (tensor_parallel.autotp_size > 1) "
+                             "are not synced yet; sync a LoRA model from a training engine without TP")
+        tp_group = comm.get_mesh().tp_group
+        tp_rank = comm.get_rank(tp_group)
+    direct = not lora_only and not splits and shard_stream.usable(source, engine.dp_group)
     if direct:  # straight from the shards, no all-gather (see zerospeed.rl.shard_stream)
         entries, tasks = shard_stream.entries(source)
         jobs = []
     else:
-        entries, jobs = _entries(source, lora_only)
+        entries, jobs = _entries(source, lora_only, splits, tp_group)
     ordered = []
     for job in jobs:
         params = job.params or [p for n in job.names for p in source.params_of(n)]
@@ -254,9 +276,10 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
         ordered = [ordered[i] for i in order]
         entries = [entries[i] for i in order]
     total = sum(wire.entry_nbytes(e) for e in entries)
-    rank0 = comm.get_rank(engine.dp_group) == 0
+    rank0 = comm.get_rank(engine.dp_group) == 0  # reads (and under TP assembles) what is sent
+    talker = rank0 and tp_rank == 0  # the one rank connected to the server
     client, connect_error = None, None
-    if rank0:
+    if talker:
         clients = engine.__dict__.setdefault("_weight_sync_clients", {})
         client = clients.get(address)
         if client is None:
@@ -272,7 +295,7 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
     baseline = sum(o.live_bytes for o in owners.values())
     for o in owners.values():
         o.live_peak_bytes = o.live_bytes
-    if rank0 and client is not None:
+    if talker and client is not None:
         try:
             wire.send(client.pg, torch.tensor([wire.MAGIC, wire.LORA if lora_only else wire.FULL, len(manifest),
                                                n_buckets, sender.message_bytes, total], dtype=torch.int64), 0)
@@ -283,13 +306,17 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
     if direct:
         shard_stream.stream(source, tasks, sender, engine.dp_group, rank0)
     else:  # every rank runs the pass (its gathers are collectives); dp rank 0 alone reads and packs what it sends
-        run_pass(ordered, consume=(lambda job: sender.add(job.thunk())) if rank0 else (lambda job: None))
+        def consume(job: Job) -> None:  # under TP every rank of dp rank 0's TP group assembles (a collective)
+            value = job.thunk()
+            if talker:
+                sender.add(value)
+        run_pass(ordered, consume=consume if rank0 else (lambda job: None))
     sender.finish()
     pass_s = time.perf_counter() - pass_start
     peak = sum(o.live_peak_bytes for o in owners.values()) - baseline
     version, failure = -1, None
     reply_start = time.perf_counter()
-    if rank0:
+    if talker:
         try:
             if sender.error is not None:
                 raise sender.error
@@ -304,13 +331,14 @@ def sync_weights(engine: Any, address: str, *, lora_only: bool = False, bucket_b
             failure = str(exc) if isinstance(exc, wire.WeightSyncError) else \
                 f"sync_weights to {address} failed: {type(exc).__name__}: {exc}"
     reply_s = time.perf_counter() - reply_start
-    outcome = torch.tensor([1 if failure else 0, version], dtype=torch.int64)
-    if comm.get_world_size(engine.dp_group) > 1:  # every rank returns or raises alike
-        outcome[1] = max(version, 0) if rank0 else 0
-        comm.all_reduce(outcome, op=comm.ReduceOp.MAX, group=engine.dp_group)
+    outcome = torch.tensor([1 if failure else 0, max(version, 0) if talker else 0], dtype=torch.int64)
+    groups = [g for g in [engine.dp_group] + ([tp_group] if tp_group is not None else [])
+              if comm.get_world_size(g) > 1]  # dp_group None: the default group
+    for g in groups:  # every rank returns or raises alike (over dp, then over TP: every rank hears the talker)
+        comm.all_reduce(outcome, op=comm.ReduceOp.MAX, group=g)
     if int(outcome[0]):
-        if comm.get_world_size(engine.dp_group) > 1:  # every rank raises rank 0's message
-            failure = next(m for m in comm.all_gather_object(failure, group=engine.dp_group) if m)
+        for g in groups:  # every rank raises the talker's message
+            failure = next((m for m in comm.all_gather_object(failure, group=g) if m), failure)
         raise wire.WeightSyncError(failure)
     version = int(outcome[1])
     return SyncReport(version=version, payload_bytes=total, num_buckets=sender.num_buckets,

@@ -55,6 +55,16 @@ def _splits(module: torch.nn.Module) -> dict[int, Any]:
     return {id(params[name]): split for name, split in tp_param_splits(module).items() if name in params}
 
 
+def training_splits(module: torch.nn.Module) -> dict[int, Any]:
+    """id of each training parameter split over the TP group -> its ``TPSplit`` (empty without TP)."""
+    return _splits(module)
+
+
+def assemble_over_tp(piece: torch.Tensor, split: Any, group: Any) -> torch.Tensor:
+    """The whole tensor of a TP-split training parameter (a collective of the TP group; the weight sync's read)."""
+    return _whole(piece, split, group)
+
+
 def _whole(piece: torch.Tensor, split: Any, group: Any) -> torch.Tensor:
     """The whole tensor from every TP rank's piece (an all-gather over the TP group, rank order)."""
     from zerospeed.module_inject.tp_shard import assemble
