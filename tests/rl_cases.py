@@ -323,7 +323,8 @@ def tp_rollout_case(stage: int, max_new_tokens: int = 10) -> dict:
             "all_reduces": all_reduces, "num_layers": len(rollout.model.layers),
             "qkv_rows": qkv.shape[0], "full_qkv_rows": sum(full[f"model.layers.0.self_attn.{x}_proj.weight"].shape[0]
                                                           for x in "qkv"),
-            "again": engine.generate(ps, max_new_tokens=max_new_tokens, ignore_eos=True)}
+            "again": engine.generate(ps, max_new_tokens=max_new_tokens, ignore_eos=True),
+            "arena_aliased": 0 if rollout.arena is None else len(rollout.arena.aliased)}
 
 
 def tp_mismatched_prompts_case(port: int) -> list[str]:

@@ -122,6 +122,9 @@ def test_generate_on_the_training_tp_layout(stage: int, world: int) -> None:
         for tokens, (hf, decided) in zip(r["tokens"], r["hf"]):
             assert decided >= 1 and tokens[:decided] == hf[:decided], (tokens, hf, decided)
         assert r["again"] == r["tokens"]
+        # at ZeRO-3 the pieces alias the gathered arena (every weight but the vocabulary-split LM head assembled
+        # over TP: embeddings, final norm, and per layer two norms, QKV, o, gate_up, down); no buckets at stage 0
+        assert r["arena_aliased"] == (2 + 6 * r["num_layers"] if stage == 3 else 0), r["arena_aliased"]
     by_dp = {}
     for r in results:  # the TP ranks of a dp rank return the same rollout
         by_dp.setdefault(r["dp_rank"], []).append(r["tokens"])

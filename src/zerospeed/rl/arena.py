@@ -20,6 +20,9 @@ element of an arena bucket holding its arena position, NaN elsewhere) and aliase
 A fused QKV whose q / k / v buckets are not adjacent, or a job that permutes or transposes, fails the probe and
 keeps its copy.
 
+Under tensor parallelism each TP rank's arena holds its own training pieces (the rollout reads them as they are);
+a weight assembled over the TP group (AutoTP's vocabulary-split LM head) is never probed nor aliased: it is copied.
+
 Invariants: the arena holds non-persistent buckets with the plain all-gather (no hpZ, qwZ or parameter offload),
 of the rollout dtype and device; it is the rollout copy's storage for the aliased parameters (counted once in the
 memory stats: its bytes beyond what the aliased parameters use are the buckets' padding and any parameters no
@@ -153,7 +156,7 @@ def plan_aliases(jobs: list[Job], reader: PlanReader, source: WeightSource, aren
     source.values, reader.dtype, reader.device = probe, torch.float64, torch.device("cpu")
     try:
         for job in jobs:
-            start = _aliasable(job, source, arena, lora)
+            start = _aliasable(job, source, arena, lora, reader.whole)
             probes.clear()  # probe values of one job at a time (float64: twice the fp32 weights otherwise)
             if start is None:
                 copies.append(job)
@@ -167,14 +170,15 @@ def plan_aliases(jobs: list[Job], reader: PlanReader, source: WeightSource, aren
     return copies
 
 
-def _aliasable(job: Job, source: WeightSource, arena: GatherArena, lora: set[str]) -> int | None:
-    """The arena element where ``job.target``'s value starts, when the value is exactly that contiguous range."""
+def _aliasable(job: Job, source: WeightSource, arena: GatherArena, lora: set[str], whole: Any) -> int | None:
+    """The arena element where ``job.target``'s value starts, when the value is exactly that contiguous range.
+    ``whole``: the names assembled over tensor-parallel ranks (never aliased, and never probed: a collective)."""
     t = job.target
     if t is None or not job.names or t.dtype != arena.flat.dtype or t.device != arena.flat.device:
         return None
     for n in job.names:
         ps = source.params_of(n)
-        if n in lora or not ps or any(arena.position(p) is None for p in ps):
+        if n in lora or n in whole or not ps or any(arena.position(p) is None for p in ps):
             return None
     value = job.thunk()
     if tuple(value.shape) != tuple(t.shape) or value.numel() == 0:

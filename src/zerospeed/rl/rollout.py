@@ -138,10 +138,11 @@ class RolloutEngine:
         if self.tp.size > 1:  # each job reads pieces split the way the inference layer is split
             tp_layout.check_jobs(reader, self.model, self.source, spec, max_len, self.dtype, self.tp.group)
         prefer_cpu_matmul_layout(self.model)
-        # whole-model mode: parameters that are contiguous ranges of the gathered buckets alias one kept arena
+        # whole-model mode: parameters that are contiguous ranges of the gathered buckets alias one kept arena (under
+        # TP each rank's pieces; a vocabulary-split head assembled over TP is copied)
         self.arena: GatherArena | None = None
         copy_jobs = reader.jobs
-        if cfg.alias_weights and not self.streamed and self.tp.size == 1:
+        if cfg.alias_weights and not self.streamed:
             self.arena, copy_jobs = build_arena(reader.jobs, reader, self.source, self.dtype, self.device)
         aliased = {id(p) for p in self.arena.aliased} if self.arena is not None else set()
         self._cpu_kernels = "off" if self.streamed else cpu_kernels
