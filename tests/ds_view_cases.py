@@ -199,3 +199,67 @@ def fused_head_body(steps=3):
         out["max_weight_err"] = max(((p - q).abs().max() / q.abs().max()).item()
                                     for p, q in zip(model.parameters(), ref.parameters()))
     return out
+
+
+# -- a parameter gathered by the user around the engine call, read by the forward without its module -------------
+class OutsideReadModel(torch.nn.Module):
+    """The forward reads ``head.weight`` without calling ``head`` and without gathering it itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh())
+        self.head = torch.nn.Linear(32, 24, bias=False)
+
+    def forward(self, x, targets):
+        logits = self.backbone(x) @ self.head.weight.t()
+        return torch.nn.functional.cross_entropy(logits, targets)
+
+
+def outside_gather_body(steps=3):
+    """First engine: GatheredParameters([head.weight]) around the engine call, nothing registered: the backward's
+    error (the context released the weight before it). Second engine: the fix the error names,
+    register_external_parameter(model, head.weight): trains as plain torch on the whole batch."""
+    import torch.distributed as dist
+
+    import zerospeed
+    from zerospeed import zero
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {"train_micro_batch_size_per_gpu": 8 // world, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    out = {"error": None, "losses": [], "ref_losses": []}
+    torch.manual_seed(0)
+    model = OutsideReadModel()
+    engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    x, t = _fused_head_batch(0)
+    with zero.GatheredParameters([model.head.weight]):
+        loss = engine(x.chunk(world)[rank], t.chunk(world)[rank])
+    try:
+        engine.backward(loss)
+    except RuntimeError as e:
+        out["error"] = str(e)
+    torch.manual_seed(0)
+    ref, model = OutsideReadModel(), OutsideReadModel()
+    model.load_state_dict(ref.state_dict())
+    zero.register_external_parameter(model, model.head.weight)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for step in range(steps):
+        x, t = _fused_head_batch(step)
+        ref_loss = ref(x, t)
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        out["ref_losses"].append(ref_loss.item())
+        with zero.GatheredParameters([model.head.weight]):
+            loss = engine(x.chunk(world)[rank], t.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+        losses = [torch.zeros(()) for _ in range(world)]
+        dist.all_gather(losses, loss.detach())
+        out["losses"].append(sum(v.item() for v in losses) / world)
+    with zero.GatheredParameters(list(model.parameters())):
+        out["max_weight_err"] = max(((p - q).abs().max() / q.abs().max()).item()
+                                    for p, q in zip(model.parameters(), ref.parameters()))
+    return out

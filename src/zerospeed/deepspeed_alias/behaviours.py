@@ -148,8 +148,9 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               'registered as an external parameter only when `fwd_module=` is given '
               '(`runtime/zero/partition_parameters.py`)',
               'registered automatically as an external parameter of the model when gathered inside its forward '
-              'with grad on, so backward gathers it again before its gradient arrives (was: backward failed with '
-              '`The size of tensor a (0) must match ...`)'),
+              'with grad on, so backward gathers it again before its gradient arrives; gathered around the engine '
+              'call instead (released before backward), the failing backward names it and '
+              '`register_external_parameter` (was: backward failed with `The size of tensor a (0) must match ...`)'),
     Behaviour('deepspeed_package_name',
               '`import deepspeed` in Transformers, Accelerate, PEFT, TRL',
               'the real package',

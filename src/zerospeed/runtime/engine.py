@@ -256,6 +256,12 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         self._torch_backward.engine_backward_active = True
         try:
             (loss.float() * scale).backward(retain_graph=retain_graph)
+        except RuntimeError as error:  # ZeRO-3: name a parameter gathered around the forward, released before backward
+            explain = getattr(self.strategy, "explain_backward_error", None)
+            hint = explain(error) if explain is not None else None
+            if hint is None:
+                raise
+            raise RuntimeError(hint) from error
         finally:
             self._torch_backward.engine_backward_active = False
             self.strategy.end_backward()

@@ -171,6 +171,10 @@ class Stage3Runtime(BucketGatherer):
         self._grads_done: set[int] = set()
         self._handles: dict[int, list[Any]] = {}
         self.on_begin_pass: Callable[[], None] | None = None  # the strategy's hook at each root forward
+        #: parameters zero.GatheredParameters holds from outside the forward (grad on); those still held when a root
+        #: forward starts may be read by it, so a failing backward names them (Stage3Strategy.explain_backward_error)
+        self.user_held: dict[int, nn.Parameter] = {}
+        self.held_in_forward: list[nn.Parameter] = []
         for b in buckets:
             b.owner = self
         for plan in plans.values():
@@ -234,14 +238,22 @@ class Stage3Runtime(BucketGatherer):
         DeepSpeed's ``GatheredParameters(fwd_module=...)`` would, so the root's backward gathers it again before
         its gradient arrives (a full-size gradient cannot accumulate into a partitioned placeholder) and later
         forwards gather it with the root."""
-        if param.requires_grad and torch.is_grad_enabled() and self.in_root_forward and not self.in_backward:
-            registry.add_external(self.root, param)
+        if not param.requires_grad or self.in_backward:
+            return
+        if self.in_root_forward:
+            if torch.is_grad_enabled():
+                registry.add_external(self.root, param)
+        else:
+            self.user_held[id(param)] = param
 
     # -- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if module is self.root:
             self._begin_pass()
             self.in_root_forward = True
+            held = [p for p in self.user_held.values() if (found := registry.lookup(p)) is not None and found[0].pins]
+            self.user_held = {id(p): p for p in held}
+            self.held_in_forward = held if torch.is_grad_enabled() else []
         plan = self.plans.get(id(module))
         if plan is None or not plan.buckets:
             return None

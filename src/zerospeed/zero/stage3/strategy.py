@@ -38,6 +38,7 @@ gradient to keep) and summed into the shards; ``boundary`` only matters to the s
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
@@ -58,6 +59,10 @@ from zerospeed.zero.stage3.param_offload import ParamSwapper, build_param_swappe
 from zerospeed.zero.stage3 import state_dict_guard
 from zerospeed.zero.stage3.planner import PlannerOptions, build_buckets
 from zerospeed.zero.stage3.watchdog import Watchdog
+
+
+#: what torch says when autograd meets a released (zero-sized) parameter: a saved tensor or a gradient of size 0
+_ZERO_SIZED = re.compile(r"storage of size 0|tensor [ab] \(0\)|\(0\) must match")
 
 
 class Stage3Strategy:
@@ -132,6 +137,23 @@ class Stage3Strategy:
             return {id(q) for b in (plan.buckets if plan else []) for _, q in b.live_params()}
 
         return explain_forward_error(self.module, error, is_gathered, plan_params)
+
+    def explain_backward_error(self, error: BaseException) -> str | None:
+        """Why a backward failed, when its forward ran while ``zero.GatheredParameters`` held parameters that the
+        context released before the backward (a forward reading them outside their module's forward cannot get
+        their gradient into a partitioned placeholder); else None."""
+        released = [p for p in self.runtime.held_in_forward
+                    if (found := registry.lookup(p)) is not None and found[0].state is BucketState.RELEASED]
+        if not released or not isinstance(error, RuntimeError) or not _ZERO_SIZED.search(str(error)):
+            return None
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        listed = ", ".join(repr(names.get(id(p), tuple(p.shape))) for p in released)
+        return (f"ZeRO-3: backward failed after a forward that ran inside zero.GatheredParameters holding {listed}, "
+                "released when that context exited, before this backward. A forward that reads a parameter without "
+                "calling its module needs it gathered in backward too: gather it inside the model's forward (zerospeed "
+                "then registers it as an external parameter of the model), or declare it with "
+                "zerospeed.zero.register_external_parameter(module, parameter) "
+                f"(original error: {type(error).__name__}: {error})")
 
     def hand_over_to_graph(self) -> None:
         """DeepCompile's graphs gather, release and reduce from now on (``zerospeed.compile.deepcompile``):
