@@ -96,6 +96,9 @@ def rollout_case(max_resident_layers: int = 0, lora: bool = False, max_new_token
     result["hf"] = [hf_greedy_decided(ref, p, max_new_tokens) for p in ps]
     # shards untouched by the rollout (LoRA not merged into them): a second call gives the same tokens
     result["again"] = engine.generate(ps, max_new_tokens=max_new_tokens, ignore_eos=True)
+    # buckets someone holds gathered (here the user's GatheredParameters) are read from their full buffers
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        result["inside_gathered"] = engine.generate(ps, max_new_tokens=max_new_tokens, ignore_eos=True)
     arena = rollout.arena
     result["arena"] = None if arena is None else {
         "buckets": len(arena.buckets), "aliased": len(arena.aliased), "bytes": arena.nbytes,

@@ -16,7 +16,7 @@ def _check_greedy(r: dict) -> None:
     for tokens, (hf, decided) in zip(r["tokens"], r["hf"]):
         assert decided >= 3, "too few tokens decided by the arithmetic for a meaningful check"
         assert tokens[:decided] == hf[:decided]
-    assert r["again"] == r["tokens"]
+    assert r["again"] == r["tokens"] == r["inside_gathered"]
     assert r["shards_unchanged"]  # the rollout only reads the ZeRO-3 shards
     # after one more training step the rollout follows the new weights
     for tokens, (hf, decided) in zip(r["after_step"], r["hf_after_step"]):
