@@ -245,6 +245,7 @@ def profile_worker(n: int, prompt_len: int, new_tokens: int, repeats: int, sampl
 
     timed(ie.model, "forward", "model_forward (layers: attention, linears, norms)")
     timed(ie.model, "compute_logits", "lm_head (compute_logits)")
+    timed(ie.model, "greedy_tokens", "lm_head, greedy rows (greedy_tokens: bf16 / int8 head + exact refinement)")
     timed(engine_mod, "sample", "sampler")
     timed(ie.scheduler, "schedule", "scheduler")
     timed(attention.AttentionMetadata, "build", "attention metadata")
