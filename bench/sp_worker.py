@@ -184,10 +184,15 @@ def main() -> None:
         logits = head(x).float()
         return F.cross_entropy(logits.view(-1, vocab), y.reshape(-1), ignore_index=-100, reduction="sum")
 
+    phases = Phases() if os.environ.get("SP_BENCH_PHASES") else None
+
     def step(b):
         y = b["shift_labels"]
+        mark = phases.mark if phases is not None else (lambda name: None)
+        mark(None)
         if args.mode == "plain":
             logits = engine(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+            mark("forward")
             total = loss_fn(lambda x: x, logits, y)
         else:
             hidden = module.model(input_ids=b["input_ids"], position_ids=b["position_ids"]).last_hidden_state
@@ -200,8 +205,11 @@ def main() -> None:
             losses = torch.distributed.nn.functional.all_gather(loss, group=sp_group)
             goods = torch.distributed.nn.functional.all_gather(good, group=sp_group)
             loss = sum(l * n for l, n in zip(losses, goods)) / max(sum(goods), 1)
+        mark("loss")
         engine.backward(loss)
+        mark("backward")
         engine.step()
+        mark("step")
         return float(loss)
 
     dist.barrier()
@@ -209,7 +217,7 @@ def main() -> None:
     if os.environ.get("SP_BENCH_PROFILE"):  # a directory: each rank's CPU-time profile of the steps after the first
         import cProfile
 
-        profiler = cProfile.Profile(time.process_time)
+        profiler = cProfile.Profile(time.thread_time)  # the main thread only: gloo's threads are in the phases
 
     times, cpu, losses = [], [], []
 
@@ -223,6 +231,8 @@ def main() -> None:
             cpu.append(time.process_time() - c0)
 
     record = measured(args, run_steps, times, cpu, losses)
+    if phases is not None:
+        record["phases"] = phases.per_step(len(micro))
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(os.path.join(os.environ["SP_BENCH_PROFILE"], f"sp{args.sp}-rank{rank}.prof"))
@@ -238,6 +248,40 @@ def main() -> None:
         if UlyssesSPAttentionHF_unregister is not None:
             UlyssesSPAttentionHF_unregister()
     sys.stdout.flush()
+
+
+class Phases:
+    """A diagnostic (``SP_BENCH_PHASES=1``): per phase of the steps after the first, summed then divided by their
+    number: the CPU time of the whole process (all threads: gloo's work included) split into user and system, the
+    main thread's CPU time, the wall time, the minor page faults and the voluntary / involuntary context switches
+    (``getrusage``, all threads)."""
+
+    KEYS = ("cpu_s", "user_s", "sys_s", "main_thread_s", "wall_s", "minor_faults", "vol_switches", "invol_switches")
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[float]] = {}
+        self.calls = 0
+        self.last = (0.0,) * len(self.KEYS)
+
+    @staticmethod
+    def now() -> tuple:
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        return (time.process_time(), u.ru_utime, u.ru_stime, time.thread_time(), time.perf_counter(), u.ru_minflt,
+                u.ru_nvcsw, u.ru_nivcsw)
+
+    def mark(self, name) -> None:
+        now = self.now()
+        if name is None:
+            self.calls += 1
+        elif self.calls > 1:
+            acc = self.sums.setdefault(name, [0.0] * len(self.KEYS))
+            for i in range(len(self.KEYS)):
+                acc[i] += now[i] - self.last[i]
+        self.last = now
+
+    def per_step(self, steps: int) -> dict:
+        n = max(1, steps - 1)
+        return {k: dict(zip(self.KEYS, (x / n for x in v))) for k, v in self.sums.items()}
 
 
 def measured(args, run_steps, times: list, cpu: list, losses: list) -> dict:

@@ -1,0 +1,92 @@
+"""The gloo collectives ZeRO runs over dp x sp ranks on one host for large buckets (issue #29: the SP step's CPU
+time): the reduce-scatter in rounds and the all-gather by broadcasts (zerospeed.comm.algorithms, "emulate").
+
+Both only move and add: the reduce-scatter must give the pairwise algorithm's rank-ordered sum bit for bit, the
+all-gather the exact concatenation, and an SP x DP training run through them must still equal one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zerospeed.testing import run_distributed
+
+import sp_cases
+
+
+def _rounds_and_broadcasts(numel: int) -> dict:
+    from zerospeed import comm
+    from zerospeed.comm import algorithms
+
+    torch.set_num_threads(1)
+    k, r = dist.get_world_size(), dist.get_rank()
+    numel -= numel % k
+    n = numel // k
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(r))
+    want = torch.empty(n)
+    algorithms.start_reduce_scatter(want, x.clone(), dist.ReduceOp.SUM, None, "native").wait()
+    got = {}
+    out = torch.empty(n)
+    algorithms.start_reduce_scatter(out, x.clone(), dist.ReduceOp.SUM, None, "emulate").wait()
+    got["rounds"] = torch.equal(out, want)
+    y = x.clone()
+    mine = y.narrow(0, r * n, n)  # in place: the output is this rank's chunk of the input
+    work = algorithms.start_reduce_scatter(mine, y, dist.ReduceOp.SUM, None, "emulate")
+    got["in_place"] = work.is_completed() and torch.equal(mine, want)
+    o1, o2 = torch.empty(n), torch.empty(n)  # two in flight, waited in reverse order
+    w1 = algorithms.start_reduce_scatter(o1, x.clone(), dist.ReduceOp.SUM, None, "emulate")
+    w2 = algorithms.start_reduce_scatter(o2, 2 * x, dist.ReduceOp.SUM, None, "emulate")
+    w2.wait()
+    w1.wait()
+    got["two_in_flight"] = torch.equal(o1, want) and torch.equal(o2, 2 * want)
+    peak = torch.empty(n)  # an op without an ordered combine keeps the all-reduce
+    algorithms.start_reduce_scatter(peak, x.clone(), dist.ReduceOp.MAX, None, "emulate").wait()
+    everyone = [None] * k
+    dist.all_gather_object(everyone, x)
+    got["max"] = torch.equal(peak, torch.stack(everyone).max(0).values[r * n:(r + 1) * n])
+    gathered = torch.empty(numel)
+    algorithms.start_all_gather(gathered, x[:n], None, "emulate").wait()
+    got["all_gather"] = torch.equal(gathered, torch.cat([t[:n] for t in everyone]))
+    saved = algorithms.NATIVE_MAX_NUMEL
+    algorithms.NATIVE_MAX_NUMEL = 0  # the size rule picks them for any message: what the counter records
+    try:
+        comm.COUNTER.reset()
+        comm.reduce_scatter(out, x.clone())
+        comm.all_gather(gathered, x[:n])
+        got["counted"] = comm.COUNTER.snapshot()
+    finally:
+        algorithms.NATIVE_MAX_NUMEL = saved
+    return got
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_in_rounds_and_all_gather_by_broadcasts_are_exact(world):
+    numel = 4096
+    for r in run_distributed(_rounds_and_broadcasts, world, numel, timeout=100):
+        counted = r.pop("counted")
+        assert all(r.values()), r
+        sent = (world - 1) * numel * 4 // world  # (k-1)/k of the message, all inside the host
+        for op in ("reduce_scatter", "all_gather"):
+            assert counted[op] == {"count": 1, "elements": numel, "bytes": numel * 4, "wire_elements": numel,
+                                   "intra_host_bytes": sent, "inter_host_bytes": 0}, counted
+
+
+def _parity_through_rounds(*args) -> dict:
+    from zerospeed.comm import algorithms
+
+    algorithms.NATIVE_MAX_NUMEL = 0  # every bucket's reduce-scatter and all-gather take the large-message path
+    return sp_cases.parity_body(*args)
+
+
+@pytest.mark.timeout(400)
+def test_llama_sp2_dp2_zero2_through_rounds_equals_one_process():
+    results = run_distributed(_parity_through_rounds, 4, "llama", 2, [1, 2], ["all_gather", "all_reduce"],
+                              timeout=360)
+    for r in results:
+        for run in r["runs"]:
+            assert run["sp_dp_size"] == 4, run
+            for got, ref in zip(run["losses"], run["ref_losses"]):
+                assert abs(got - ref) <= sp_cases.RTOL * abs(ref), run
+    assert all(run["excess"] <= 0 for run in results[0]["runs"]), results[0]["runs"]
