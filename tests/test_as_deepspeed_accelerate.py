@@ -66,7 +66,7 @@ def ddp_runs(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("stage,accumulation", [(2, 1), (3, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("stage,accumulation", [(2, 1), (3, 1), (1, 2), (2, 2), (3, 2)])
 def test_accelerate_launch_use_deepspeed_equals_ddp(ddp_runs, stage, accumulation, tmp_path):
     """With gradient_accumulation_steps 2 Accelerate declares each micro-batch's boundary to the engine
     (``set_gradient_accumulation_boundary(sync_gradients)``) and calls ``engine.step()`` only at its sync."""

@@ -8,6 +8,10 @@ gradient is reduced and the optimizer steps. Its own unit tests (``test_zero2_of
 ``test_zero.py``) drive it so with ``gradient_accumulation_steps: 1`` and one ``step()`` per window; Accelerate calls
 it before every backward and ``step()`` only at its sync.
 
+``engine.no_sync()`` (DeepSpeed's, at ZeRO 0-1; Accelerate's ``accumulate`` enters it between syncs at those stages):
+backwards inside accumulate without reduction, the next backward outside at the boundary reduces the sum; ``step()``
+inside, nesting and stages 2-3 raise DeepSpeed's ``AssertionError`` messages.
+
 Parity: a window of ``N`` micro-batches on ``world`` ranks (each rank its slice of every global micro-batch) against a
 single process that sums the gradients of the ``N`` global micro-batches' mean losses, each divided by
 ``gradient_accumulation_steps``, clips at 1.0 and steps AdamW. fp32, 1e-5 relative on the summed losses and on every
@@ -113,6 +117,83 @@ def test_windows_set_by_hand_equal_the_summed_micro_batch_gradients(world, stage
         assert all(rank_result["sticky"])  # the value set holds after step() until set again
         if stage <= 1:  # reduced only at the boundary; stages 2-3 reduce-scatter every micro-batch, as DeepSpeed
             assert rank_result["quiet"] == [0] * sum(n - 1 for n in WINDOW)
+
+
+def _no_sync_run(stage: int) -> dict:
+    import zerospeed
+    from zerospeed import comm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=param_groups(model),
+                                           config=_config(stage, world, 1))
+    losses, quiet = [], []
+    for step in range(STEPS):
+        total = torch.zeros(())
+        for i in range(WINDOW[step]):
+            x, y = _micro_batch(step, i, world)
+            xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+            if i < WINDOW[step] - 1:
+                with engine.no_sync():
+                    comm.COUNTER.reset()
+                    total += engine.backward(engine(xs, ys)).detach()
+                    quiet.append(sum(comm.COUNTER.count(op) for op in REDUCTIONS))
+            else:
+                total += engine.backward(engine(xs, ys)).detach()
+                engine.step()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    errors = {}
+    with engine.no_sync():
+        try:
+            engine.step()
+        except AssertionError as e:
+            errors["step"] = str(e)
+        try:
+            with engine.no_sync():
+                pass
+        except AssertionError as e:
+            errors["nested"] = str(e)
+    state = engine.consolidated_state_dict()
+    return {"losses": losses, "weights": {k: v.float() for k, v in state.items()}, "quiet": quiet, "errors": errors,
+            "global_steps": engine.global_steps}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("stage", [0, 1])
+def test_no_sync_windows_equal_the_summed_micro_batch_gradients(stage):
+    ref_losses, ref_weights = _reference(2, 1)
+    results = run_distributed(_no_sync_run, 2, stage, timeout=130)
+    r = results[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses)) < FP32_TOL
+    assert max_rel_err(r["weights"], ref_weights) < FP32_TOL
+    for rank_result in results:
+        assert rank_result["global_steps"] == STEPS
+        assert rank_result["quiet"] == [0] * sum(n - 1 for n in WINDOW)  # nothing reduced inside no_sync
+        assert rank_result["errors"] == {
+            "step": "It is illegal to call Engine.step() inside no_sync context manager",
+            "nested": "no_sync context manager reentry is unsupported"}
+
+
+def _no_sync_at(stage: int) -> str:
+    import zerospeed
+
+    model = make_model()
+    engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=param_groups(model),
+                                           config=_config(stage, 1, 1))
+    try:
+        with engine.no_sync():
+            return "accepted"
+    except AssertionError as e:
+        return str(e)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_no_sync_is_refused_where_gradients_are_partitioned(stage):
+    msg = run_distributed(_no_sync_at, 1, stage, timeout=50)[0]
+    assert msg.startswith(f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage "
+                          f"{stage}"), msg
 
 
 def _bad_input() -> dict:

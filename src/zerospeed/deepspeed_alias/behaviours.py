@@ -181,6 +181,12 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "a view over zerospeed's hooks on a subclass of the optimizer's own class (its state unchanged): "
               'removing its handle removes every module hook, `_register_deepspeed_module` re-installs them and '
               "the prefetch trace is recorded again (was: `GRPOTrainer` at ZeRO-3 failed in generation)"),
+    Behaviour('engine_no_sync',
+              "`engine.no_sync()` (Accelerate's `accumulate` enters it between syncs at ZeRO 0-1)",
+              'backward inside skips the reduction; `step()` inside, nesting and stages 2-3 raise '
+              '`AssertionError` (`runtime/engine.py`)',
+              'the same, with the same messages (was: `NotImplementedError`, so `accelerate launch '
+              '--use_deepspeed --zero_stage 1` with gradient accumulation failed)'),
     Behaviour('client_optimizer_wins',
               'an optimizer / lr scheduler passed to `initialize` as well as an `optimizer` / `scheduler` section',
               "the one passed is used, the section ignored (`runtime/engine.py` `_configure_optimizer` / "

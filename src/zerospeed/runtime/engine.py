@@ -252,7 +252,7 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
         scale = self.loss_scaler.scale
         if scale_wrt_gas:
             scale /= self.config.gradient_accumulation_steps
-        self.strategy.begin_backward(self.is_gradient_accumulation_boundary())
+        self.strategy.begin_backward(self._reduces_in_backward())
         self._torch_backward.engine_backward_active = True
         try:
             (loss.float() * scale).backward(retain_graph=retain_graph)
@@ -272,6 +272,8 @@ class ZeroSpeedEngine(DeepSpeedEngineAPI, nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         if isinstance(self.optimizer, NoOptimizer):
             raise RuntimeError(f"engine.step: {NO_OPTIMIZER}")
+        if self._in_no_sync:  # DeepSpeed's AssertionError and message
+            raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
         t0 = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
             result = self.strategy.step(self.loss_scaler.scale, self.config.gradient_clipping,

@@ -25,7 +25,8 @@ and that every listed name behaves as its list says.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -90,6 +91,8 @@ class DeepSpeedEngineAPI:
     ``self.optimizer``, ``self.lr_scheduler``, ``self.loss_scaler``, ``self.dp_rank`` /
     ``self.dp_world_size`` and ``self.skipped_steps``.
     """
+
+    _in_no_sync = False  # inside engine.no_sync()
 
     # -- ranks and device ------------------------------------------------------------------------
     @property
@@ -535,6 +538,29 @@ class DeepSpeedEngineAPI:
             raise RuntimeError("engine.set_gradient_accumulation_boundary: the pipeline engine's accumulation window "
                                "is one train_batch() of gradient_accumulation_steps micro-batches; it takes none")
         self._boundary_override = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DeepSpeed's ``no_sync`` at ZeRO 0-1 (Accelerate's ``accumulate`` enters it between syncs at those stages):
+        backwards inside only accumulate, unreduced; the next backward at the accumulation boundary outside reduces
+        the sum. ``step()`` inside, nesting, and stages 2-3 (which reduce-scatter every backward) are refused with
+        DeepSpeed's ``AssertionError`` messages."""
+        stage = self.config.zero_optimization.stage  # type: ignore[attr-defined]
+        if stage >= 2:
+            raise AssertionError(f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
+                                 f"stage {stage}: it reduce-scatters every backward (set_gradient_accumulation_boundary"
+                                 "(False) accumulates there)")
+        if self._in_no_sync:
+            raise AssertionError("no_sync context manager reentry is unsupported")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    def _reduces_in_backward(self) -> bool:
+        """Whether the coming backward reduces gradients: at the accumulation boundary, outside ``no_sync``."""
+        return self.is_gradient_accumulation_boundary() and not self._in_no_sync  # type: ignore[attr-defined]
 
     def managed_gradient_accumulation(self) -> bool:
         """True, DeepSpeed's default: windows follow gradient_accumulation_steps or set_gradient_accumulation_boundary

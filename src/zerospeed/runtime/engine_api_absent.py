@@ -22,8 +22,6 @@ LACKS: dict[str, str] = {
     "random_ltd_initialize": "random-LTD is not in zerospeed",
     "print_forward_breakdown": "use wall_clock_breakdown in the config; engine.wall_clock() returns the times",
     "allreduce_gradients": _INTERNAL,
-    "no_sync": "gradients are reduced by bucket hooks during backward; accumulate with gradient_accumulation_steps "
-               "instead (engine.backward only reduces at the accumulation boundary under stages 0-1)",
     "coalesce_grad_reduction": _INTERNAL,
     "clip_fp32_gradients": _INTERNAL + " (set gradient_clipping in the config)",
     "allreduce_bucket": _INTERNAL,

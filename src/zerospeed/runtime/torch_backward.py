@@ -136,7 +136,7 @@ class TorchBackwardHooks:
         engine = self.engine
         if not self._pass_active:
             self._pass_active = True
-            engine.strategy.begin_backward(engine.is_gradient_accumulation_boundary())
+            engine.strategy.begin_backward(engine._reduces_in_backward())
             torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
         loss_scale = 1.0 if self.user_scaled else float(engine.loss_scaler.scale)
         if loss_scale != 1.0:
