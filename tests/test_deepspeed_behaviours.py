@@ -261,6 +261,16 @@ def test_offload_param_below_stage_3_is_ignored_with_a_warning_as_deepspeed():
         weights.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
+
+def test_managed_gradient_accumulation_false_is_refused_naming_the_way_to_do_it():
+    """DeepSpeed 0.19.8's key: ``true`` (its default) is zerospeed's behaviour, accepted; ``false`` is not built and
+    said so (it read as an unknown key, 'did you mean gradient_accumulation_steps')."""
+    for value in (True, None):
+        assert load_config({"train_batch_size": 2, "managed_gradient_accumulation": value}).train_batch_size == 2
+    with pytest.raises(ConfigError, match=r"managed_gradient_accumulation: not supported by zerospeed yet \(false: "
+                                          r"every step\(\) ends a window; .*set_gradient_accumulation_boundary"):
+        load_config({"train_batch_size": 2, "managed_gradient_accumulation": False})
+
 # -- names ----------------------------------------------------------------------------------------------------
 def test_deepspeed_config_error_is_config_error():
     assert zerospeed.DeepSpeedConfigError is ConfigError

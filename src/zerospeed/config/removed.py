@@ -76,6 +76,11 @@ def _timers_off(value: Any) -> bool:
     return all(_enabled_off(v) if isinstance(v, dict) else _falsy(v) for v in value.values())
 
 
+def _managed(value: Any) -> bool:
+    """``managed_gradient_accumulation``: DeepSpeed 0.19.8's default ``true`` (zerospeed's windows) asks for nothing."""
+    return value is None or value is True
+
+
 #: (dotted key path, "is this value off?", short note). Order = order of reporting.
 NOT_YET: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("data_efficiency", _enabled_off, "data efficiency: curriculum sampling, random-LTD"),
@@ -89,6 +94,8 @@ NOT_YET: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("zero_optimization.offload_optimizer.super_offload", _falsy, "SuperOffload"),
     ("aio.use_gds", _falsy, "GPUDirect Storage"),
     ("checkpoint.writer", _falsy, "the decoupled/fast checkpoint writer"),
+    ("managed_gradient_accumulation", _managed, "false: every step() ends a window; set the windows with "
+     "engine.set_gradient_accumulation_boundary or engine.no_sync instead"),
 )
 
 
