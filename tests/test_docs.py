@@ -95,12 +95,13 @@ def test_cli_reference_has_every_installed_command() -> None:
 
 
 def test_readme_is_short_and_its_links_and_results_files_exist() -> None:
-    """The README stays a front page (<= 150 lines) that links the site; every relative link resolves (GitHub renders
+    """The README stays a front page (about 150 lines, issue #33, plus the short long-context and RL sections that
+    issues #29 and #32 ask of it: <= 175) that links the site; every relative link resolves (GitHub renders
     it from the repository), and every results file it or a guide names is in bench/results/."""
     import re
 
     readme = (ROOT / "README.md").read_text()
-    assert len(readme.splitlines()) <= 150
+    assert len(readme.splitlines()) <= 175
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
     assert "docs/index.md" in links and "docs/migration.md" in links
     for link in links:
