@@ -73,6 +73,28 @@ def test_reduce_scatter_in_rounds_and_all_gather_by_broadcasts_are_exact(world):
                                    "intra_host_bytes": sent, "inter_host_bytes": 0}, counted
 
 
+def _rounds_over_subgroups() -> bool:
+    """Ranks 0-1 reduce-scatter twice on their pair, ranks 2-3 once on theirs, then all four on the world (passed
+    as None on even ranks and as the group object on odd ones): the tags are counted per group, so nothing hangs."""
+    from zerospeed.comm import algorithms
+
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    x = torch.arange(8, dtype=torch.float32) + rank
+    out = torch.empty(4)
+    for _ in range(2 if rank < 2 else 1):
+        algorithms.start_reduce_scatter(out, x.clone(), dist.ReduceOp.SUM, mine, "emulate").wait()
+    world = None if rank % 2 == 0 else dist.group.WORLD
+    algorithms.start_reduce_scatter(out[:2], x.clone(), dist.ReduceOp.SUM, world, "emulate").wait()
+    return out[:2].tolist() == [4 * float(2 * rank + i) + 6 for i in range(2)]
+
+
+@pytest.mark.timeout(120)
+def test_rounds_count_their_tags_per_group():
+    assert run_distributed(_rounds_over_subgroups, 4, timeout=60) == [True] * 4
+
+
 def _parity_through_rounds(*args) -> dict:
     from zerospeed.comm import algorithms
 

@@ -93,7 +93,9 @@ class _Works:
         return all(bool(work.is_completed()) for work in self._works)
 
 
-_ROUNDS_TAG = [0]  # point-to-point tags of successive reduce-scatters in rounds (every rank counts the same calls)
+#: calls of the reduce-scatter in rounds per process group: their point-to-point tags. Counted per group, since
+#: the members of a group make the same calls on it in the same order (not so across groups: expert groups)
+_ROUNDS_CALLS: dict[tuple[int, int], int] = {}
 
 
 class _Rounds(Started):
@@ -109,8 +111,9 @@ class _Rounds(Started):
         if me > 0 and self.own.data_ptr() == out.data_ptr():  # in place: keep this rank's addend
             self.own = self.own.clone()
         self.scratch = torch.empty_like(out)
-        self.tag = (1 << 24) + _ROUNDS_TAG[0] % (1 << 20)
-        _ROUNDS_TAG[0] += 1
+        key = (id(dist.group.WORLD), id(group if group is not None else dist.group.WORLD))
+        calls = _ROUNDS_CALLS[key] = _ROUNDS_CALLS.get(key, -1) + 1
+        self.tag = (1 << 24) + calls % (1 << 20)
         self.src, self.recv, self.sends = 0, None, []
 
     def start(self, nbytes: int) -> "_Rounds":
