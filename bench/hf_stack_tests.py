@@ -124,13 +124,15 @@ def _version_of(repo: Path, name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deepspeed-repo", type=Path)
-    ap.add_argument("--deepspeed-python", default=str(Path(".venv-bench/bin/python")))
+    ap.add_argument("--deepspeed-python", default=str(Path(__file__).resolve().parents[1] / ".venv-bench/bin/python"))
     ap.add_argument("--accelerate-repo", type=Path)
     ap.add_argument("--trl-repo", type=Path)
     ap.add_argument("--junit-dir", type=Path, help="read <suite>.xml from here instead of running pytest")
     ap.add_argument("--run", action="append", default=[], choices=["deepspeed", "zerospeed", "accelerate", "trl"],
                     help="with --junit-dir: run this suite (write its XML there) instead of reading it")
     ap.add_argument("--deselect-k", help="a pytest -k expression for both DeepSpeed runs")
+    ap.add_argument("--deepspeed-k", help="a pytest -k expression for the run under DeepSpeed itself only (tests that "
+                    "hang there on CPU); with --deselect-k both must hold")
     ap.add_argument("--trl-own-package", action="store_true", help="the TRL checkout's trl package first on the path")
     ap.add_argument("--accelerate-local-models", action="store_true",
                     help="random-weight models at the hub ids Accelerate's CPU-runnable DeepSpeed tests load")
@@ -159,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         params["deepspeed_files"] = files
         cwd = args.deepspeed_repo / "tests"
         k = ("-k", args.deselect_k) if args.deselect_k else ()
+        both = " and ".join(f"({e})" for e in (args.deselect_k, args.deepspeed_k) if e)
+        ds_k = ("-k", both) if both else ()
         params["deepspeed_tree_version"] = _version_of(args.deepspeed_repo, "version.txt")
-        runs = {"deepspeed": get("deepspeed", [args.deepspeed_python], cwd, files, {"DS_ACCELERATOR": "cpu"}, k),
+        runs = {"deepspeed": get("deepspeed", [args.deepspeed_python], cwd, files, {"DS_ACCELERATOR": "cpu"}, ds_k),
                 "zerospeed-as-deepspeed": get("zerospeed", wrapper, cwd, files, {}, k)}
         rows += summarise("DeepSpeed tests/unit, public imports only", runs, "deepspeed")
     if args.accelerate_repo:
