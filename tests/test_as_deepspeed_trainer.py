@@ -13,6 +13,8 @@ tests/hf_scripts/trainer_run.py parses TrainingArguments from its command line, 
 * The same template without its ``scheduler`` section (HF's documented way to keep the Trainer's own scheduler,
   here linear with no warmup): every step's loss equals the plain Trainer (DDP on gloo) to 1e-5 relative (fp32 Adam,
   6 steps; only the order of gradient sums differs).
+* The same without the scheduler section and with ``--gradient_accumulation_steps 2``, against the plain Trainer with
+  that flag (the engine's window is declared by Accelerate's ``set_gradient_accumulation_boundary``).
 """
 
 from __future__ import annotations
@@ -32,14 +34,15 @@ HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "hf_scripts", "trainer_run.py")
 TEMPLATE = os.path.join(HERE, "hf_scripts", "ds_config_zero3.json")
 BIN = os.path.dirname(sys.executable)
+GAS2 = ["--gradient_accumulation_steps", "2"]
 FLAGS = ["--ddp_backend", "gloo", "--use_cpu", "--per_device_train_batch_size", "2", "--max_steps", "6",
          "--logging_steps", "1", "--learning_rate", "1e-3", "--report_to", "none", "--save_strategy", "no",
          "--seed", "0"]
 
 
-def _train(tmp, name, model_dir, deepspeed=None, **extra_env):
+def _train(tmp, name, model_dir, deepspeed=None, flags=(), **extra_env):
     cmd = [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", SCRIPT, str(model_dir), str(tmp / name),
-           "--output_dir", str(tmp / f"out-{name}")] + FLAGS
+           "--output_dir", str(tmp / f"out-{name}")] + FLAGS + list(flags)
     if deepspeed is not None:
         cmd = [os.path.join(BIN, "zerospeed-as-deepspeed")] + cmd + ["--deepspeed", str(deepspeed)]
     env = dict(os.environ, OMP_NUM_THREADS="1", **extra_env)
@@ -65,7 +68,9 @@ def runs(tmp_path_factory):
     return {"plain": _train(tmp, "plain", model_dir),
             "plain_warmup_lr": _train(tmp, "plain_warmup_lr", model_dir, REFERENCE_WARMUP_LR_STEPS="2"),
             "template": _train(tmp, "template", model_dir, TEMPLATE),
-            "no_scheduler": _train(tmp, "no_scheduler", model_dir, tmp / "no_scheduler.json")}
+            "no_scheduler": _train(tmp, "no_scheduler", model_dir, tmp / "no_scheduler.json"),
+            "plain_gas2": _train(tmp, "plain_gas2", model_dir, flags=GAS2),
+            "no_scheduler_gas2": _train(tmp, "no_scheduler_gas2", model_dir, tmp / "no_scheduler.json", flags=GAS2)}
 
 
 @pytest.mark.timeout(900)
@@ -94,3 +99,15 @@ def test_trainer_losses_equal_the_plain_trainer(runs):
         assert len(r["losses"]) == len(plain) == 6
         assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], plain)) < 1e-5, (r["losses"], plain)
     assert torch.tensor(plain).std() > 0  # the model trained: the losses move
+
+
+@pytest.mark.timeout(900)
+def test_trainer_with_gradient_accumulation_equals_the_plain_trainer(runs):
+    """--gradient_accumulation_steps 2: the Trainer declares each micro-batch's boundary to the engine through
+    Accelerate (engine.set_gradient_accumulation_boundary) and steps it at each sync only; every logged loss (the mean
+    over a window) equals the plain Trainer's with the same flag to 1e-5 relative."""
+    plain = runs["plain_gas2"][0]["losses"]
+    assert len(plain) == 6 and plain != runs["plain"][0]["losses"]  # 6 optimizer steps of 2 micro-batches each
+    for r in runs["no_scheduler_gas2"]:
+        assert r["wrapped"] == "ZeroSpeedEngine" and len(r["losses"]) == 6
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], plain)) < 1e-5, (r["losses"], plain)
