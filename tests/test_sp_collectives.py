@@ -112,3 +112,22 @@ def test_llama_sp2_dp2_zero2_through_rounds_equals_one_process():
             for got, ref in zip(run["losses"], run["ref_losses"]):
                 assert abs(got - ref) <= sp_cases.RTOL * abs(ref), run
     assert all(run["excess"] <= 0 for run in results[0]["runs"]), results[0]["runs"]
+
+
+@pytest.mark.timeout(200)
+def test_two_level_collectives_count_the_intra_host_legs_they_run():
+    # 4 ranks as 2 hosts x 2 (tests/comm_cases.py): a message above NATIVE_MAX_NUMEL takes the rounds and the
+    # broadcasts inside the host, (L-1)/L of it each, no longer the all-reduce's 2(L-1)/L
+    from comm_cases import collectives, rank_input
+
+    world, per_host, numel = 4, 2, 300_000
+    results = run_distributed(collectives, world, per_host, numel, True, True, timeout=180)
+    inputs = [rank_input(world * numel, True, rank=r) for r in range(world)]
+    total = torch.stack(inputs).sum(0)  # integer-valued: every order of the sum is exact
+    message = world * numel * 4
+    for rank, r in enumerate(results):
+        assert torch.equal(r["shard"], total[rank * numel:(rank + 1) * numel])
+        assert torch.equal(r["gathered"], torch.cat([rank_input(numel, True, rank=q) for q in range(world)]))
+        assert torch.equal(r["summed"], total[: world * numel - 3])
+        for op in ("reduce_scatter", "all_gather"):
+            assert r["comms"][op]["intra_host_bytes"] == message // 2, (op, r["comms"][op])

@@ -10,8 +10,9 @@ Algorithm choice: a group whose ranks span hosts evenly runs reduce-scatter, all
 levels (:mod:`zerospeed.comm.hierarchical`: inside the host, across hosts on 1/local_size of the data, inside
 the host), so each host's link carries the ZeRO formula's bytes; otherwise one flat algorithm per backend and
 size (:mod:`zerospeed.comm.algorithms`: on gloo, an all-to-all reduce-scatter with an ordered sum and the
-native all-gather for small messages and across hosts, an all-reduce emulation for large single-host ones,
-which gloo runs fastest on loopback). The counter records the logical collective (what ZeRO's accounting is
+native all-gather for small messages and across hosts; for large single-host ones a reduce-scatter in
+point-to-point rounds with the same ordered sum and an all-gather by one broadcast per rank, which take the
+least CPU time on loopback). The counter records the logical collective (what ZeRO's accounting is
 about), the elements the chosen algorithm put on the wire, and the bytes this rank sent inside its host and
 across hosts (:mod:`zerospeed.comm.links`). ``ZEROSPEED_NATIVE_COLLECTIVES=1`` forces the byte-optimal flat
 algorithms; ``ZEROSPEED_HIERARCHICAL=0`` keeps every collective flat.

@@ -158,13 +158,15 @@ class _Chain:
         return self._done or self._first.is_completed()
 
 
-def _expected(split: HostSplit, message_numel: int, element_size: int, kind: str) -> tuple[int, tuple[int, int]]:
+def _expected(split: HostSplit, message_numel: int, element_size: int, kind: str,
+              op: Any = None) -> tuple[int, tuple[int, int]]:
     """(wire elements, (intra, inter) bytes) the legs of ``kind`` send, known before they run (for the counter)."""
     H, L = split.num_hosts, split.local_size
     nbytes = message_numel * element_size
-    # leg sizes: intra legs move the whole message among L ranks, inter legs 1/L of it among H ranks
+    # leg sizes: intra legs move the whole message among L ranks, inter legs 1/L of it among H ranks; a large
+    # intra-host reduce-scatter runs as an all-reduce (twice the bytes) only for an op without an ordered combine
     intra_alg = algorithms.choose(split.intra, message_numel)
-    intra_factor = 2 if intra_alg == "emulate" else 1
+    intra_factor = 2 if intra_alg == "emulate" and op is not None and algorithms._combine(op) is None else 1
     intra = intra_factor * (L - 1) * nbytes // L
     inter = (H - 1) * (nbytes // L) // H
     wire_intra = intra_factor * message_numel
@@ -186,7 +188,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, split: Ho
     def rest(chain: _Chain) -> None:
         algorithms.start_reduce_scatter(output, mid, op, split.inter, algorithm="native").wait()
 
-    wire, links = _expected(split, input.numel(), input.element_size(), "reduce_scatter")
+    wire, links = _expected(split, input.numel(), input.element_size(), "reduce_scatter", op)
     return _Chain(first, rest), wire, links
 
 
@@ -225,5 +227,5 @@ def all_reduce(tensor: torch.Tensor, op: Any, split: HostSplit) -> tuple[_Chain,
         ag.wait()
         flat.copy_(gathered.narrow(0, 0, numel))
 
-    wire, links = _expected(split, padded, tensor.element_size(), "all_reduce")
+    wire, links = _expected(split, padded, tensor.element_size(), "all_reduce", op)
     return _Chain(rs, rest), wire, links  # type: ignore[arg-type]
