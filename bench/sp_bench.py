@@ -107,6 +107,9 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 
 def step_row(impl: str, sp: int, seq: int, shape: tuple[int, int, int], steps: int, role: str) -> dict:
     r = trial(impl, sp, seq, "plain", steps=steps, shape=shape)
+    if not r["ok"]:  # once more: a launch aborting at start or exit (DeepSpeed SP 2, 11-28 07:40) is not a verdict
+        print(f"[sp_bench] {impl} sp={sp} seq={seq} step time: failed ({r['error'][:120]}), retrying", flush=True)
+        r = trial(impl, sp, seq, "plain", steps=steps, shape=shape)
     step = max(r["step_s"]) if r["ok"] else None
     cpu = max(r["cpu_s"]) if r["ok"] and r["cpu_s"] else None
     per_rank = seq // sp
