@@ -127,7 +127,7 @@ def zerospeed_settings(system: str, args) -> dict:
     ``cap`` (max_prefill_tokens_with_decodes, a number or ``none``), ``budget``
     (max_num_batched_tokens), ``pf`` (prefill_first, 0/1) and ``kv`` (max_decode_kv_bytes in MiB, or
     ``none``): the settings of the latency frontier."""
-    from zerospeed.inference.engine import DEFAULT_PREFILL_WITH_DECODES
+    from zerospeed.inference.build import DEFAULT_PREFILL_WITH_DECODES
 
     caps = {"default": DEFAULT_PREFILL_WITH_DECODES, "none": None}
     cap = caps[args.prefill_cap] if args.prefill_cap in caps else int(args.prefill_cap)

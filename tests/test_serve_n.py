@@ -9,7 +9,7 @@ import pytest
 
 from serve_cases import ServerProcess, build_model_dir, serve_argv
 from zerospeed.inference.api import RequestError, SamplingParams
-from zerospeed.inference.engine import build_engine
+from zerospeed.inference.build import build_engine
 
 pytestmark = pytest.mark.timeout(180)
 

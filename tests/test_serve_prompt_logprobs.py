@@ -17,7 +17,7 @@ import torch
 
 from serve_cases import build_model_dir
 from zerospeed.inference.api import RequestError, SamplingParams
-from zerospeed.inference.engine import build_engine
+from zerospeed.inference.build import build_engine
 
 pytestmark = pytest.mark.timeout(300)
 ATOL = 1e-4

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from serve_cases import build_model_dir
 from zerospeed.inference.api import SamplingParams
 from zerospeed.inference.constraints import Guides, grammar_for
-from zerospeed.inference.engine import build_engine
+from zerospeed.inference.build import build_engine
 from zerospeed.inference.models import greedy_head, layers
 
 pytestmark = pytest.mark.timeout(180)

@@ -12,7 +12,7 @@ from typing import Any
 from zerospeed.inference.api import EngineStats, RequestError, RequestOutput, SamplingParams
 
 _LAZY = {
-    "build_engine": ("zerospeed.inference.engine", "build_engine"),
+    "build_engine": ("zerospeed.inference.build", "build_engine"),
     "InferenceEngine": ("zerospeed.inference.engine", "InferenceEngine"),
     "ModelLoadError": ("zerospeed.inference.models.spec", "ModelLoadError"),
     "pipeline": ("zerospeed.inference.highlevel", "pipeline"),

@@ -25,7 +25,7 @@ class ForwardPlanner:
     context class, threads), built by measuring each kernel family once per shape class under
     ``cpu_kernels=auto`` (by fixed rules under ``on``; none under ``off``).
 
-    ``attention_backend`` (a :func:`~zerospeed.inference.engine.build_engine` argument older than this
+    ``attention_backend`` (a :func:`~zerospeed.inference.build.build_engine` argument older than this
     switch) sets the attention family alone: ``torch`` keeps attention in torch whatever
     ``cpu_kernels`` says, ``cpu_kernel`` forces the C attention (an error if the kernels do not build
     or ``cpu_kernels=off``), ``auto`` follows ``cpu_kernels``."""

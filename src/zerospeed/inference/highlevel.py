@@ -149,9 +149,9 @@ class Pipeline:
 
 
 def pipeline(model_name_or_path: str, tensor_parallel: int = 1, **engine_kwargs: Any) -> Pipeline | None:
-    """Build a :class:`Pipeline` on :func:`~zerospeed.inference.engine.build_engine` (its keyword
+    """Build a :class:`Pipeline` on :func:`~zerospeed.inference.build.build_engine` (its keyword
     arguments pass through: ``dtype``, ``block_size``, ``num_blocks``, ``max_num_batched_tokens``...)."""
-    from zerospeed.inference.engine import build_engine
+    from zerospeed.inference.build import build_engine
 
     engine = build_engine(model_name_or_path, tensor_parallel=tensor_parallel, **engine_kwargs)
     if engine.tp.rank != 0:

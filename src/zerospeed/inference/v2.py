@@ -141,7 +141,7 @@ class InferenceEngineV2:
 def build_hf_engine(path: str, engine_config: RaggedInferenceEngineConfig | dict | None = None,
                     debug_level: int = 0, **engine_kwargs: Any) -> InferenceEngineV2:
     """DeepSpeed's ``build_hf_engine``: an HF folder and a RaggedInferenceEngineConfig (or its dict)."""
-    from zerospeed.inference.engine import build_engine
+    from zerospeed.inference.build import build_engine
 
     cfg = load_ragged_config(engine_config)
     sm = cfg.state_manager
@@ -153,7 +153,7 @@ def build_hf_engine(path: str, engine_config: RaggedInferenceEngineConfig | dict
     else:  # reserve: what is free minus `size`, no more than the tracked sequences can fill
         import psutil
 
-        from zerospeed.inference.engine import resolve_dtype
+        from zerospeed.inference.build import resolve_dtype
         from zerospeed.inference.kv_cache import kv_cache_bytes
         from zerospeed.inference.models.spec import load_spec
 

@@ -153,9 +153,9 @@ def serve(model_dir: str | os.PathLike | None = None, *, engine: Any = None,
     if engine is None:
         if model_dir is None:
             raise ServeError("model_dir: required (or pass engine=)")
-        from zerospeed.inference import engine as engine_module
+        from zerospeed.inference.build import build_engine
 
-        engine = engine_module.build_engine(str(model_dir), **engine_kwargs)
+        engine = build_engine(str(model_dir), **engine_kwargs)
     elif engine_kwargs:
         raise ServeError(f"{next(iter(engine_kwargs))}: engine arguments need model_dir, not engine=")
 

@@ -63,7 +63,7 @@ def main(args: argparse.Namespace, argv: list[str], cli: Any) -> int:
 def worker_main(args: argparse.Namespace, cli: Any) -> int:
     """One rank of a tensor-parallel server (``cli``: as in :func:`main`)."""
     from zerospeed.comm.dist import get_rank, get_world_size, init_distributed
-    from zerospeed.inference.engine import build_engine
+    from zerospeed.inference.build import build_engine
     _error, engine_kwargs, run_server = cli._error, cli.engine_kwargs, cli.run_server
 
     rank = int(os.environ.get("RANK", "0"))
