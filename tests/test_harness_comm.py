@@ -70,7 +70,7 @@ def test_a_hang_is_killed_at_the_timeout():
 def test_collectives_are_counted_with_elements_and_bytes():
     snap, traffic, out, full = run_distributed(_count_collectives, 2)[1]
     # small messages on gloo: an all-to-all reduce-scatter and the native all-gather, once the message on the wire
-    # (large single-host ones run as all-reduces, twice: tests/test_comm_hierarchical.py); one host, so every
+    # (large single-host ones run in point-to-point rounds / broadcasts: tests/test_sp_collectives.py); one host, so every
     # byte this rank sent (the (N-1)/N share) stayed on it
     links = {"intra_host_bytes": 32, "inter_host_bytes": 0}
     assert snap["all_reduce"] == {"count": 1, "elements": 16, "bytes": 64, "wire_elements": 32,
