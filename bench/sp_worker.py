@@ -223,6 +223,8 @@ def main() -> None:
 
     def run_steps():
         for i, b in enumerate(micro):
+            if phases is not None and i == 1:
+                phases.threads_before = thread_cpu()
             if profiler is not None and i == 1:
                 profiler.enable()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -233,6 +235,10 @@ def main() -> None:
     record = measured(args, run_steps, times, cpu, losses)
     if phases is not None:
         record["phases"] = phases.per_step(len(micro))
+        if phases.threads_before is not None:
+            after, n = thread_cpu(), max(1, len(micro) - 1)
+            record["thread_cpu_s"] = {name: round((after.get(name, 0.0) - phases.threads_before.get(name, 0.0)) / n, 4)
+                                      for name in after}
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(os.path.join(os.environ["SP_BENCH_PROFILE"], f"sp{args.sp}-rank{rank}.prof"))
@@ -250,6 +256,23 @@ def main() -> None:
     sys.stdout.flush()
 
 
+def thread_cpu() -> dict:
+    """Each thread's CPU time (user + system, clock ticks from /proc) summed by thread name."""
+    out: dict = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = "main" if int(tid) == os.getpid() else name
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 class Phases:
     """A diagnostic (``SP_BENCH_PHASES=1``): per phase of the steps after the first, summed then divided by their
     number: the CPU time of the whole process (all threads: gloo's work included) split into user and system, the
@@ -262,6 +285,7 @@ class Phases:
         self.sums: dict[str, list[float]] = {}
         self.calls = 0
         self.last = (0.0,) * len(self.KEYS)
+        self.threads_before: dict | None = None
 
     @staticmethod
     def now() -> tuple:
