@@ -226,6 +226,10 @@ class PipelineEngine(ZeroSpeedEngine):
     def is_data_parallel(self) -> bool:
         return self.layout.num_dp > 1
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        raise RuntimeError("engine.set_gradient_accumulation_boundary: the pipeline engine's accumulation window "
+                           "is one train_batch() of gradient_accumulation_steps micro-batches; it takes none")
+
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         self._data_iter = iterator
 

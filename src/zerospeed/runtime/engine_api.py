@@ -534,9 +534,6 @@ class DeepSpeedEngineAPI:
         if not isinstance(is_boundary, (bool, int)) or is_boundary not in (0, 1):
             raise TypeError(f"engine.set_gradient_accumulation_boundary: is_boundary must be a bool, "
                             f"got {is_boundary!r}")
-        if isinstance(getattr(type(self), "is_pipe_parallel", None), property):
-            raise RuntimeError("engine.set_gradient_accumulation_boundary: the pipeline engine's accumulation window "
-                               "is one train_batch() of gradient_accumulation_steps micro-batches; it takes none")
         self._boundary_override = bool(is_boundary)
 
     @contextlib.contextmanager
