@@ -34,6 +34,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _serve_with_update_group(folder: Path) -> tuple[str, ServerProcess]:
+    """A ``zerospeed serve`` subprocess of ``folder`` with a weight-update group on a free port: (address, server)."""
+    address = f"127.0.0.1:{_free_port()}"
+    return address, ServerProcess(serve_argv(folder, "--weight-update-group", address, "--dtype", "fp32",
+                                             "--cpu-kernels", SYNC_FAST_PATHS["cpu_kernels"],
+                                             "--greedy-head", SYNC_FAST_PATHS["greedy_head"]))
+
+
 def _complete(url: str, prompt: list[int] = PROMPT) -> tuple[str, str]:
     r = httpx.post(url + "/v1/completions", timeout=60, json={
         "model": "model", "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True})
@@ -51,10 +59,7 @@ def test_sync_weights_to_a_serve_subprocess(folder: Path) -> None:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    address = f"127.0.0.1:{_free_port()}"
-    server = ServerProcess(serve_argv(folder, "--weight-update-group", address, "--dtype", "fp32",
-                                      "--cpu-kernels", SYNC_FAST_PATHS["cpu_kernels"],
-                                      "--greedy-head", SYNC_FAST_PATHS["greedy_head"]))
+    address, server = _serve_with_update_group(folder)
     try:
         url = server.url
         text0, fp0 = _complete(url)
@@ -245,10 +250,7 @@ def test_sync_weights_from_a_tensor_parallel_trainer(folder: Path) -> None:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    address = f"127.0.0.1:{_free_port()}"
-    server = ServerProcess(serve_argv(folder, "--weight-update-group", address, "--dtype", "fp32",
-                                      "--cpu-kernels", SYNC_FAST_PATHS["cpu_kernels"],
-                                      "--greedy-head", SYNC_FAST_PATHS["greedy_head"]))
+    address, server = _serve_with_update_group(folder)
     try:
         text0, fp0 = _complete(server.url)
         assert fp0 == "weights-v0"
