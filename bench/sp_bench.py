@@ -3,6 +3,13 @@ bisection, at SP 1, 2 and 4, for zerospeed, DeepSpeed 0.19.8's ALST and PyTorch'
 tiled+checkpointed; and the step time at a fixed per-rank length: wall time, and each rank's CPU time (user + system
 of its process, so an oversubscribed machine, where 4 ranks share 2 cores, does not count the waits for a core).
 
+The step-time table compares SP ``s`` at ``n`` tokens per rank with two SP 1 baselines at the same ``n``: one process
+alone on the machine (``fixed_per_rank``, sp 1), and ``s`` data-parallel ranks on the same cores (``dp_same_world``:
+SP 1 x DP ``s``, each rank its own ``n``-token sample, ZeRO over the same ``s`` ranks), which is what a user with
+``s`` devices runs instead of SP. The first also charges SP for what any ``s``-rank run pays on this machine
+(ZeRO's collectives over ``s`` ranks, ``s`` processes sharing 2 cores and their caches); the second isolates what
+SP adds: the all-to-alls, the loss's all-gathers and attention over the longer global sequence. Both are reported.
+
 Each trial is one launch of ``bench/sp_worker.py`` (``sp`` processes, gloo, one thread each) training a random-init
 Llama (GQA) for one step at one sequence length; a length "fits" when every rank's activation memory during the step
 stays within ``--budget_mib``: the peak resident size during the step (the kernel's high-water mark, reset just
@@ -58,7 +65,8 @@ def read_log(path: str) -> None:
 
 
 def trial(impl: str, sp: int, seq: int, mode: str, steps: int = 1, timeout_s: float = 600,
-          shape: tuple[int, int, int] | None = None, memory: str = "rss", memory_trial: bool = False) -> dict:
+          shape: tuple[int, int, int] | None = None, memory: str = "rss", memory_trial: bool = False,
+          dp: int = 1) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if memory_trial and memory == "rss":
         # a memory trial: glibc's dynamic mmap threshold lets freed blocks stay in the heap, so the resident size
@@ -75,8 +83,8 @@ def trial(impl: str, sp: int, seq: int, mode: str, steps: int = 1, timeout_s: fl
         out = Path(tmp) / "r.json"
         run = launch_workers(WORKER, ["--impl", impl, "--sp", str(sp), "--seq", str(seq), "--mode", mode,
                                       "--steps", str(steps), "--memory", memory, "--out", str(out),
-                                      *_shape_args(shape)],
-                             num_procs=sp, python=python, env=env,
+                                      "--dp", str(dp), *_shape_args(shape)],
+                             num_procs=sp * dp, python=python, env=env,
                              timeout_s=timeout_s, tail_lines=60)
         if run.returncode != 0 or not out.exists():
             return {"ok": False, "error": run.error or f"exit {run.returncode}"}
@@ -105,16 +113,16 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def step_row(impl: str, sp: int, seq: int, shape: tuple[int, int, int], steps: int, role: str) -> dict:
-    r = trial(impl, sp, seq, "plain", steps=steps, shape=shape)
+def step_row(impl: str, sp: int, seq: int, shape: tuple[int, int, int], steps: int, role: str, dp: int = 1) -> dict:
+    r = trial(impl, sp, seq, "plain", steps=steps, shape=shape, dp=dp)
     if not r["ok"]:  # once more: a launch aborting at start or exit (DeepSpeed SP 2, 11-28 07:40) is not a verdict
         print(f"[sp_bench] {impl} sp={sp} seq={seq} step time: failed ({r['error'][:120]}), retrying", flush=True)
-        r = trial(impl, sp, seq, "plain", steps=steps, shape=shape)
+        r = trial(impl, sp, seq, "plain", steps=steps, shape=shape, dp=dp)
     step = max(r["step_s"]) if r["ok"] else None
     cpu = max(r["cpu_s"]) if r["ok"] and r["cpu_s"] else None
     per_rank = seq // sp
     return {"table": "step_time", "impl": impl, "model": "x".join(map(str, shape)), "role": role, "sp": sp,
-            "seq": seq, "per_rank": per_rank, "step_s": round(step, 3) if step else None,
+            "dp": dp, "seq": seq, "per_rank": per_rank, "step_s": round(step, 3) if step else None,
             "tokens_per_s_per_rank": round(per_rank / step, 1) if step else None,
             "cpu_s_per_rank": round(cpu, 3) if cpu else None,
             "tokens_per_cpu_s_per_rank": round(per_rank / cpu, 1) if cpu else None,
@@ -128,7 +136,14 @@ def step_notes(rows: list[dict], impl: str, sps: list[int], per_rank: int) -> li
                 and r["tokens_per_cpu_s_per_rank"]]
         fixed = {r["sp"]: r for r in mine if r["role"] == "fixed_per_rank"}
         whole = {r["seq"]: r for r in mine if r["role"] == "one_process_same_seq"}
+        same_world = {r["dp"]: r for r in mine if r["role"] == "dp_same_world"}
         for sp in sps[1:]:
+            if sp in fixed and sp in same_world:
+                cpu = fixed[sp]["tokens_per_cpu_s_per_rank"] / same_world[sp]["tokens_per_cpu_s_per_rank"]
+                notes.append(f"{impl} model {model}: tokens/s per rank at SP {sp} = {cpu:.2f} x SP 1 on the same "
+                             f"{sp} ranks (SP 1 x DP {sp}: each rank its own {per_rank}-token sample, ZeRO over the "
+                             f"same {sp} ranks, {sp} processes sharing the cores as at SP {sp}) by CPU time "
+                             f"({'meets' if cpu >= 0.8 else 'misses'} the 0.8x target)")
             if 1 in fixed and sp in fixed:
                 wall = fixed[sp]["tokens_per_s_per_rank"] / fixed[1]["tokens_per_s_per_rank"]
                 cpu = fixed[sp]["tokens_per_cpu_s_per_rank"] / fixed[1]["tokens_per_cpu_s_per_rank"]
@@ -250,6 +265,8 @@ def main() -> None:
                 for sp in sps[1:]:
                     rows.append(step_row(impl, 1, args.fixed_per_rank * sp, shape, args.steps,
                                          "one_process_same_seq"))
+                for sp in sps[1:]:  # SP 1 on the same ranks: data parallel, a sample per rank
+                    rows.append(step_row(impl, 1, args.fixed_per_rank, shape, args.steps, "dp_same_world", dp=sp))
     notes = []
     if args.reuse_log:
         notes.append(f"{len(REUSED)} trials were read back from an earlier run of this script on this machine "

@@ -2,7 +2,8 @@
 Ulysses sequence parallelism, through zerospeed or DeepSpeed 0.19.8's ALST (same model, data, loss and tiling
 recipe), or with PyTorch's context parallel (``torch_cp``: ring attention over DTensor shards of the sequence), and
 write each rank's peak activation memory, step wall times and step CPU times (this process, all its threads, user +
-system: the compute and the gloo transfers, without the time spent waiting for a core or a peer).
+system: the compute and the gloo transfers, without the time spent waiting for a core or a peer). ``--dp N`` at
+``--sp 1`` is the data-parallel baseline on the same number of ranks: each rank trains its own sample.
 
 Memory (``--memory``): "rss" (what the longest-sequence search uses) is the peak resident set size during the steps
 (the kernel's high-water mark, reset just before them through ``/proc/self/clear_refs``) minus the resident size
@@ -97,6 +98,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--impl", choices=["zerospeed", "deepspeed", "torch_cp"], required=True)
     p.add_argument("--sp", type=int, required=True)
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel degree (the launch has sp x dp ranks); at SP 1 each rank trains its own sample")
     p.add_argument("--seq", type=int, required=True)
     p.add_argument("--mode", choices=["plain", "tiled", "tiled+ckpt", "tiled+ckpt_no_offload"], default="plain")
     p.add_argument("--steps", type=int, default=1)
@@ -129,6 +132,10 @@ def main() -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    if dist.get_world_size() != args.sp * args.dp:
+        raise SystemExit(f"sp_worker: {dist.get_world_size()} ranks launched for --sp {args.sp} x --dp {args.dp}")
+    if args.dp > 1 and args.sp > 1:
+        raise SystemExit("sp_worker: --dp > 1 is the data-parallel baseline at SP 1 only")
     model = build_model(args)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", args.sp, 1) if args.sp > 1 else None
     if args.mode != "plain":
@@ -154,7 +161,7 @@ def main() -> None:
         ckpt_lib.configure(None, checkpoint_in_cpu=True)  # DeepSpeed's CPU offload of the checkpoints
     sp_group = groups._get_sequence_parallel_group() if args.sp > 1 else None
     sp_rank = groups._get_sequence_parallel_rank() if args.sp > 1 else 0
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + (rank if args.dp > 1 else 0))  # data parallel: a sample per rank
     batches = []
     for _ in range(args.steps):
         ids = torch.randint(1, args.vocab, (1, args.seq), generator=g)
@@ -219,6 +226,11 @@ def main() -> None:
 
         profiler = cProfile.Profile(time.thread_time)  # the main thread only: gloo's threads are in the phases
 
+    ops = None
+    if os.environ.get("SP_BENCH_OPS"):  # a directory: each rank's torch profiler table of the steps after the first
+        from torch.profiler import ProfilerActivity, profile
+
+        ops = profile(activities=[ProfilerActivity.CPU])
     times, cpu, losses = [], [], []
 
     def run_steps():
@@ -227,6 +239,8 @@ def main() -> None:
                 phases.threads_before = thread_cpu()
             if profiler is not None and i == 1:
                 profiler.enable()
+            if ops is not None and i == 1:
+                ops.__enter__()
             t0, c0 = time.perf_counter(), time.process_time()
             losses.append(step(b))
             times.append(time.perf_counter() - t0)
@@ -239,6 +253,12 @@ def main() -> None:
             after, n = thread_cpu(), max(1, len(micro) - 1)
             record["thread_cpu_s"] = {name: round((after.get(name, 0.0) - phases.threads_before.get(name, 0.0)) / n, 4)
                                       for name in after}
+    if ops is not None:
+        ops.__exit__(None, None, None)
+        table = ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
+        with open(os.path.join(os.environ["SP_BENCH_OPS"], f"sp{args.sp}-dp{args.dp}-seq{args.seq}-rank{rank}.txt"),
+                  "w") as f:
+            f.write(table)
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(os.path.join(os.environ["SP_BENCH_PROFILE"], f"sp{args.sp}-rank{rank}.prof"))
