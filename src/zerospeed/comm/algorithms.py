@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from zerospeed.comm import health
+from zerospeed.comm import health, shm
 from zerospeed.comm.links import group_hosts, sent_bytes
 
 __all__ = ["NATIVE_MAX_NUMEL", "Started", "choose", "start_all_gather", "start_all_reduce", "start_reduce_scatter"]
@@ -189,8 +189,12 @@ def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, gro
     k, me = dist.get_world_size(group), dist.get_rank(group)
     n = output.numel()
     nbytes = input.numel() * input.element_size()
-    algorithm = algorithm or choose(group, input.numel())
     out = output.view(-1)
+    if algorithm is None and k > 1 and _combine(op) is not None and shm.enabled(group, input, nbytes):
+        started = _shm_reduce_scatter(out, input, _combine(op), group, k)
+        if started is not None:
+            return started
+    algorithm = algorithm or choose(group, input.numel())
     if algorithm == "emulate" and _combine(op) is not None and k > 1:
         return _Rounds(out, input.reshape(-1), _combine(op), group, k, me).start(nbytes)
     if algorithm == "emulate" or (algorithm == "native" and dist.get_backend(group) == "gloo" and _combine(op) is None):
@@ -217,12 +221,34 @@ def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, gro
     return Started(work, ordered_sum, input.numel(), sent_bytes(group, "pairwise", nbytes))
 
 
+def _shm_reduce_scatter(out: torch.Tensor, input: torch.Tensor, combine: Callable, group: Any, k: int) -> Started | None:
+    """The reduce-scatter through shared memory (:mod:`zerospeed.comm.shm`): the pairwise algorithm's ordered
+    sum over the peers' chunks, read in place; None if the group's set-up failed (then TCP)."""
+    n = out.numel()
+
+    def place(j: int, a: int, b: int, data: torch.Tensor) -> None:
+        out[a:b].copy_(data) if j == 0 else combine(out[a:b], data)
+
+    if not shm.run("reduce_scatter", group, input.reshape(k, n), k, None, place):
+        return None
+    return Started(None, None, input.numel(), sent_bytes(group, "pairwise", input.numel() * input.element_size()))
+
+
 def start_all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, algorithm: str | None = None) -> Started:
     """Concatenate every rank's ``input`` into ``output`` (``k * input.numel()`` elements) in group-rank order."""
     me = dist.get_rank(group)
     nbytes = output.numel() * output.element_size()
-    algorithm = algorithm or choose(group, output.numel())
     flat, n = output.view(-1), input.numel()
+    if algorithm is None and flat.numel() > n and shm.enabled(group, input, nbytes):
+        rows = flat.view(-1, n)
+
+        def place(j: int, a: int, b: int, data: torch.Tensor) -> None:
+            if j != me or rows[me].data_ptr() != input.data_ptr():  # this rank's range may already be its input
+                rows[j, a:b].copy_(data)
+
+        if shm.run("all_gather", group, input.reshape(1, n), 1, 0, place):
+            return Started(None, None, output.numel(), sent_bytes(group, "pairwise", nbytes))
+    algorithm = algorithm or choose(group, output.numel())
     if algorithm == "emulate":  # k broadcasts, rank i's range from rank i (gloo runs them on its worker threads)
         mine = flat.narrow(0, me * n, n)
         if mine.data_ptr() != input.data_ptr():

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerospeed.comm import algorithms, health, hierarchical
+from zerospeed.comm import algorithms, health, hierarchical, shm
 from zerospeed.comm.counter import COUNTER
 from zerospeed.comm.links import sent_bytes
 
@@ -230,9 +230,24 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     if single:
         output.copy_(input)
         return _DoneWork() if async_op else None
+    if even and _shm_all_to_all(output, input, group):
+        return _DoneWork() if async_op else None
     return _issue("all_to_all", lambda a: dist.all_to_all_single(
         output, input, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, group=group,
         async_op=a), async_op)
+
+
+def _shm_all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """An equal-split all-to-all through shared memory on one host (:mod:`zerospeed.comm.shm`); False: not
+    eligible or the group's set-up failed (TCP then)."""
+    k = _world(group)
+    if input.numel() % k or output.numel() != input.numel() or not output.is_contiguous() \
+            or not shm.enabled(group, input, input.numel() * input.element_size()):
+        return False
+    n = input.numel() // k
+    rows = output.view(k, n)
+    return shm.run("all_to_all", group, input.reshape(k, n), k, None,
+                   lambda j, a, b, data: rows[j, a:b].copy_(data))
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: dist.ProcessGroup | None = None,

@@ -1,0 +1,105 @@
+"""Single-host collectives: gloo's loopback TCP against shared memory (zerospeed.comm.shm), per-rank CPU time.
+
+Each rank times one collective through zerospeed.comm (reduce-scatter, all-gather, equal-split all-to-all) with
+``ZEROSPEED_SHM_COLLECTIVES=0`` (TCP: the algorithm zerospeed picks on gloo) and ``=1`` (shared memory), the two
+modes alternating repeat by repeat so that load drift hits both alike. The figure is the median per op of the
+process's CPU time over all its threads (``time.process_time``: gloo's loop thread and the kernel's copies
+included), the mean over ranks, since the ranks share the cores; the wall time is recorded too.
+
+Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/shm_bench.py [--world 4 --repeats 15]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+from common import write_results  # noqa: E402
+
+#: (collective, elements of the logical message, fp32): ZeRO-2's 4.6M-element buckets of sp_bench's hidden-128 model,
+#: a 1 MB all-to-all (Ulysses' at sp_bench's shape), and small messages around the size threshold
+CASES = [("reduce_scatter", 4_600_000), ("all_gather", 4_600_000), ("all_to_all", 262_144),
+         ("all_to_all", 65_536), ("reduce_scatter", 65_536), ("all_gather", 65_536),
+         ("all_to_all", 4096), ("reduce_scatter", 4096), ("all_gather", 4096),
+         ("all_to_all", 1024), ("reduce_scatter", 1024), ("all_gather", 1024),
+         ("all_to_all", 256), ("reduce_scatter", 256)]
+
+
+def _rank(cases: list, repeats: int, inner: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from zerospeed import comm
+
+    k = dist.get_world_size()
+    out = {}
+    for kind, numel in cases:
+        numel = numel // k * k
+        x = torch.randn(numel)
+        part = torch.empty(numel // k)
+        full = torch.empty(numel)
+
+        def once() -> None:
+            if kind == "reduce_scatter":
+                comm.reduce_scatter(part, x)
+            elif kind == "all_gather":
+                comm.all_gather(full, part)
+            else:
+                comm.all_to_all_single(full, x)
+
+        samples = {"0": [], "1": []}
+        for r in range(repeats + 1):
+            for mode in ("0", "1"):
+                os.environ["ZEROSPEED_SHM_COLLECTIVES"] = mode
+                dist.barrier()
+                c0, w0 = time.process_time(), time.perf_counter()
+                for _ in range(inner):
+                    once()
+                cpu, wall = (time.process_time() - c0) / inner, (time.perf_counter() - w0) / inner
+                if r:  # the first repeat warms up (and sets up the shared memory)
+                    samples[mode].append((cpu, wall))
+        out[f"{kind}/{numel}"] = {mode: (statistics.median(c for c, _ in s), statistics.median(w for _, w in s))
+                                  for mode, s in samples.items()}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from zerospeed.testing import run_distributed
+
+    load = os.getloadavg()
+    per_rank = run_distributed(_rank, args.world, CASES, args.repeats, 4, timeout=1800)
+    rows = []
+    for key in per_rank[0]:
+        kind, numel = key.split("/")
+        tcp = [r[key]["0"] for r in per_rank]
+        fast = [r[key]["1"] for r in per_rank]
+        tcp_cpu, shm_cpu = statistics.mean(c for c, _ in tcp), statistics.mean(c for c, _ in fast)
+        rows.append({"collective": kind, "elements": int(numel), "MB": round(int(numel) * 4 / 1e6, 3),
+                     "tcp_cpu_ms": round(1e3 * tcp_cpu, 3), "shm_cpu_ms": round(1e3 * shm_cpu, 3),
+                     "cpu_ratio": round(shm_cpu / tcp_cpu, 3),
+                     "tcp_wall_ms": round(1e3 * statistics.mean(w for _, w in tcp), 3),
+                     "shm_wall_ms": round(1e3 * statistics.mean(w for _, w in fast), 3)})
+        print(rows[-1], flush=True)
+    notes = [f"load average before the run: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; after: "
+             + " ".join(f"{v:.2f}" for v in os.getloadavg()),
+             "cpu = per-rank process CPU time per op (all threads, kernel included), mean over ranks of the median "
+             "over repeats; 4 ops per repeat"]
+    paths = write_results("shm_collectives", rows, params={"world": args.world, "repeats": args.repeats,
+                                                           "dtype": "fp32"}, notes=notes)
+    print(*paths)
+
+
+if __name__ == "__main__":
+    main()
