@@ -45,6 +45,7 @@ def _both_paths(dtype_name, op_name, sizes, max_bytes):
     dtype, op = DTYPES[dtype_name], getattr(dist.ReduceOp, op_name)
     world, rank = dist.get_world_size(), dist.get_rank()
     os.environ["ZEROSPEED_SHM_MAX_BYTES"] = str(max_bytes)
+    algorithms.NATIVE_MAX_NUMEL = 4096  # TCP takes the pairwise / native algorithms below, rounds / broadcasts above
     evens = dist.new_group(list(range(0, world, 2)) if world > 2 else [0, 1])
     odds = dist.new_group(list(range(1, world, 2)) if world > 2 else [0, 1])
     results = {}
@@ -78,3 +79,76 @@ def test_shm_results_equal_tcp_bit_for_bit(world, dtype_name, op_name):
         per_kind = len(sizes) * (2 if world > 2 else 3)
         assert res["calls0"] == {"reduce_scatter": 0, "all_gather": 0, "all_to_all": 0}
         assert res["calls1"] == {"reduce_scatter": 2 * per_kind, "all_gather": 2 * per_kind, "all_to_all": per_kind}
+
+
+def _left_behind():
+    """Every segment file this rank's groups created is gone (unlinked right after set-up)."""
+    return [p for g in shm._GROUPS.values() for p in g.paths if os.path.exists(p)]
+
+
+def _fallback(world):
+    import warnings
+
+    os.environ.update(ZEROSPEED_SHM_COLLECTIVES="1", ZEROSPEED_SHM_DIR="/nonexistent/zerospeed-shm-test")
+    sub = dist.new_group([0, 1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _three(None, world, 1001, torch.float32, 3, dist.ReduceOp.SUM)
+        out += _three(None, world, 7, torch.float32, 4, dist.ReduceOp.SUM)
+        if dist.get_rank() < 2:
+            out += _three(sub, 2, 1001, torch.float32, 5, dist.ReduceOp.SUM)
+    messages = [str(w.message) for w in caught if "shared-memory" in str(w.message)]
+    calls = dict(shm.CALLS)
+    os.environ.update(ZEROSPEED_SHM_COLLECTIVES="0")
+    ref = _three(None, world, 1001, torch.float32, 3, dist.ReduceOp.SUM)
+    ref += _three(None, world, 7, torch.float32, 4, dist.ReduceOp.SUM)
+    if dist.get_rank() < 2:
+        ref += _three(sub, 2, 1001, torch.float32, 5, dist.ReduceOp.SUM)
+    return {"messages": messages, "calls": calls, "equal": all(torch.equal(a, b) for a, b in zip(out, ref)),
+            "n": len(out)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_failed_set_up_warns_once_and_stays_correct_through_tcp(world):
+    for res in run_distributed(_fallback, world, world, timeout=100):
+        assert res["equal"] and res["n"] >= 10
+        assert res["calls"] == {"reduce_scatter": 0, "all_gather": 0, "all_to_all": 0}
+        assert len(res["messages"]) == 1, res["messages"]
+        msg = res["messages"][0]
+        assert "/nonexistent/zerospeed-shm-test/zerospeed-" in msg and "errno 2" in msg and "TCP" in msg
+
+
+def _run_and_list(world):
+    os.environ.pop("ZEROSPEED_SHM_COLLECTIVES", None)  # the size rule: these messages are above MIN_BYTES
+    n = shm.MIN_BYTES // 4
+    _three(None, world, n, torch.float32, 1, dist.ReduceOp.SUM)
+    grown = _three(None, world, 3 * shm._MIN_HALF_BYTES // 4, torch.float32, 2, dist.ReduceOp.SUM)  # regrows
+    small = torch.ones(world)
+    before = dict(shm.CALLS)
+    comm.all_reduce(small)
+    comm.reduce_scatter(torch.empty(1), small.clone())  # below MIN_BYTES: TCP
+    return {"left": _left_behind(), "calls": dict(shm.CALLS), "before": before,
+            "paths": [p for g in shm._GROUPS.values() for p in g.paths], "ok": grown[0].numel() > 0}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_nothing_is_left_in_dev_shm_and_the_size_rule_applies(world):
+    ours = set(glob.glob("/dev/shm/zerospeed-*"))
+    results = run_distributed(_run_and_list, world, world, timeout=100)
+    for res in results:
+        assert res["left"] == [] and len(res["paths"]) == world
+        assert res["calls"]["reduce_scatter"] == 4 and res["calls"]["all_gather"] == 4
+        assert res["calls"]["all_to_all"] == 2 and res["before"] == res["calls"]
+    created = {p for res in results for p in res["paths"]}
+    assert not created & (set(glob.glob("/dev/shm/zerospeed-*")) - ours)
+
+
+def test_bad_switch_values_are_named(monkeypatch):
+    monkeypatch.setenv("ZEROSPEED_SHM_COLLECTIVES", "yes")
+    with pytest.raises(ValueError, match="ZEROSPEED_SHM_COLLECTIVES: 'yes'"):
+        shm._mode()
+    monkeypatch.setenv("ZEROSPEED_SHM_MAX_BYTES", "64M")
+    with pytest.raises(ValueError, match="ZEROSPEED_SHM_MAX_BYTES: '64M'"):
+        shm._max_half()

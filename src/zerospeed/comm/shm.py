@@ -100,6 +100,7 @@ class _Group:
         self.ranks = group_hosts(group)[0]
         self.k, self.me = len(self.ranks), dist.get_rank(group)
         self.half, self.segments, self.ops, self.ok, self.grow = 0, [], 0, None, True
+        self.paths: list[str] = []  # the last set-up's files (unlinked once mapped; tests check)
         self.flag = torch.zeros(1, dtype=torch.int32)  # the per-op synchronisation (see _sync)
 
     def halves(self, n_bytes: int) -> None:
@@ -166,6 +167,7 @@ def _setup(g: _Group, half: int) -> tuple[list[torch.Tensor] | None, str]:
     size = _HEADER + 2 * half
     paths = [os.path.join(directory, f"zerospeed-{tok:016x}-{r}") for r in g.ranks]
     mine, reason, segments = paths[g.me], "", [None] * g.k
+    g.paths = paths
     created = False
     try:
         try:
