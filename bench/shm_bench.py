@@ -27,6 +27,7 @@ from common import write_results  # noqa: E402
 #: a 1 MB all-to-all (Ulysses' at sp_bench's shape), and small messages around the size threshold
 CASES = [("reduce_scatter", 4_600_000), ("all_gather", 4_600_000), ("all_to_all", 262_144),
          ("all_to_all", 65_536), ("reduce_scatter", 65_536), ("all_gather", 65_536),
+         ("all_to_all", 16384), ("reduce_scatter", 16384), ("all_gather", 16384),
          ("all_to_all", 4096), ("reduce_scatter", 4096), ("all_gather", 4096),
          ("all_to_all", 1024), ("reduce_scatter", 1024), ("all_gather", 1024),
          ("all_to_all", 256), ("reduce_scatter", 256)]
@@ -74,12 +75,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--cases", type=int, default=len(CASES), help="only the first N cases")
+    parser.add_argument("--max-bytes", type=int, default=None,
+                        help="ZEROSPEED_SHM_MAX_BYTES: a smaller half, so large messages go in pieces")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from zerospeed.testing import run_distributed
 
+    if args.max_bytes:
+        os.environ["ZEROSPEED_SHM_MAX_BYTES"] = str(args.max_bytes)
     load = os.getloadavg()
-    per_rank = run_distributed(_rank, args.world, CASES, args.repeats, 4, timeout=1800)
+    per_rank = run_distributed(_rank, args.world, CASES[:args.cases], args.repeats, 4, timeout=1800)
     rows = []
     for key in per_rank[0]:
         kind, numel = key.split("/")
@@ -97,7 +103,7 @@ def main() -> None:
              "cpu = per-rank process CPU time per op (all threads, kernel included), mean over ranks of the median "
              "over repeats; 4 ops per repeat"]
     paths = write_results("shm_collectives", rows, params={"world": args.world, "repeats": args.repeats,
-                                                           "dtype": "fp32"}, notes=notes)
+                                                           "dtype": "fp32", "shm_max_half_bytes": args.max_bytes}, notes=notes)
     print(*paths)
 
 

@@ -15,7 +15,9 @@ point-to-point rounds with the same ordered sum and an all-gather by one broadca
 least CPU time on loopback). The counter records the logical collective (what ZeRO's accounting is
 about), the elements the chosen algorithm put on the wire, and the bytes this rank sent inside its host and
 across hosts (:mod:`zerospeed.comm.links`). ``ZEROSPEED_NATIVE_COLLECTIVES=1`` forces the byte-optimal flat
-algorithms; ``ZEROSPEED_HIERARCHICAL=0`` keeps every collective flat.
+algorithms; ``ZEROSPEED_HIERARCHICAL=0`` keeps every collective flat. On one host, gloo's reduce-scatter,
+all-gather and equal-split all-to-all go through shared memory (:mod:`zerospeed.comm.shm`;
+``ZEROSPEED_SHM_COLLECTIVES=0`` turns it off), counted as the pairwise algorithm they replace.
 """
 
 from __future__ import annotations
