@@ -226,6 +226,11 @@ def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, gro
     return Started(work, ordered_sum, input.numel(), sent_bytes(group, "pairwise", nbytes))
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _shm_reduce_scatter(out: torch.Tensor, input: torch.Tensor, combine: Callable, group: Any, k: int) -> Started | None:
     """The reduce-scatter through shared memory (:mod:`zerospeed.comm.shm`): the pairwise algorithm's ordered
     sum over the peers' chunks, read in place; None if the group's set-up failed (then TCP)."""
@@ -234,7 +239,9 @@ def _shm_reduce_scatter(out: torch.Tensor, input: torch.Tensor, combine: Callabl
     def place(j: int, a: int, b: int, data: torch.Tensor) -> None:
         out[a:b].copy_(data) if j == 0 else combine(out[a:b], data)
 
-    if not shm.run("reduce_scatter", group, input.reshape(k, n), k, None, place):
+    src = input.reshape(k, n)
+    apart = not _overlap(out, src)  # out written while src is still read: own chunk through shm then
+    if not shm.run("reduce_scatter", group, src, k, None, place, own_from_src=apart):
         return None
     return Started(None, None, input.numel(), sent_bytes(group, "pairwise", input.numel() * input.element_size()))
 

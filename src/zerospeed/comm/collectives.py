@@ -248,8 +248,10 @@ def _shm_all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
         return False
     n = input.numel() // k
     rows = output.view(k, n)
-    return shm.run("all_to_all", group, input.reshape(k, n), k, None,
-                   lambda j, a, b, data: rows[j, a:b].copy_(data))
+    src = input.reshape(k, n)
+    apart = not algorithms._overlap(output, src)
+    return shm.run("all_to_all", group, src, k, None, lambda j, a, b, data: rows[j, a:b].copy_(data),
+                   own_from_src=apart)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: dist.ProcessGroup | None = None,

@@ -246,12 +246,14 @@ def enabled(group: Any, tensor: torch.Tensor, message_bytes: int) -> bool:
 
 
 def run(kind: str, group: Any, src: torch.Tensor, rows: int, read_row: int | None,
-        place: Callable[[int, int, int, torch.Tensor], None]) -> bool:
+        place: Callable[[int, int, int, torch.Tensor], None], own_from_src: bool = False) -> bool:
     """One shared-memory collective over ``group``.
 
     ``src`` is this rank's data as ``[rows, m]`` (``rows`` is the group size, or 1 for an all-gather); every
-    rank writes ``src[:, a:b]`` into its own half; after the barrier ``place(j, a, b, data)`` is called for each
-    group rank ``j`` in order with peer ``j``'s row ``read_row`` (None: this rank's group rank) of that piece.
+    rank writes ``src[:, a:b]`` into its own half; after the synchronisation ``place(j, a, b, data)`` is called
+    for each group rank ``j`` in order with peer ``j``'s row ``read_row`` (None: this rank's group rank) of that
+    piece. ``own_from_src`` (``read_row`` None only; the caller's ``place`` must not write into ``src``): this
+    rank's own row is read by no peer, so it is not copied and ``place`` gets it from ``src``.
     Returns False (nothing done) when the group's set-up failed: the caller then takes TCP.
     """
     g = _state(group)
@@ -262,14 +264,23 @@ def run(kind: str, group: Any, src: torch.Tensor, rows: int, read_row: int | Non
             return False
         CALLS[kind] += 1
         row = g.me if read_row is None else read_row
+        skip = own_from_src and read_row is None
         width = m if rows * m * esize <= g.half else g.half // (rows * esize)
         width = width // 16 * 16 if m > width >= 16 else width  # pieces of whole cache lines
         for a in range(0, max(m, 1), width):
             b = min(m, a + width)
             w, off = b - a, (g.ops % 2) * g.half
             g.ops += 1
-            g.segments[g.me][off:off + rows * w * esize].view(src.dtype).view(rows, w).copy_(src[:, a:b])
+            mine = g.segments[g.me][off:off + rows * w * esize].view(src.dtype).view(rows, w)
+            if skip:
+                mine[:row].copy_(src[:row, a:b])
+                mine[row + 1:].copy_(src[row + 1:, a:b])
+            else:
+                mine.copy_(src[:, a:b])
             _sync(g, kind)
             for j in range(g.k):
-                place(j, a, b, g.segments[j][off + row * w * esize:off + (row + 1) * w * esize].view(src.dtype))
+                if skip and j == g.me:
+                    place(j, a, b, src[row, a:b])
+                else:
+                    place(j, a, b, g.segments[j][off + row * w * esize:off + (row + 1) * w * esize].view(src.dtype))
         return True
