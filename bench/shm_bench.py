@@ -7,6 +7,10 @@ process's CPU time over all its threads (``time.process_time``: gloo's loop thre
 included), the mean over ranks, since the ranks share the cores; the wall time is recorded too.
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/shm_bench.py [--world 4 --repeats 15]``
+
+``--sp-pairs N`` measures a training step instead: ``bench/sp_worker.py`` at SP 4 (1024 tokens per rank, 6 steps,
+``SP_BENCH_PHASES=1``) N times with ``ZEROSPEED_SHM_COLLECTIVES=0`` and unset, alternating, and reports each run's
+per-rank median of ``cpu_s[1:]`` (mean over ranks) and gloo's TCP-thread CPU, plus SP 1 at 1024 tokens once each.
 """
 
 from __future__ import annotations
@@ -71,6 +75,44 @@ def _rank(cases: list, repeats: int, inner: int) -> dict:
     return out
 
 
+def _sp_run(sp: int, mode: str) -> dict:
+    import json
+    import subprocess
+    import tempfile
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", SP_BENCH_PHASES="1")
+    env.pop("ZEROSPEED_SHM_COLLECTIVES", None)
+    if mode == "0":
+        env["ZEROSPEED_SHM_COLLECTIVES"] = "0"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "sp.json")
+        load = os.getloadavg()[0]
+        subprocess.run([sys.executable, "-m", "zerospeed.launcher.runner", "--num_procs", str(sp),
+                        str(BENCH / "sp_worker.py"), "--impl", "zerospeed", "--sp", str(sp), "--seq", str(1024 * sp),
+                        "--steps", "6", "--out", out], env=env, check=True, cwd=BENCH.parent, capture_output=True,
+                       timeout=600)
+        ranks = json.load(open(out))
+    cpu = statistics.mean(statistics.median(r["cpu_s"][1:]) for r in ranks)
+    gloo = statistics.mean(r.get("thread_cpu_s", {}).get("gloo_tcp_loop", 0.0) for r in ranks)
+    return {"sp": sp, "shm": "off" if mode == "0" else "on (size rule)", "cpu_s_per_step": round(cpu, 4),
+            "gloo_tcp_thread_s": round(gloo, 4), "last_loss": ranks[0]["losses"][-1], "load_1min": round(load, 2)}
+
+
+def sp_steps(pairs: int) -> None:
+    rows = []
+    for _ in range(pairs):
+        for mode in ("0", ""):
+            rows.append(_sp_run(4, mode))
+            print(rows[-1], flush=True)
+    for mode in ("0", ""):
+        rows.append(_sp_run(1, mode))
+        print(rows[-1], flush=True)
+    notes = ["cpu_s_per_step: per-rank median of sp_worker's cpu_s[1:] (process CPU, all threads), mean over ranks; "
+             "gloo_tcp_thread_s: the gloo TCP loop thread's CPU per step (SP_BENCH_PHASES), mean over ranks",
+             "SP 4: hidden 128 (sp_worker's default model), 1024 tokens per rank, ZeRO-2; runs alternate off / on"]
+    print(*write_results("shm_sp_step", rows, params={"pairs": pairs}, notes=notes))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4)
@@ -78,8 +120,11 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=len(CASES), help="only the first N cases")
     parser.add_argument("--max-bytes", type=int, default=None,
                         help="ZEROSPEED_SHM_MAX_BYTES: a smaller half, so large messages go in pieces")
+    parser.add_argument("--sp-pairs", type=int, default=0, help="measure sp_worker steps instead (see above)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.sp_pairs:
+        return sp_steps(args.sp_pairs)
     from zerospeed.testing import run_distributed
 
     if args.max_bytes:
