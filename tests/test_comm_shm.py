@@ -152,3 +152,45 @@ def test_bad_switch_values_are_named(monkeypatch):
     monkeypatch.setenv("ZEROSPEED_SHM_MAX_BYTES", "64M")
     with pytest.raises(ValueError, match="ZEROSPEED_SHM_MAX_BYTES: '64M'"):
         shm._max_half()
+
+
+def _growth_fails_on_rank_one(world):
+    """Rank 1 cannot create a segment above 1 MiB per half: every rank keeps the first segment and sends the large
+    message in pieces (each rank agreed), with one warning, and the results equal TCP's."""
+    import warnings
+
+    os.environ["ZEROSPEED_SHM_COLLECTIVES"] = "1"
+    real = shm._map
+
+    def refuse(path, size, create):
+        if create and dist.get_rank() == 1 and size > 2 * shm._MIN_HALF_BYTES + 64:
+            raise OSError(28, "No space left on device")
+        return real(path, size, create)
+
+    shm._map = refuse
+    n = shm._MIN_HALF_BYTES // 4  # world x n fp32 elements: world MiB, above the 1 MiB half
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = _three(None, world, 16, torch.float32, 1, dist.ReduceOp.SUM)
+        fast += _three(None, world, n, torch.float32, 2, dist.ReduceOp.SUM)
+        fast += _three(None, world, n, torch.float32, 3, dist.ReduceOp.SUM)
+    g = shm._GROUPS[id(dist.group.WORLD)]
+    state = {"half": g.half, "grow": g.grow, "ok": g.ok, "calls": dict(shm.CALLS)}
+    os.environ["ZEROSPEED_SHM_COLLECTIVES"] = "0"
+    ref = _three(None, world, 16, torch.float32, 1, dist.ReduceOp.SUM)
+    ref += _three(None, world, n, torch.float32, 2, dist.ReduceOp.SUM)
+    ref += _three(None, world, n, torch.float32, 3, dist.ReduceOp.SUM)
+    messages = [str(w.message) for w in caught if "shared-memory" in str(w.message)]
+    return {**state, "messages": messages, "equal": all(torch.equal(a, b) for a, b in zip(fast, ref))}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_failed_growth_keeps_the_segment_and_sends_in_pieces(world):
+    for rank, res in enumerate(run_distributed(_growth_fails_on_rank_one, world, world, timeout=100)):
+        assert res["equal"] and res["ok"] is True and res["grow"] is False
+        assert res["half"] == shm._MIN_HALF_BYTES
+        assert res["calls"] == {"reduce_scatter": 6, "all_gather": 6, "all_to_all": 3}
+        assert len(res["messages"]) == 1 and "could not grow" in res["messages"][0], res["messages"]
+        if rank == 1:
+            assert "No space left on device" in res["messages"][0] and "errno 28" in res["messages"][0]
