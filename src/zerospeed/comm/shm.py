@@ -31,16 +31,23 @@ turns it off, ``=1`` uses it at every size, unset: the size rule. ``ZEROSPEED_SH
 :class:`~zerospeed.comm.algorithms.Started` the elements and intra-host bytes of the pairwise algorithm.
 
 Measured (``bench/shm_bench.py``, 4 ranks on this 2-core host, fp32, per-rank CPU time of one op over all threads,
-kernel included; ``bench/results/shm_collectives-20261128-093204.md``, load 1.6): reduce-scatter of 4.6M elements
-(sp_bench's ZeRO-2 buckets) 7.1 ms over TCP -> 3.6 ms, all-gather of 4.6M 5.1 -> 2.3 ms, all-to-all of 1 MB
-0.74 -> 0.40 ms; at 1-64 KB 0.24-0.73x the TCP CPU time. Hence :data:`MIN_BYTES` of 1 KiB: below that nothing was
-measured and a message is latency-bound either way. In pieces (4 MiB halves, ``..._093357.md``, under load 3):
-the 4.6M reduce-scatter 0.65x and the all-gather 0.45x TCP's CPU, so a message above the cap goes in pieces rather
-than back to TCP. The per-op synchronisation is an all-reduce of one int, not gloo's barrier, which cost 0.6 ms
-of CPU and 1.85 ms wall per call at 4 ranks against the all-reduce's 0.1-0.36 ms and 0.7 ms. SP 4 step of
-``bench/sp_worker.py`` (hidden 128, 1024 tokens per rank, ZeRO-2): gloo's TCP loop thread 20 ms -> 2-4 ms per rank
-per step, the main thread's copies grow by a part of it; per-rank step CPU 0.456 -> 0.444 s and 0.447 -> 0.441 s
-(two alternating pairs, load 1.3-3.3), losses bit-identical.
+kernel included; ``bench/results/shm_collectives-20261128-093713.md``, load 2.5): reduce-scatter of 4.6M elements
+(sp_bench's ZeRO-2 buckets) 6.9 ms over TCP -> 3.1 ms, all-gather of 4.6M 5.4 -> 2.4 ms, all-to-all of 1 MB
+0.83 -> 0.39 ms; at 1-64 KB 0.24-0.73x the TCP CPU time (``..._093204.md``). Hence :data:`MIN_BYTES` of 1 KiB:
+below that nothing was measured and a message is latency-bound either way. In pieces (4 MiB halves,
+``..._093357.md``, under load 3): the 4.6M reduce-scatter 0.65x and the all-gather 0.45x TCP's CPU, so a message
+above the cap goes in pieces rather than back to TCP. The cap is 8 MiB per half because the segment is memory:
+``posix_fallocate`` charges each rank 2 halves of ``/dev/shm`` (16 MiB at most), and a rank's RSS also counts the
+peers' pages it reads (shared pages count in every process that maps them; PSS counts them once): sp_worker's
+SP 4 peak RSS per rank was 780-790 MB with TCP, 815-823 MB at the 8 MiB cap, 825-840 MB at 64 MiB. At 8 MiB the
+4.6M reduce-scatter goes in 3 pieces for 0.53x TCP's CPU against 0.45x in one (``..._094313.md``, 3.4 vs 3.1 ms). The per-op synchronisation is an all-reduce of one int, not
+gloo's barrier, which cost 0.6 ms of CPU and 1.85 ms wall per call at 4 ranks against the all-reduce's 0.1-0.36 ms
+and 0.7 ms. A reduce-scatter or all-to-all whose output does not overlap its input skips copying this rank's own
+chunk (no peer reads it). SP 4 step of ``bench/sp_worker.py`` (hidden 128, 1024 tokens per rank, ZeRO-2;
+``bench/shm_bench.py --sp-pairs 3``, ``shm_sp_step-20261128-094145.md``, load 2.4-4.9): gloo's TCP loop thread
+16-18.5 ms -> 5.5 ms per rank per step, the main thread doing part of that work as copies; per-rank step CPU
+0.451 / 0.457 / 0.448 -> 0.453 / 0.436 / 0.441 s in three alternating pairs (earlier pairs: -6 to -25 ms): a gain
+of about 5-15 ms (1-3%) with noise of the same size at that load; losses bit-identical; SP 1 unchanged.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ __all__ = ["CALLS", "MAX_HALF_BYTES", "MIN_BYTES", "enabled", "run"]
 #: Smallest message (bytes, the whole logical message) sent through shared memory under the size rule.
 MIN_BYTES = 1 << 10
 #: Largest half of a segment (bytes); larger messages go in pieces. ``ZEROSPEED_SHM_MAX_BYTES`` overrides.
-MAX_HALF_BYTES = 64 << 20
+MAX_HALF_BYTES = 8 << 20
 _MIN_HALF_BYTES = 1 << 20
 _HEADER = 64
 _MAGIC = 0x7A73686D  # "zshm"
