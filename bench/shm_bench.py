@@ -34,7 +34,9 @@ CASES = [("reduce_scatter", 4_600_000), ("all_gather", 4_600_000), ("all_to_all"
          ("all_to_all", 16384), ("reduce_scatter", 16384), ("all_gather", 16384),
          ("all_to_all", 4096), ("reduce_scatter", 4096), ("all_gather", 4096),
          ("all_to_all", 1024), ("reduce_scatter", 1024), ("all_gather", 1024),
-         ("all_to_all", 256), ("reduce_scatter", 256)]
+         ("all_to_all", 256), ("reduce_scatter", 256),
+         # the per-op synchronisation candidates (the same in both columns: neither goes through shared memory)
+         ("barrier", 0), ("all_reduce_1int", 0)]
 
 
 def _rank(cases: list, repeats: int, inner: int) -> dict:
@@ -51,8 +53,14 @@ def _rank(cases: list, repeats: int, inner: int) -> dict:
         part = torch.empty(numel // k)
         full = torch.empty(numel)
 
+        one = torch.zeros(1, dtype=torch.int32)
+
         def once() -> None:
-            if kind == "reduce_scatter":
+            if kind == "barrier":
+                dist.barrier()
+            elif kind == "all_reduce_1int":
+                dist.all_reduce(one)
+            elif kind == "reduce_scatter":
                 comm.reduce_scatter(part, x)
             elif kind == "all_gather":
                 comm.all_gather(full, part)

@@ -15,13 +15,13 @@ crash leaves nothing in ``/dev/shm``, and there is nothing to clean at exit). If
 once with the reason (path, errno, free space) and the group keeps using TCP: no silent fallback, no crash.
 
 One op (:func:`run`, under a per-group lock): each segment holds two halves; op ``n`` writes half ``n % 2``,
-then one barrier, then reads the peers' half ``n % 2``. One barrier suffices: a rank starts op ``n`` only after
-passing op ``n-1``'s barrier, which each peer reached only after finishing op ``n-2``'s reads, the last use of
+then one synchronisation (:func:`_sync`), then reads the peers' half ``n % 2``. One suffices: a rank starts op ``n``
+only after passing op ``n-1``'s, which each peer reached only after finishing op ``n-2``'s reads, the last use of
 that half (ops are synchronous and issued in the same order on a group). The reduce-scatter sums
 ``peer0[me] + peer1[me] + ...`` in group-rank order, the same ordered sum as the TCP pairwise and rounds
 algorithms (:mod:`zerospeed.comm.algorithms`), so the bits are identical. A segment grows collectively to the
 largest message seen (every rank sees the same sizes), up to :data:`MAX_HALF_BYTES` per half
-(``ZEROSPEED_SHM_MAX_BYTES``); a larger message goes through in pieces, one barrier each. A failed growth keeps
+(``ZEROSPEED_SHM_MAX_BYTES``); a larger message goes through in pieces, one synchronisation each. A failed growth keeps
 the old segment (pieces) after one warning.
 
 Used when all hold: backend gloo, every rank of the group on one host (:func:`zerospeed.comm.links.group_hosts`),
@@ -31,23 +31,27 @@ turns it off, ``=1`` uses it at every size, unset: the size rule. ``ZEROSPEED_SH
 :class:`~zerospeed.comm.algorithms.Started` the elements and intra-host bytes of the pairwise algorithm.
 
 Measured (``bench/shm_bench.py``, 4 ranks on this 2-core host, fp32, per-rank CPU time of one op over all threads,
-kernel included; ``bench/results/shm_collectives-20261128-093713.md``, load 2.5): reduce-scatter of 4.6M elements
-(sp_bench's ZeRO-2 buckets) 6.9 ms over TCP -> 3.1 ms, all-gather of 4.6M 5.4 -> 2.4 ms, all-to-all of 1 MB
-0.83 -> 0.39 ms; at 1-64 KB 0.24-0.73x the TCP CPU time (``..._093204.md``). Hence :data:`MIN_BYTES` of 1 KiB:
-below that nothing was measured and a message is latency-bound either way. In pieces (4 MiB halves,
-``..._093357.md``, under load 3): the 4.6M reduce-scatter 0.65x and the all-gather 0.45x TCP's CPU, so a message
-above the cap goes in pieces rather than back to TCP. The cap is 8 MiB per half because the segment is memory:
-``posix_fallocate`` charges each rank 2 halves of ``/dev/shm`` (16 MiB at most), and a rank's RSS also counts the
-peers' pages it reads (shared pages count in every process that maps them; PSS counts them once): sp_worker's
-SP 4 peak RSS per rank was 780-790 MB with TCP, 815-823 MB at the 8 MiB cap, 825-840 MB at 64 MiB. At 8 MiB the
-4.6M reduce-scatter goes in 3 pieces for 0.53x TCP's CPU against 0.45x in one (``..._094313.md``, 3.4 vs 3.1 ms). The per-op synchronisation is an all-reduce of one int, not
-gloo's barrier, which cost 0.6 ms of CPU and 1.85 ms wall per call at 4 ranks against the all-reduce's 0.1-0.36 ms
-and 0.7 ms. A reduce-scatter or all-to-all whose output does not overlap its input skips copying this rank's own
-chunk (no peer reads it). SP 4 step of ``bench/sp_worker.py`` (hidden 128, 1024 tokens per rank, ZeRO-2;
-``bench/shm_bench.py --sp-pairs 3``, ``shm_sp_step-20261128-094145.md``, load 2.4-4.9): gloo's TCP loop thread
-16-18.5 ms -> 5.5 ms per rank per step, the main thread doing part of that work as copies; per-rank step CPU
-0.451 / 0.457 / 0.448 -> 0.453 / 0.436 / 0.441 s in three alternating pairs (earlier pairs: -6 to -25 ms): a gain
-of about 5-15 ms (1-3%) with noise of the same size at that load; losses bit-identical; SP 1 unchanged.
+kernel included; ``bench/results/shm_collectives-20261128-094513.md``, load 1.9-2.3, the code as it is):
+reduce-scatter of 4.6M elements (sp_bench's ZeRO-2 bucket) 7.2 ms over TCP -> 3.7 ms (3 pieces), all-gather of 4.6M
+5.1 -> 2.4 ms, all-to-all of 1 MB 0.63 -> 0.38 ms; from 1 KB to 256 KB 0.24-0.66x the TCP CPU time, except one
+reduce-scatter row at 256 KB, 1.24x, which the earlier run (``..._093204.md``) had at 0.45x: noise at 0.3-0.4 ms.
+Hence :data:`MIN_BYTES` of 1 KiB: below that nothing was measured and a message is latency-bound either way. The
+per-op synchronisation is an all-reduce of one int, not gloo's barrier: 0.12 ms of CPU and 0.35 ms wall per call
+against the barrier's 0.24-0.69 ms and 2.0-2.1 ms (the ``barrier`` and ``all_reduce_1int`` rows). A reduce-scatter
+or all-to-all whose output does not overlap its input skips copying this rank's own chunk (no peer reads it).
+
+Pieces and the cap: in 4 MiB halves (``..._093357.md``, under load 3) the 4.6M reduce-scatter took 0.65x and the
+all-gather 0.45x TCP's CPU, so a message above the cap goes in pieces rather than back to TCP. The cap is 8 MiB per
+half because the segment is memory: ``posix_fallocate`` charges each rank 2 halves of ``/dev/shm`` per group (16 MiB
+at most), and a rank's RSS also counts the peers' pages it reads (shared pages count in every process that maps
+them; PSS counts them once): sp_worker's SP 4 peak RSS per rank was 780-790 MB with TCP, 815-823 MB at the 8 MiB
+cap, 825-840 MB at 64 MiB. At 8 MiB the 4.6M reduce-scatter goes in 3 pieces for 0.53x TCP's CPU against 0.45x in
+one (``..._094313.md`` vs ``..._093713.md``: 3.4 vs 3.1 ms).
+
+SP 4 step of ``bench/sp_worker.py`` (hidden 128, 1024 tokens per rank, ZeRO-2; ``bench/shm_bench.py --sp-pairs 3``,
+``shm_sp_step-20261128-094726.md``, load 1.6-3.3, alternating): gloo's TCP loop thread 17-20 ms -> 5-6.5 ms per rank
+per step, the main thread doing part of that work as copies; per-rank step CPU 0.443 / 0.451 / 0.438 -> 0.428 /
+0.431 / 0.428 s (-11 to -20 ms, 2-4.5%); losses bit-identical; SP 1 unchanged (0.352 / 0.349 s).
 """
 
 from __future__ import annotations
@@ -156,8 +160,8 @@ def _barrier(group: Any, what: str) -> None:
 
 def _sync(g: _Group, what: str) -> None:
     """Every rank of the group has written its half: an all-reduce of one int, which no rank completes before
-    every rank has entered it. Measured at 4 ranks: 0.1-0.36 ms CPU and 0.7 ms wall per op, against gloo's
-    barrier's 0.6 ms and 1.85 ms (``/tmp``-style micro-benchmark, 500 ops)."""
+    every rank has entered it; at 4 ranks it costs a fraction of gloo's barrier (``bench/shm_bench.py``'s
+    ``barrier`` and ``all_reduce_1int`` rows; see the module docstring)."""
     health.CheckedWork(dist.all_reduce(g.flag, group=g.group, async_op=True), what).wait()
 
 
@@ -188,7 +192,7 @@ def _setup(g: _Group, half: int) -> tuple[list[torch.Tensor] | None, str]:
     created = False
     try:
         try:
-            mem, seg = _map(mine, size, create=True)
+            _, seg = _map(mine, size, create=True)  # the tensor keeps the mapping alive
             created = True
             seg[:_HEADER].view(torch.int64)[:3] = torch.tensor([_MAGIC, tok, g.ranks[g.me]])
             segments[g.me] = seg
