@@ -194,3 +194,20 @@ def test_a_failed_growth_keeps_the_segment_and_sends_in_pieces(world):
         assert len(res["messages"]) == 1 and "could not grow" in res["messages"][0], res["messages"]
         if rank == 1:
             assert "No space left on device" in res["messages"][0] and "errno 28" in res["messages"][0]
+
+
+def _a2a_noncontiguous(world):
+    os.environ["ZEROSPEED_SHM_COLLECTIVES"] = "1"
+    x = _data(world * 33, torch.float32, 9)
+    flat = torch.empty(world * 33)
+    comm.all_to_all_single(flat, x)
+    strided = torch.empty(33, world).t()  # [world, 33], not contiguous
+    comm.all_to_all_single(strided, x.view(world, 33))
+    return {"equal": torch.equal(strided.reshape(-1), flat), "contiguous": strided.is_contiguous(),
+            "calls": shm.CALLS["all_to_all"]}
+
+
+@pytest.mark.timeout(60)
+def test_all_to_all_into_a_non_contiguous_output():
+    for res in run_distributed(_a2a_noncontiguous, 2, 2, timeout=50):
+        assert res == {"equal": True, "contiguous": False, "calls": 2}

@@ -195,7 +195,8 @@ def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, gro
     n = output.numel()
     nbytes = input.numel() * input.element_size()
     out = output.view(-1)
-    if algorithm is None and k > 1 and _combine(op) is not None and shm.enabled(group, input, nbytes):
+    if algorithm is None and k > 1 and _combine(op) is not None and input.numel() == k * n \
+            and input.dtype == out.dtype and shm.enabled(group, input, nbytes):  # else TCP (its errors too)
         started = _shm_reduce_scatter(out, input, _combine(op), group, k)
         if started is not None:
             return started
@@ -251,7 +252,8 @@ def start_all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, algo
     me = dist.get_rank(group)
     nbytes = output.numel() * output.element_size()
     flat, n = output.view(-1), input.numel()
-    if algorithm is None and flat.numel() > n and shm.enabled(group, input, nbytes):
+    if algorithm is None and flat.numel() == dist.get_world_size(group) * n > n and input.dtype == flat.dtype \
+            and shm.enabled(group, input, nbytes):
         rows = flat.view(-1, n)
 
         def place(j: int, a: int, b: int, data: torch.Tensor) -> None:

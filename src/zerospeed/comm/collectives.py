@@ -243,15 +243,18 @@ def _shm_all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     """An equal-split all-to-all through shared memory on one host (:mod:`zerospeed.comm.shm`); False: not
     eligible or the group's set-up failed (TCP then)."""
     k = _world(group)
-    if input.numel() % k or output.numel() != input.numel() or not output.is_contiguous() \
+    if input.numel() % k or output.numel() != input.numel() or output.dtype != input.dtype \
             or not shm.enabled(group, input, input.numel() * input.element_size()):
-        return False
+        return False  # TCP, which raises its own error for a bad shape
     n = input.numel() // k
-    rows = output.view(k, n)
+    rows = output.view(k, n) if output.is_contiguous() else torch.empty(k, n, dtype=output.dtype)
     src = input.reshape(k, n)
-    apart = not algorithms._overlap(output, src)
-    return shm.run("all_to_all", group, src, k, None, lambda j, a, b, data: rows[j, a:b].copy_(data),
+    apart = not algorithms._overlap(rows, src)
+    done = shm.run("all_to_all", group, src, k, None, lambda j, a, b, data: rows[j, a:b].copy_(data),
                    own_from_src=apart)
+    if done and not output.is_contiguous():
+        output.copy_(rows.view(output.shape))
+    return done
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: dist.ProcessGroup | None = None,
