@@ -75,6 +75,11 @@ def trial(impl: str, sp: int, seq: int, mode: str, steps: int = 1, timeout_s: fl
         # Not for the timed trials: a page fault per large allocation would cost CPU time the default allocator
         # does not pay.
         env["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
+        # and gloo's TCP transport, as before 11-28 09:30: zerospeed's shared-memory collectives map a fixed 16 MiB
+        # segment per rank on the first step, and every rank's resident size also counts the peers' segments it
+        # reads (shared pages count in each process that maps them), so the shared-memory transport would add up
+        # to 16 MiB x ranks to a measure meant for activations; TCP's buffers are kernel memory, outside it
+        env["ZEROSPEED_SHM_COLLECTIVES"] = "0"
     python = sys.executable
     if impl == "deepspeed":
         env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(ROOT / ".venv-bench" / "torch_extensions"))
@@ -287,7 +292,9 @@ def main() -> None:
                "buffers count)" if args.memory == "allocated" else
                "peak resident size during the step (the kernel's high-water mark, reset just before it) minus the "
                "resident size before it, with glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_) so "
-               "that freed blocks leave the resident set: repeatable to ~0.1 MiB")
+               "that freed blocks leave the resident set: repeatable to ~0.1 MiB; zerospeed's trials use gloo's TCP "
+               "transport (ZEROSPEED_SHM_COLLECTIVES=0), whose buffers are outside the resident set, instead of its "
+               "shared-memory segments (16 MiB per rank at most, fixed, and counted in every rank that maps them)")
     if "longest" in tables:
         notes.append(f"activation memory = {measure}, max over ranks (fp32, ZeRO-2, Adam); tiled = TiledMLP "
                      "(ceil(seq/hidden) tiles) + tiled fused logits+loss; +ckpt = every decoder "
