@@ -155,8 +155,8 @@ def main() -> None:
              + " ".join(f"{v:.2f}" for v in os.getloadavg()),
              "cpu = per-rank process CPU time per op (all threads, kernel included), mean over ranks of the median "
              "over repeats; 4 ops per repeat"]
-    paths = write_results("shm_collectives", rows, params={"world": args.world, "repeats": args.repeats,
-                                                           "dtype": "fp32", "shm_max_half_bytes": args.max_bytes}, notes=notes)
+    params = {"world": args.world, "repeats": args.repeats, "dtype": "fp32", "shm_max_half_bytes": args.max_bytes}
+    paths = write_results("shm_collectives", rows, params=params, notes=notes)
     print(*paths)
 
 

@@ -232,7 +232,8 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _shm_reduce_scatter(out: torch.Tensor, input: torch.Tensor, combine: Callable, group: Any, k: int) -> Started | None:
+def _shm_reduce_scatter(out: torch.Tensor, input: torch.Tensor, combine: Callable, group: Any,
+                        k: int) -> Started | None:
     """The reduce-scatter through shared memory (:mod:`zerospeed.comm.shm`): the pairwise algorithm's ordered
     sum over the peers' chunks, read in place; None if the group's set-up failed (then TCP)."""
     n = out.numel()

@@ -211,7 +211,8 @@ def _setup(g: _Group, half: int) -> tuple[list[torch.Tensor] | None, str]:
                 break
             head = seg[:_HEADER].view(torch.int64)[:3].tolist()
             if head != [_MAGIC, tok, g.ranks[j]]:
-                reason = f"rank {g.ranks[g.me]} found a wrong header in {path}: another /dev/shm than rank {g.ranks[j]}'s"
+                reason = f"rank {g.ranks[g.me]} found a wrong header in {path}: " \
+                         f"another /dev/shm than rank {g.ranks[j]}'s"
                 break
             segments[j] = seg
         flags = torch.zeros(g.k, dtype=torch.int32)
