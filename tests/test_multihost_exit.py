@@ -99,3 +99,54 @@ def _explicit_shutdown() -> list[bool]:
 @pytest.mark.timeout(60)
 def test_explicit_shutdown_destroys_the_group_on_every_rank() -> None:
     assert run_distributed(_explicit_shutdown, 2, timeout=40) == [[True, False], [True, False]]
+
+
+EXIT_RIGHT_AFTER_A_COLLECTIVE = """\
+import torch, torch.distributed as dist
+import zerospeed.comm  # what every zerospeed engine imports
+dist.init_process_group("gloo")  # the user's group (as accelerate's --use_cpu creates it): not torn down at exit
+t = torch.ones(1000)
+sub = dist.new_group([0, 1])
+for _ in range(5):
+    dist.all_reduce(t)
+    dist.all_reduce(t, group=sub)
+"""  # ... and falls off its end straight after a collective
+
+TRIALS_DRIVER = """\
+import json, os, socket, subprocess, sys
+script, trials = sys.argv[1], int(sys.argv[2])
+statuses = []
+for _ in range(trials):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, script], stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port))) for r in range(2)]
+    statuses.append([p.wait() for p in procs])
+    for p in procs:
+        sys.stderr.write(p.stderr.read())
+print(json.dumps(statuses), flush=True)
+"""
+
+EXIT_TRIALS = 12
+
+
+@pytest.mark.timeout(150)  # ~1.7 s a trial on a quiet 2-core machine
+def test_no_abort_when_a_rank_leaves_right_after_a_collective_on_a_group_zerospeed_did_not_create(
+        tmp_path: Path) -> None:
+    """A rank whose last act is a gloo collective, in a process that imported zerospeed, exits 0.
+
+    Without ``zerospeed.comm.lifecycle.settle_gloo_workers`` (torch 2.13) a gloo worker thread that releases the
+    collective's tensor needs the GIL while the interpreter finalizes: "terminate called without an active
+    exception", SIGABRT, in 7 of 10 trials of this script on a 2-core AMD EPYC (either rank, or both), so 12
+    clean trials would pass by luck with a probability of about 0.3 ** 12. That is the abort that hit the HF
+    Trainer under zerospeed-as-deepspeed (accelerate's own group) in CI."""
+    script, driver = tmp_path / "exit_now.py", tmp_path / "driver.py"
+    script.write_text(EXIT_RIGHT_AFTER_A_COLLECTIVE)
+    driver.write_text(TRIALS_DRIVER)
+    result = run_group([python(), str(driver), str(script), str(EXIT_TRIALS)], timeout=140)
+    assert result.returncode == 0, result.stderr[-3000:]
+    statuses = json.loads(result.stdout.strip().splitlines()[-1])
+    assert statuses == [[0, 0]] * EXIT_TRIALS, f"per-trial exit statuses {statuses}\n{result.stderr[-3000:]}"
+    assert "terminate called" not in result.stderr, result.stderr[-3000:]

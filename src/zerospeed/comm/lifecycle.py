@@ -27,6 +27,18 @@ user's to destroy, though an explicit ``shutdown()`` call tears down whatever de
 exists); a second call is a no-op; the barrier's keys carry torchrun's restart count and a per-
 process generation, so an elastic restart or a re-initialised group never sees stale arrivals.
 
+Apart from that teardown, every process that imports this module (every zerospeed engine and collective
+does) gets a second, earlier-registered and so later-run ``atexit`` handler, :func:`settle_gloo_workers`,
+whoever created the group. Under torch 2.13 a gloo worker thread (``pt_gloo_runloop``) that drops a finished
+collective's last reference to a Python-created tensor must take the GIL to release that tensor's Python
+object. A rank that leaves right after a collective can reach interpreter finalization first; the worker then
+finds the interpreter finalizing, ``pthread_exit`` unwinds through a ``noexcept`` frame and the process dies with
+"terminate called without an active exception" (SIGABRT) after its work was done. This hit
+``accelerate``'s own process group (``--use_cpu``, which zerospeed did not create and does not tear down) in CI;
+a plain two-rank gloo script that exits right after a collective aborts in about a third of its runs here.
+The handler releases the GIL for :data:`SETTLE_S` seconds while gloo workers exist, so a worker waiting for the
+GIL takes it and finishes while the interpreter is still whole.
+
 The default group's facts that :mod:`zerospeed.comm.health` reads (its timeout, whether it is gloo, the
 generation) live here: lifecycle is the lower of the two files, health imports it and not the reverse.
 """
@@ -53,6 +65,37 @@ _before_teardown: list[Callable[[], None]] = []
 _lock = threading.Lock()
 _state: dict[str, Any] = {"owned": False, "registered": False, "generation": 0, "failed": False,
                           "hook_installed": False}
+
+
+#: how long the exit handler releases the GIL for gloo's worker threads to finish (seconds; in 10 slices)
+SETTLE_S = 0.05
+_GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+
+
+def _gloo_workers_exist() -> bool:
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # not Linux: any initialised group may have gloo workers
+        return dist.is_available() and dist.is_initialized()
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().strip() == _GLOO_WORKER:
+                    return True
+        except OSError:  # the thread ended meanwhile
+            continue
+    return False
+
+
+def settle_gloo_workers() -> None:
+    """Let gloo's worker threads finish releasing their last collective's tensors before finalization (see
+    the module docstring); a no-op in a process without gloo workers. Registered with :mod:`atexit` at import."""
+    if _gloo_workers_exist():
+        for _ in range(10):
+            time.sleep(SETTLE_S / 10)  # each sleep releases the GIL: a worker waiting for it takes it
+
+
+atexit.register(settle_gloo_workers)
 
 
 def add_before_teardown(callback: Callable[[], None]) -> None:
