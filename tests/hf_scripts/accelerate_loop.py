@@ -11,6 +11,8 @@ import json
 import sys
 
 import torch
+import zerospeed.comm.lifecycle  # noqa: F401 - its exit handler keeps torch 2.13's gloo exit abort off the plain
+# reference runs too (they never import zerospeed otherwise; see settle_gloo_workers)
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 from torch import nn

@@ -17,6 +17,8 @@ import resource
 import sys
 
 import torch
+import zerospeed.comm.lifecycle  # noqa: F401 - its exit handler keeps torch 2.13's gloo exit abort off the plain
+# reference runs too (they never import zerospeed otherwise; see settle_gloo_workers)
 from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 
 VOCAB, SEQ, N = 96, 8, 32

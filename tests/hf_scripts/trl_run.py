@@ -14,6 +14,8 @@ import json
 import sys
 
 import torch
+import zerospeed.comm.lifecycle  # noqa: F401 - its exit handler keeps torch 2.13's gloo exit abort off the plain
+# reference runs too (they never import zerospeed otherwise; see settle_gloo_workers)
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, TrainerCallback
 
