@@ -7,8 +7,9 @@ views of a flat buffer, and the only owner of gradient storage for its parameter
   ``param.grad`` is a view of it, so autograd accumulates micro-batches in place and the buffer
   is reduced as one message with no copy.
 * ``transient`` gradients (stage 2): the full-size buffer exists only from the bucket's first
-  gradient of a micro-step until its reduce-scatter completes; what persists is this rank's
-  reduced shard (``grad_shard``), 1/N of the bucket.
+  gradient of a micro-step until its reduce-scatter completes (the reducer reuses its storage across
+  micro-steps: ``zero/grad_buffer_pool.py``); what persists is this rank's reduced shard
+  (``grad_shard``), 1/N of the bucket.
 
 ``grad_dtype`` other than the parameters' (bf16 parameters with fp32 accumulation, DeepSpeed's
 ``data_types.grad_accum_dtype``): a ``.grad`` cannot view a buffer of another dtype, so ``param.grad`` stays
@@ -81,9 +82,6 @@ class FlatBucket:
         another dtype than the parameters: see the module docstring)."""
         for i, p in enumerate(self.params):
             p.grad = self.grad_view(i) if self.grads_are_views else None
-
-    def new_transient_grad_buffer(self) -> torch.Tensor:
-        return torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
 
     def param_shard(self) -> torch.Tensor:
         """This rank's range of the flat parameter buffer (the whole bucket when not sharded)."""

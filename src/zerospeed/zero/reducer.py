@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from zerospeed import comm
 from zerospeed.zero.flat_bucket import FlatBucket
+from zerospeed.zero.grad_buffer_pool import GradBufferPool
 
 
 class _Pending:
@@ -54,6 +55,7 @@ class GradientReducer:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._ready = [0] * len(buckets)
         self._transient: list[torch.Tensor | None] = [None] * len(buckets)
+        self._pool = GradBufferPool()  # the transient buffers, reused across micro-steps (grad_buffer_pool.py)
         self._next = 0
         self._pending: list[_Pending] = []
         self._in_backward = False
@@ -128,7 +130,7 @@ class GradientReducer:
         elif param.grad is not None:
             buf = self._transient[b]
             if buf is None:
-                buf = self._transient[b] = bucket.new_transient_grad_buffer()
+                buf = self._transient[b] = self._new_transient(bucket)
             slot = bucket.layout.slots[i]
             buf.narrow(0, slot.offset, slot.numel).copy_(param.grad.reshape(-1))
             param.grad = None
@@ -142,18 +144,23 @@ class GradientReducer:
             self._launch(self._next)
             self._next += 1
 
+    def _new_transient(self, bucket: FlatBucket) -> torch.Tensor:
+        return self._pool.zeros(bucket.layout.padded_numel, bucket.grad_dtype, bucket.device)
+
     # -- collectives -----------------------------------------------------------------------------
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         if bucket.grad_mode == "transient":
             full = self._transient[b]
             if full is None:  # no parameter of this bucket got a gradient this micro-step
-                full = bucket.new_transient_grad_buffer()
+                full = self._new_transient(bucket)
             self._transient[b] = None
         else:
             assert bucket.grad_buffer is not None
             full = bucket.grad_buffer
         sent = full if self.comm_dtype in (None, full.dtype) else full.to(self.comm_dtype)
+        if sent is not full:
+            self._pool.give_back(full)  # read by the conversion only
         if self.prescale != 1.0:
             sent.mul_(self.prescale)
         group = getattr(bucket, "comm_group", self.dp_group)  # expert buckets: their expert-dp group
@@ -187,5 +194,6 @@ class GradientReducer:
         if bucket.grad_mode == "transient":
             assert bucket.grad_shard is not None
             bucket.grad_shard.add_(p.received)
+            self._pool.give_back(p.sent)  # the reduction is done: the full-size buffer is free
         elif p.received.data_ptr() != bucket.reduced_grad().data_ptr():
             bucket.reduced_grad().copy_(p.received)  # stage 1 with a different communication dtype

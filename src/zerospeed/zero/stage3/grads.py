@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from zerospeed import comm
 from zerospeed.zero import zeropp
+from zerospeed.zero.grad_buffer_pool import GradBufferPool
 from zerospeed.zero.stage3.bucket import Stage3Bucket
 from zerospeed.zero.stage3.watchdog import Watchdog
 
@@ -69,6 +70,7 @@ class Stage3GradReducer:
         self._in_backward = False
         self.stray_backward = False
         self.peak_comm_buffer_bytes = 0
+        self._pool = GradBufferPool()  # the full-size buffers, reused across micro-steps (zero/grad_buffer_pool.py)
 
     def begin(self) -> None:
         self._in_backward = True
@@ -86,6 +88,8 @@ class Stage3GradReducer:
             while self._pending:
                 self._complete(self._pending.pop(0))
         finally:
+            for buf in self._buffers.values():  # never launched (an error above): nothing reads them
+                self._pool.give_back(buf)
             self._buffers.clear()
             self._in_backward = False
 
@@ -106,7 +110,7 @@ class Stage3GradReducer:
         if grad is not None and b.trainable:
             buf = self._buffers.get(b.index)
             if buf is None:
-                buf = self._buffers[b.index] = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
+                buf = self._buffers[b.index] = self._pool.zeros(b.padded_numel, b.dtype, b.device)
             slot = b.layout.slots[pos]
             part = buf.narrow(0, slot.offset, slot.numel)
             if b.index in self.deferred and self._reported.get(b.index, 0) >= b.num_grad_params:
@@ -125,8 +129,10 @@ class Stage3GradReducer:
     def _launch(self, b: Stage3Bucket) -> None:
         full = self._buffers.pop(b.index, None)
         if full is None:  # no gradient arrived for this bucket in this micro-step
-            full = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
+            full = self._pool.zeros(b.padded_numel, b.dtype, b.device)
         sent = full if self.comm_dtype in (None, full.dtype) else full.to(self.comm_dtype)
+        if sent is not full:
+            self._pool.give_back(full)  # read by the conversion only
         if self.prescale != 1.0:
             sent.mul_(self.prescale)
         received = torch.empty(b.layout.shard_numel, dtype=sent.dtype, device=sent.device)
@@ -149,3 +155,4 @@ class Stage3GradReducer:
         self.watchdog.wait(p.work, "reduce_scatter", p.bucket.name)
         assert p.bucket.grad_shard is not None
         p.bucket.grad_shard.add_(p.received)
+        self._pool.give_back(p.sent)  # the reduction is done: the full-size buffer is free
