@@ -319,7 +319,7 @@ def write_results(
     """Write ``rows`` (one flat dict per measured configuration) as JSON and Markdown.
 
     Files are ``<out_dir>/<name>-<UTC timestamp>.json`` and ``.md``; both hold the date, machine,
-    versions, exact command and benchmark parameters. Returns the two paths.
+    versions, load average when written, exact command and benchmark parameters. Returns the two paths.
     """
     now = _dt.datetime.now(_dt.timezone.utc)
     out = Path(out_dir)
@@ -333,6 +333,9 @@ def write_results(
         "params": params or {},
         "results": list(rows),
         "notes": list(notes),
+        # how busy the machine was as the results were written (1, 5 and 15 min): a figure taken beside other
+        # jobs reads differently from one taken on a quiet machine
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
     json_path = stem.with_suffix(".json")
     json_path.write_text(json.dumps(record, indent=2, default=str) + "\n")
@@ -348,6 +351,8 @@ def write_results(
         + (f", GPUs: {', '.join(machine['gpus'])}" if machine.get("gpus") else ""),
         f"- versions: python {machine['python']}, torch {machine['torch']}, "
         f"zerospeed {machine['zerospeed']}, deepspeed {machine['deepspeed'] or 'not installed'}",
+        "- load average (1, 5, 15 min) when written: "
+        + (", ".join(f"{x:.2f}" for x in record["load_average"]) if record["load_average"] else "unknown"),
         "- command:",
         "",
         "```",
