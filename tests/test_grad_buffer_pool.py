@@ -2,7 +2,8 @@
 
 The pool hands out a buffer that an earlier micro-step filled, so it must be zero wherever this micro-step
 writes nothing: a parameter without a gradient (here the micro-batches use head a, both heads, head b, in turn,
-so a buffer that held a head's gradient serves a head that gets none) and the padding. The engine tests train 2 ranks with gradient accumulation 2 and small buckets, pool on and off, and
+so a buffer that held a head's gradient serves a head that gets none) and the padding. The engine tests train 2
+ranks with gradient accumulation 2 and small buckets (pooled here whatever their size), pool on and off, and
 need bit-identical losses and weights (the same sums in the same order), and at least one reuse per micro-step
 after the first.
 """
@@ -21,7 +22,7 @@ from zerospeed.zero.grad_buffer_pool import GradBufferPool, pool_enabled
 
 
 def test_reuse_is_zeroed_best_fit_and_bounded_by_the_peak() -> None:
-    pool = GradBufferPool(enabled=True)
+    pool = GradBufferPool(enabled=True, min_bytes=0)
     a, b = pool.zeros(100, torch.float32, "cpu"), pool.zeros(50, torch.float32, "cpu")
     peak = pool.limit_bytes
     assert peak == 600
@@ -43,7 +44,11 @@ def test_reuse_is_zeroed_best_fit_and_bounded_by_the_peak() -> None:
 
 
 def test_disabled_pool_allocates_fresh_buffers_and_the_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    pool = GradBufferPool(enabled=False)
+    small = GradBufferPool(enabled=True)  # below MIN_POOLED_BYTES: fresh buffers, nothing kept
+    buf = small.zeros(1000, torch.float32, "cpu")
+    small.give_back(buf)
+    assert small.kept_bytes() == 0 and small.limit_bytes == 0
+    pool = GradBufferPool(enabled=False, min_bytes=0)
     a = pool.zeros(8, torch.float32, "cpu")
     pool.give_back(a)
     assert pool.kept_bytes() == 0 and pool.zeros(8, torch.float32, "cpu").data_ptr() != 0 and pool.reused == 0
@@ -68,8 +73,10 @@ class _TwoHeads(nn.Module):
 
 def _train(stage: int, pool: str) -> dict:
     import zerospeed
+    import zerospeed.zero.grad_buffer_pool as pool_module
 
     os.environ["ZEROSPEED_GRAD_BUFFER_POOL"] = pool
+    pool_module.MIN_POOLED_BYTES = 0  # this rank process only: pool the test's small buckets too
     torch.manual_seed(0)
     model = _TwoHeads()
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
@@ -87,7 +94,8 @@ def _train(stage: int, pool: str) -> dict:
         engine.step()
         losses.append(loss.item())
     reducer = engine.strategy.reducer
-    with zerospeed.zero.GatheredParameters(list(engine.module.parameters())) if stage == 3 else contextlib.nullcontext():
+    params = list(engine.module.parameters())
+    with zerospeed.zero.GatheredParameters(params) if stage == 3 else contextlib.nullcontext():
         weights = [p.detach().clone() for p in engine.module.parameters()]
     return {"losses": losses, "weights": weights, "reused": reducer._pool.reused,
             "buckets": len(reducer.buckets)}
