@@ -90,8 +90,3 @@ class GradBufferPool:
 
     def kept_bytes(self) -> int:
         return self._kept
-
-    def clear(self) -> None:
-        """Drop every kept buffer (handed-out ones stay valid and are simply not kept when given back)."""
-        self._free.clear()
-        self._kept = 0
